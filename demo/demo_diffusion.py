@@ -1,0 +1,189 @@
+"""demo_diffusion: text-to-image with Stable Diffusion, with a per-stage latency report.
+
+    python demo/demo_diffusion.py "a photo of an astronaut riding a horse" --model tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout
+
+from demo.errors import UsageError  # noqa: E402
+
+PROG = "demo_diffusion"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit status 2
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from demo.backends import BACKENDS
+    from demo.pipeline import SCHEDULERS
+    from models.builtin import BUILTIN_MODELS
+
+    p = _Parser(prog=PROG, description="Stable Diffusion text-to-image with per-stage latency report.")
+    p.add_argument("prompt", help="text prompt")
+    p.add_argument("--model", default="tiny",
+                   help=f"built-in ({', '.join(BUILTIN_MODELS)}), a diffusers-format directory, or a hub id "
+                        "(default: tiny)")
+    p.add_argument("--negative-prompt", default="", help="negative prompt (default: empty)")
+    p.add_argument("--batch-size", type=int, default=1, help="images per run (default: 1)")
+    p.add_argument("--height", type=int, help="image height in pixels, a multiple of 8 (default: model's native)")
+    p.add_argument("--width", type=int, help="image width in pixels, a multiple of 8 (default: model's native)")
+    p.add_argument("--denoising-steps", type=int, default=50, help="scheduler steps (default: 50)")
+    p.add_argument("--guidance-scale", type=float, default=7.5,
+                   help="classifier-free guidance scale; <= 1 disables guidance (default: 7.5)")
+    p.add_argument("--scheduler", help=f"one of {', '.join(SCHEDULERS)} (default: the model's own)")
+    p.add_argument("--seed", type=int, help="random seed (default: a random one, reported)")
+    p.add_argument("--backend", default="auto", help=f"one of {', '.join(BACKENDS)} (default: auto)")
+    p.add_argument("--onnx-dir", help="ONNX artifact directory, for engine backends (default: onnx)")
+    p.add_argument("--engine-dir", help="TensorRT engine directory, for engine backends (default: engine)")
+    p.add_argument("--output-dir", default="output", help="where images and the report go (default: output)")
+    p.add_argument("--force-onnx-export", action="store_true", help="re-export ONNX even if cached")
+    p.add_argument("--force-onnx-optimize", action="store_true", help="re-optimize ONNX even if cached")
+    p.add_argument("--num-warmup-runs", type=int, default=1, help="untimed runs before the timed one (default: 1)")
+    p.add_argument("--verbose", action="store_true", help="print progress details")
+    return p
+
+
+def validate(args, source) -> None:
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.denoising_steps < 1:
+        raise UsageError(f"--denoising-steps must be at least 1, got {args.denoising_steps}")
+    if args.num_warmup_runs < 0:
+        raise UsageError(f"--num-warmup-runs must be 0 or more, got {args.num_warmup_runs}")
+    if args.guidance_scale < 0:
+        raise UsageError(f"--guidance-scale must be 0 or more, got {args.guidance_scale}")
+    low, high = source.image_size_range
+    for flag in ("height", "width"):
+        value = getattr(args, flag)
+        if value % 8:
+            raise UsageError(f"--{flag} must be a multiple of 8, got {value}")
+        if not low <= value <= high:
+            raise UsageError(f"--{flag} {value} is outside model '{source.name}' range {low}..{high}")
+
+
+def check_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise UsageError(f"output directory '{directory}' is not writable: {exc.strerror or exc}") from exc
+
+
+def output_stem(model_name: str, seed: int) -> str:
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", Path(model_name).name or model_name).strip("-") or "model"
+    return f"{slug}-seed{seed}"
+
+
+def save_outputs(directory: Path, stem: str, images, report) -> list[Path]:
+    """Write PNGs and the JSON report under fresh names; never overwrites an existing file."""
+    from PIL import Image
+
+    from demo.atomic import write_new_file
+    from demo.pipeline import to_uint8
+
+    pngs = []
+    for pixels in to_uint8(images):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        pngs.append(buffer.getvalue())
+    run = 0
+    while True:
+        name = stem if run == 0 else f"{stem}-{run}"
+        paths = [directory / f"{name}-{i}.png" for i in range(len(pngs))]
+        report_path = directory / f"{name}.json"
+        if not any(p.exists() for p in (*paths, report_path)):
+            written = [write_new_file(p, data) for p, data in zip(paths, pngs)]
+            if all(written):
+                report.images = [p.name for p in paths]
+                if write_new_file(report_path, report.to_json().encode()):
+                    return [*paths, report_path]
+        run += 1
+
+
+def run(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from demo.backends import create_stages, select_backend
+    from demo.logs import configure_library_logging
+    from demo.pipeline import GenerationRequest, Text2ImagePipeline, default_scheduler_name
+    from demo.report import LatencyReport, StageTimer, device_name, library_versions
+    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+    from models.source import resolve_model
+
+    configure_library_logging(args.verbose)
+    log = print if args.verbose else (lambda *_: None)
+    backend, reason = select_backend(args.backend)
+    source = resolve_model(args.model)
+    args.height = args.height or source.native_image_size
+    args.width = args.width or source.native_image_size
+    validate(args, source)
+    scheduler_name = args.scheduler or default_scheduler_name(source)
+    output_dir = Path(args.output_dir)
+    check_writable(output_dir)
+    if backend == "torch":
+        ignored = [f for f in ("onnx_dir", "engine_dir", "force_onnx_export", "force_onnx_optimize") if getattr(args, f)]
+        if ignored:
+            print(f"note: {', '.join('--' + f.replace('_', '-') for f in ignored)} unused by the torch backend",
+                  file=sys.stderr)
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    log(f"[{PROG}] model {source.name} ({source.path}), backend {backend} ({reason}), {device} {dtype}")
+    models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
+    stages = create_stages(backend, models, device, dtype)
+    pipeline = Text2ImagePipeline(source, stages, scheduler_name, device, dtype)
+    request = GenerationRequest(
+        prompts=[args.prompt] * args.batch_size,
+        negative_prompts=[args.negative_prompt] * args.batch_size,
+        height=args.height, width=args.width, steps=args.denoising_steps,
+        guidance_scale=args.guidance_scale, seed=seed,
+    )
+    for _ in range(args.num_warmup_runs):
+        pipeline(request, StageTimer(device))
+    timer = StageTimer(device)
+    unet_calls = pipeline.unet_calls(args.denoising_steps)
+    with tqdm(total=unet_calls, desc="denoising", disable=not sys.stderr.isatty(), leave=False) as bar:
+        images = pipeline(request, timer, progress=bar)
+
+    factor = source.vae_scale_factor
+    report = LatencyReport(
+        model=source.name, backend=backend, backend_reason=reason, device=device_name(device),
+        precision="fp16" if dtype == torch.float16 else "fp32", scheduler=scheduler_name,
+        steps=args.denoising_steps, unet_calls=unet_calls, guidance_scale=args.guidance_scale, seed=seed,
+        batch_size=args.batch_size, height=args.height, width=args.width,
+        latent_shape=[args.batch_size, source.latent_channels, args.height // factor, args.width // factor],
+        latency_ms=timer.milliseconds(), versions=library_versions(),
+    )
+    written = save_outputs(output_dir, output_stem(source.name, seed), images, report)
+    print(report.table())
+    for path in written:
+        print(f"saved {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return run(args)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Text-to-image: tokenize -> CLIP -> denoising loop with classifier-free guidance -> VAE decode.
+
+The arithmetic follows diffusers' StableDiffusionPipeline step for step (latents drawn from a CPU
+generator, scheduler scaling, guidance, the scheduler's own step), so with the torch backend the same
+seed gives the same image as diffusers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from demo.errors import UsageError
+from demo.report import StageTimer
+from demo.stages import Stage
+from models.source import ModelSource
+
+# CLI name -> diffusers scheduler class name (diffusers' own implementations are used).
+SCHEDULERS = {
+    "DDIM": "DDIMScheduler",
+    "PNDM": "PNDMScheduler",
+    "Euler": "EulerDiscreteScheduler",
+    "EulerA": "EulerAncestralDiscreteScheduler",
+    "DPM++2M": "DPMSolverMultistepScheduler",
+    "LMSD": "LMSDiscreteScheduler",
+    "UniPC": "UniPCMultistepScheduler",
+}
+
+
+def default_scheduler_name(source: ModelSource) -> str:
+    class_name = source.config("scheduler").get("_class_name")
+    for name, cls in SCHEDULERS.items():
+        if cls == class_name:
+            return name
+    raise UsageError(
+        f"model '{source.name}' uses scheduler {class_name}, which this toolkit does not offer; "
+        f"choose one with --scheduler ({', '.join(SCHEDULERS)})"
+    )
+
+
+def make_scheduler(name: str, source: ModelSource):
+    """diffusers' scheduler class `name`, configured from the model's scheduler config."""
+    import diffusers
+
+    if name not in SCHEDULERS:
+        raise UsageError(f"unknown scheduler '{name}'; choose one of {', '.join(SCHEDULERS)}")
+    return getattr(diffusers, SCHEDULERS[name]).from_config(source.config("scheduler"))
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompts: list[str]
+    negative_prompts: list[str]
+    height: int
+    width: int
+    steps: int
+    guidance_scale: float
+    seed: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance_scale > 1.0
+
+
+class Text2ImagePipeline:
+    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
+                 device: torch.device, dtype: torch.dtype):
+        from transformers import CLIPTokenizer
+
+        self.source = source
+        self.stages = stages
+        self.scheduler = make_scheduler(scheduler_name, source)
+        self.tokenizer = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer")
+        self.device = device
+        self.dtype = dtype
+        self.scaling_factor = source.config("vae")["scaling_factor"]
+
+    def unet_calls(self, steps: int) -> int:
+        """How many times the UNet runs for `steps` (some schedulers take extra warm-up steps)."""
+        self.scheduler.set_timesteps(steps)
+        return len(self.scheduler.timesteps)
+
+    def _token_ids(self, texts: list[str]) -> torch.Tensor:
+        ids = self.tokenizer(
+            texts, padding="max_length", max_length=self.source.text_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        return ids.to(device=self.device, dtype=torch.int32)
+
+    def _step_kwargs(self, generator: torch.Generator) -> dict:
+        # As diffusers does: stochastic schedulers (e.g. Euler ancestral) draw from the same generator.
+        accepted = inspect.signature(self.scheduler.step).parameters
+        kwargs = {}
+        if "eta" in accepted:
+            kwargs["eta"] = 0.0
+        if "generator" in accepted:
+            kwargs["generator"] = generator
+        return kwargs
+
+    def __call__(self, request: GenerationRequest, timer: StageTimer, progress=None) -> np.ndarray:
+        """Images as float32 [B, H, W, 3] in [0, 1] (diffusers' output_type="np")."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        with timer.measure("pipeline"):
+            with timer.measure("clip"):
+                texts = (request.negative_prompts + request.prompts) if request.guided else request.prompts
+                embeddings = self.stages["clip"]({"input_ids": self._token_ids(texts)})["text_embeddings"]
+                embeddings = embeddings.to(self.dtype)
+
+            generator = torch.Generator("cpu").manual_seed(request.seed)
+            self.scheduler.set_timesteps(request.steps, device=self.device)
+            h, w = request.height // self.source.vae_scale_factor, request.width // self.source.vae_scale_factor
+            latents = randn_tensor(
+                (request.batch_size, self.source.latent_channels, h, w),
+                generator=generator, device=self.device, dtype=self.dtype,
+            )
+            latents = latents * self.scheduler.init_noise_sigma
+            step_kwargs = self._step_kwargs(generator)
+
+            with timer.measure("unet"):
+                for t in self.scheduler.timesteps:
+                    model_input = torch.cat([latents] * 2) if request.guided else latents
+                    model_input = self.scheduler.scale_model_input(model_input, t)
+                    prediction = self.stages["unet"]({
+                        "sample": model_input.to(self.dtype),
+                        "timestep": t.reshape(1).to(device=self.device, dtype=torch.float32),
+                        "encoder_hidden_states": embeddings,
+                    })["latent"]
+                    if request.guided:
+                        uncond, cond = prediction.chunk(2)
+                        prediction = uncond + request.guidance_scale * (cond - uncond)
+                    latents = self.scheduler.step(prediction, t, latents, **step_kwargs, return_dict=False)[0]
+                    if progress is not None:
+                        progress.update()
+
+            with timer.measure("vae"):
+                images = self.stages["vae"]({"latent": latents / self.scaling_factor})["images"]
+            images = (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
+        return images
+
+
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    """[0, 1] floats to 8-bit pixels, rounding as diffusers' numpy_to_pil does."""
+    return (images * 255).round().astype(np.uint8)

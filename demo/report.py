@@ -1,0 +1,102 @@
+"""Per-stage latency: timing (CUDA events on a GPU, a monotonic clock on a CPU) and the report."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+class StageTimer:
+    """Accumulates wall time per named region; regions may repeat (summed) and nest."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._spans: dict[str, list] = {}
+
+    @contextlib.contextmanager
+    def measure(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._spans.setdefault(name, []).append((start, end))
+
+    def milliseconds(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {n: sum(s.elapsed_time(e) for s, e in spans) for n, spans in self._spans.items()}
+        return {n: sum(e - s for s, e in spans) * 1e3 for n, spans in self._spans.items()}
+
+
+@dataclass
+class LatencyReport:
+    model: str
+    backend: str
+    backend_reason: str
+    device: str
+    precision: str
+    scheduler: str
+    steps: int
+    unet_calls: int
+    guidance_scale: float
+    seed: int
+    batch_size: int
+    height: int
+    width: int
+    latent_shape: list[int]
+    latency_ms: dict[str, float]
+    images: list[str] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.batch_size / (self.latency_ms["pipeline"] / 1e3)
+
+    def table(self) -> str:
+        rows = [
+            ("CLIP", self.latency_ms["clip"]),
+            (f"UNet x {self.unet_calls}", self.latency_ms["unet"]),
+            ("VAE-Dec", self.latency_ms["vae"]),
+        ]
+        line = "|-----------------|--------------|"
+        out = [line, "|     Module      |   Latency    |", line]
+        out += [f"| {name:^15} | {ms:9.2f} ms |" for name, ms in rows]
+        out += [line, f"| {'Pipeline':^15} | {self.latency_ms['pipeline']:9.2f} ms |", line]
+        out.append(f"Throughput: {self.throughput:.2f} image/s")
+        return "\n".join(out)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["throughput_images_per_s"] = self.throughput
+        return json.dumps(data, indent=2)
+
+
+def library_versions() -> dict[str, str]:
+    import diffusers
+    import transformers
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+    }
+    if torch.cuda.is_available():
+        versions["cuda"] = str(torch.version.cuda)
+    return versions
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"

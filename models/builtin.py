@@ -1,0 +1,232 @@
+"""Built-in models: real diffusers architectures with deterministic random weights.
+
+They need no network and no checkpoint, so the demo, the tests and the benchmarks run anywhere.
+Their weights are random, so they draw noise-like images; the architectures are real.
+A built-in model is written once as a diffusers-format directory and then loaded like any other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+from demo.atomic import atomic_directory
+
+# Bump when the generated files change, so cached directories (and artifacts keyed by them) are rebuilt.
+BUILTIN_FORMAT_VERSION = 1
+
+BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+
+# SD 1.5's scheduler configuration (PNDM, scaled-linear betas, epsilon prediction).
+SD15_SCHEDULER = {
+    "_class_name": "PNDMScheduler",
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "num_train_timesteps": 1000,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "clip_sample": False,
+    "prediction_type": "epsilon",
+}
+
+BUILTIN_MODELS = {
+    # Seconds on a CPU, yet every pattern the optimizers care about: self- and cross-attention,
+    # GroupNorm, LayerNorm, GEGLU. Its VAE downsamples by 2 (not SD's 8) and its widths are not SD's,
+    # which keeps the code honest about reading architecture numbers from the configs.
+    "tiny": {
+        "unet": {
+            "sample_size": 32,
+            "in_channels": 4,
+            "out_channels": 4,
+            "block_out_channels": [32, 64],
+            "layers_per_block": 2,
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+            "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+            "cross_attention_dim": 32,
+            "attention_head_dim": 8,
+            "norm_num_groups": 8,
+        },
+        "vae": {
+            "in_channels": 3,
+            "out_channels": 3,
+            "block_out_channels": [32, 64],
+            "down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D"],
+            "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D"],
+            "latent_channels": 4,
+            "layers_per_block": 1,
+            "norm_num_groups": 8,
+            "sample_size": 64,
+            "scaling_factor": 0.18215,
+        },
+        "text_encoder": {
+            "hidden_size": 32,
+            "intermediate_size": 37,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 77,
+            "projection_dim": 32,
+            "vocab_size": 1000,
+            "hidden_act": "quick_gelu",
+        },
+        "vocab_size": 1000,
+        "scheduler": SD15_SCHEDULER,
+    },
+    # The exact Stable Diffusion 1.5 architecture (UNet 860M, VAE 84M, CLIP ViT-L/14 text 123M parameters).
+    "sd1.5-arch": {
+        "unet": {
+            "sample_size": 64,
+            "in_channels": 4,
+            "out_channels": 4,
+            "block_out_channels": [320, 640, 1280, 1280],
+            "layers_per_block": 2,
+            "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+            "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+            "cross_attention_dim": 768,
+            "attention_head_dim": 8,
+            "norm_num_groups": 32,
+        },
+        "vae": {
+            "in_channels": 3,
+            "out_channels": 3,
+            "block_out_channels": [128, 256, 512, 512],
+            "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "up_block_types": ["UpDecoderBlock2D"] * 4,
+            "latent_channels": 4,
+            "layers_per_block": 2,
+            "norm_num_groups": 32,
+            "sample_size": 512,
+            "scaling_factor": 0.18215,
+        },
+        "text_encoder": {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "max_position_embeddings": 77,
+            "projection_dim": 768,
+            "vocab_size": 49408,
+            "hidden_act": "quick_gelu",
+        },
+        "vocab_size": 4096,
+        "scheduler": SD15_SCHEDULER,
+    },
+}
+
+# A fixed corpus for the generated tokenizer's merges: prompt-like English, so common words become tokens.
+_CORPUS = """
+a photo of a cat sitting on a table, a painting of a mountain landscape at sunset, an astronaut riding
+a horse on the moon, a portrait of a woman with red hair, highly detailed, digital art, trending on
+artstation, a city street at night in the rain, neon lights, a bowl of fruit on a wooden table, oil
+painting, a dog running in a field of flowers, the ocean with waves crashing against the rocks, a castle
+on a hill under a starry sky, a forest in autumn with golden leaves, studio lighting, sharp focus, 4k,
+photorealistic, a cup of coffee next to a book, a small house by the lake, a robot playing the piano,
+watercolor, cinematic, beautiful, blurry, low quality, ugly, deformed, the quick brown fox jumps over the
+lazy dog, a red car parked in front of a building, children playing in the snow, a bird flying over
+the water, a vase of roses, a bridge over a river, mountains covered in snow, a desert with sand dunes
+"""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable-unicode map (the tokenizer's base alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in codes)))
+
+
+def generate_bpe_vocabulary(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A CLIP BPE vocabulary and merge list learned deterministically from _CORPUS."""
+    alphabet = list(_bytes_to_unicode().values())
+    vocab = alphabet + [c + "</w>" for c in alphabet]
+    words = Counter(re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", _CORPUS.lower()))
+    # Each word as a tuple of symbols; the last one carries CLIP's end-of-word marker.
+    splits = {w: tuple(w[:-1]) + (w[-1] + "</w>",) for w in words}
+    merges: list[tuple[str, str]] = []
+    known = set(vocab)
+    while len(vocab) + 2 < vocab_size:
+        pairs: Counter = Counter()
+        for word, symbols in splits.items():
+            for pair in zip(symbols, symbols[1:]):
+                pairs[pair] += words[word]
+        if not pairs:
+            break
+        # Most frequent pair; ties broken by the pair itself so the result never depends on dict order.
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        merged = best[0] + best[1]
+        if merged not in known:
+            vocab.append(merged)
+            known.add(merged)
+        for word, symbols in splits.items():
+            out, i = [], 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            splits[word] = tuple(out)
+    vocab += [BOS, EOS]
+    return {tok: i for i, tok in enumerate(vocab)}, merges
+
+
+def build_builtin_model(name: str, directory: Path) -> None:
+    """Write the built-in model `name` into `directory` in diffusers' save_pretrained layout."""
+    import torch
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    spec = BUILTIN_MODELS[name]
+    vocab, merges = generate_bpe_vocabulary(spec["vocab_size"])
+    tokenizer = CLIPTokenizer(
+        vocab=vocab,
+        merges=merges,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        unk_token=EOS,
+        model_max_length=spec["text_encoder"]["max_position_embeddings"],
+    )
+    special = {"bos_token_id": tokenizer.convert_tokens_to_ids(BOS), "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
+    special["pad_token_id"] = special["eos_token_id"]
+
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        text_encoder = CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special))
+        unet = UNet2DConditionModel(**spec["unet"])
+        vae = AutoencoderKL(**spec["vae"])
+    finally:
+        torch.random.set_rng_state(generator_state)
+    scheduler = PNDMScheduler.from_config({k: v for k, v in spec["scheduler"].items() if k != "_class_name"})
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(directory)
+
+
+def builtin_model_dir(name: str, cache_root: Path) -> Path:
+    """The directory of built-in model `name`, generating it on first use (atomically)."""
+    directory = cache_root / f"{name}-v{BUILTIN_FORMAT_VERSION}"
+    if (directory / "model_index.json").is_file():
+        return directory
+    with atomic_directory(directory) as staging:
+        build_builtin_model(name, staging)
+    return directory

@@ -1,0 +1,69 @@
+"""The base ONNX optimizer: cleanup, constant folding and shape inference, with a node-count report.
+
+Built on onnx-graphsurgeon (graph edits) and polygraphy (folding and shape inference, which also
+handle models above 2 GB by going through disk). Later passes (plugin substitutions) add themselves
+to the same pass list and show up in the same report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import onnx
+import onnx_graphsurgeon as gs
+from polygraphy.backend.onnx import loader as poly
+
+from models.base import save_onnx
+
+
+class GraphOptimizer:
+    """Runs named passes over one ONNX model and records the node count after each."""
+
+    def __init__(self, model: onnx.ModelProto, stage: str):
+        self.stage = stage
+        self.graph = gs.import_onnx(model)
+        self.history: list[tuple[str, int]] = [("exported", len(self.graph.nodes))]
+
+    def _record(self, name: str) -> None:
+        self.history.append((name, len(self.graph.nodes)))
+
+    def model(self) -> onnx.ModelProto:
+        return gs.export_onnx(self.graph)
+
+    def cleanup(self) -> None:
+        self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        self._record("cleanup")
+
+    def fold_constants(self) -> None:
+        folded = poly.fold_constants(self.model(), num_passes=3, error_ok=False)
+        self.graph = gs.import_onnx(folded)
+        self._record("fold-constants")
+
+    def infer_shapes(self) -> None:
+        inferred = poly.infer_shapes(self.model(), error_ok=False)
+        self.graph = gs.import_onnx(inferred)
+        self._record("infer-shapes")
+
+    def run(self, passes: list[tuple[str, Callable[[], None]]] | None = None) -> onnx.ModelProto:
+        for _, apply in passes or self.base_passes():
+            apply()
+        return self.model()
+
+    def base_passes(self) -> list[tuple[str, Callable[[], None]]]:
+        return [
+            ("cleanup", self.cleanup),
+            ("fold-constants", self.fold_constants),
+            ("infer-shapes", self.infer_shapes),
+            ("cleanup", self.cleanup),
+        ]
+
+    def report(self) -> str:
+        steps = " -> ".join(f"{name} {count}" for name, count in self.history)
+        return f"[optimize] {self.stage}: nodes {steps}"
+
+
+def optimize_onnx_file(src: Path, dst: Path, stage: str, log: Callable[[str], None] = print) -> None:
+    optimizer = GraphOptimizer(onnx.load(str(src)), stage)
+    save_onnx(optimizer.run(), dst)
+    log(optimizer.report())

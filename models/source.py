@@ -1,0 +1,130 @@
+"""Where a model comes from: a built-in name, a local diffusers-format directory, or a hub id.
+
+Every source ends as a diffusers-format directory on disk; the architecture numbers the rest of the
+toolkit needs (latent channels, VAE scale factor, text length and width, prediction type, native size)
+are read from that directory's configs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from demo.errors import UsageError
+from models.builtin import BUILTIN_MODELS, builtin_model_dir
+
+# component -> the file that must exist in its folder
+REQUIRED_COMPONENTS = {
+    "text_encoder": "config.json",
+    "tokenizer": "tokenizer_config.json",
+    "unet": "config.json",
+    "vae": "config.json",
+    "scheduler": "scheduler_config.json",
+}
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DEMO_DIFFUSION_CACHE", Path.home() / ".cache" / "demo_diffusion"))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A diffusers-format model directory and the architecture facts read from its configs."""
+
+    name: str
+    path: Path
+
+    def config(self, component: str) -> dict:
+        return json.loads((self.path / component / REQUIRED_COMPONENTS[component]).read_text())
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Identifies the model's content for artifact cache keys.
+
+        Config files are hashed; weight files by name, size and modification time (hashing
+        gigabytes of weights on every run would cost more than the cache saves).
+        """
+        digest = hashlib.sha256()
+        for file in sorted(p for p in self.path.rglob("*") if p.is_file()):
+            rel = file.relative_to(self.path).as_posix()
+            if file.suffix in (".json", ".txt"):
+                digest.update(f"{rel}:".encode() + file.read_bytes())
+            else:
+                stat = file.stat()
+                digest.update(f"{rel}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        return digest.hexdigest()[:16]
+
+    @functools.cached_property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.config("vae")["block_out_channels"]) - 1)
+
+    @property
+    def latent_channels(self) -> int:
+        return self.config("unet")["in_channels"]
+
+    @property
+    def text_length(self) -> int:
+        return self.config("text_encoder")["max_position_embeddings"]
+
+    @property
+    def text_width(self) -> int:
+        return self.config("unet")["cross_attention_dim"]
+
+    @property
+    def prediction_type(self) -> str:
+        return self.config("scheduler").get("prediction_type", "epsilon")
+
+    @property
+    def native_image_size(self) -> int:
+        sample_size = self.config("unet")["sample_size"]
+        if isinstance(sample_size, (list, tuple)):
+            sample_size = sample_size[0]
+        return sample_size * self.vae_scale_factor
+
+    @property
+    def image_size_range(self) -> tuple[int, int]:
+        """Supported height/width in pixels: half to twice the native size (256..1024 for SD 1.5)."""
+        return self.native_image_size // 2, self.native_image_size * 2
+
+
+def _check_components(path: Path, name: str) -> None:
+    for component, required in REQUIRED_COMPONENTS.items():
+        if not (path / component / required).is_file():
+            raise UsageError(
+                f"model '{name}' is missing component '{component}' (no {component}/{required} in {path})"
+            )
+
+
+def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelSource:
+    """Turn a --model value into a ModelSource; raises UsageError with the reason when it cannot."""
+    cache_dir = cache_dir or default_cache_dir()
+    if spec in BUILTIN_MODELS:
+        return ModelSource(spec, builtin_model_dir(spec, cache_dir / "builtin"))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        _check_components(path, spec)
+        return ModelSource(spec, path.resolve())
+    if _HUB_ID.match(spec) and not path.exists():
+        return ModelSource(spec, _download_from_hub(spec))
+    raise UsageError(
+        f"unknown model '{spec}': not a built-in ({', '.join(BUILTIN_MODELS)}), "
+        "not a diffusers-format directory, not a hub id"
+    )
+
+
+def _download_from_hub(hub_id: str) -> Path:
+    from diffusers import DiffusionPipeline
+
+    try:
+        path = Path(DiffusionPipeline.download(hub_id))
+    except Exception as exc:  # network, auth, missing repo: one clear line for the user
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"cannot fetch model '{hub_id}' from the hub: {first_line}") from exc
+    _check_components(path, hub_id)
+    return path

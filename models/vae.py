@@ -1,0 +1,67 @@
+"""VAE decoder (latents -> images) and encoder (images -> latent distribution parameters)."""
+
+from __future__ import annotations
+
+import torch
+
+from models.base import StageModel
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latent):
+        return self.vae.decode(latent, return_dict=False)[0]
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, images):
+        # The Gaussian's parameters (mean and log-variance stacked on channels), not a sample: the
+        # pipeline samples with its own generator, as diffusers does, so engines stay deterministic.
+        return self.vae.encode(images, return_dict=False)[0].parameters
+
+
+def _load_vae(source, component):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL.from_pretrained(source.path, subfolder=component)
+
+
+class VAEDecoderModel(StageModel):
+    name = "vae"
+    component = "vae"
+    input_names = ("latent",)
+    output_names = ("images",)
+    dynamic_axes = {"latent": {0: "B", 2: "H", 3: "W"}, "images": {0: "B", 2: "8H", 3: "8W"}}
+
+    def input_shapes(self, batch, height, width):
+        return {"latent": (batch, self.config["latent_channels"], *self.latent_size(height, width))}
+
+    def output_shapes(self, batch, height, width):
+        return {"images": (batch, self.config["out_channels"], height, width)}
+
+    def load_module(self):
+        return _Decoder(_load_vae(self.source, self.component))
+
+
+class VAEEncoderModel(StageModel):
+    name = "vae_encoder"
+    component = "vae"
+    input_names = ("images",)
+    output_names = ("latent_moments",)
+    dynamic_axes = {"images": {0: "B", 2: "8H", 3: "8W"}, "latent_moments": {0: "B", 2: "H", 3: "W"}}
+
+    def input_shapes(self, batch, height, width):
+        return {"images": (batch, self.config["in_channels"], height, width)}
+
+    def output_shapes(self, batch, height, width):
+        return {"latent_moments": (batch, 2 * self.config["latent_channels"], *self.latent_size(height, width))}
+
+    def load_module(self):
+        return _Encoder(_load_vae(self.source, self.component))

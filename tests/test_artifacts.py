@@ -1,0 +1,58 @@
+"""The artifact cache reuses fresh artifacts, rebuilds stale or damaged ones, and never half-writes."""
+
+import pytest
+
+from demo.artifacts import cached_build, read_manifest
+from demo.atomic import write_new_file
+
+
+def _builder(calls, data=b"artifact-bytes", side=b"side-data"):
+    def build(path):
+        calls.append(path)
+        path.write_bytes(data)
+        path.with_name(path.name + ".data").write_bytes(side)
+    return build
+
+
+def test_reuse_rebuild_and_recovery(tmp_path):
+    calls = []
+    art = tmp_path / "unet.onnx"
+    key = {"stage": "unet", "model": "abc"}
+    quiet = lambda *_: None
+    cached_build(art, key, _builder(calls), log=quiet)
+    assert art.read_bytes() == b"artifact-bytes" and (tmp_path / "unet.onnx.data").exists()
+    assert read_manifest(art)["files"] == {"unet.onnx": 14, "unet.onnx.data": 9}
+    cached_build(art, key, _builder(calls), log=quiet)
+    assert len(calls) == 1  # fresh: reused
+
+    cached_build(art, dict(key, model="changed"), _builder(calls), log=quiet)
+    assert len(calls) == 2  # key changed: rebuilt
+
+    (tmp_path / "unet.onnx.data").write_bytes(b"trunc")
+    messages = []
+    cached_build(art, dict(key, model="changed"), _builder(calls), log=messages.append)
+    assert len(calls) == 3 and "truncated or corrupt" in messages[0]
+
+    cached_build(art, dict(key, model="changed"), _builder(calls), force=True, log=quiet)
+    assert len(calls) == 4
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    art = tmp_path / "clip.onnx"
+
+    def failing(path):
+        path.write_bytes(b"half")
+        raise RuntimeError("exporter crashed")
+
+    with pytest.raises(RuntimeError):
+        cached_build(art, {"k": 1}, failing, log=lambda *_: None)
+    assert not art.exists() and read_manifest(art) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["clip.onnx.lock"]
+
+
+def test_write_new_file_never_overwrites(tmp_path):
+    target = tmp_path / "img.png"
+    assert write_new_file(target, b"first")
+    assert not write_new_file(target, b"second")
+    assert target.read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["img.png"]
