@@ -13,15 +13,15 @@ def _isolated_cache(tmp_path_factory):
     """Built-in models and other cached files go to a per-session directory, not the user's cache."""
     cache = os.environ.get("DEMO_DIFFUSION_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
     os.environ["DEMO_DIFFUSION_CACHE"] = cache
-    from demo.logs import configure_library_logging
-
-    configure_library_logging(verbose=False)
     yield
 
 
 @pytest.fixture(scope="session")
 def tiny():
+    from demo.logs import configure_library_logging
     from models.source import resolve_model
+
+    configure_library_logging(verbose=False)
 
     return resolve_model("tiny")
 

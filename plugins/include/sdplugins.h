@@ -1,0 +1,57 @@
+/* C ABI of the sdplugins CUDA kernels.
+ *
+ * All tensors are fp16 device pointers, contiguous in the layouts named below, 16-byte aligned;
+ * arithmetic accumulates in fp32. Every call returns SDP_OK or an error code; sdp_last_error()
+ * then names the problem (per thread). No call silently does nothing: arguments a kernel cannot
+ * handle are rejected with a message. Kernels run on the given stream.
+ */
+#ifndef SDPLUGINS_H
+#define SDPLUGINS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct CUstream_st* sdp_stream_t; /* cudaStream_t */
+
+enum { SDP_OK = 0, SDP_INVALID_ARGUMENT = 1, SDP_CUDA_ERROR = 2 };
+enum { SDP_LAYOUT_NCHW = 0, SDP_LAYOUT_NHWC = 1 };
+
+const char* sdp_last_error(void);
+int sdp_version(void);
+
+/* Self-attention. qkv [B, S, H, 3, D] -> out [B, S, H, D]; out = softmax(scale * Q K^T) V.
+ * D a multiple of 8 in [8, 256]; fast paths for D = 40, 64, 80, 160. */
+int sdp_fmha(const void* qkv, void* out, int batch, int seq, int heads, int head_dim, float scale,
+             sdp_stream_t stream);
+
+/* Cross-attention. q [B, Sq, H, D], kv [B, Skv, H, 2, D] -> out [B, Sq, H, D]; any Skv >= 1. */
+int sdp_fmhca(const void* q, const void* kv, void* out, int batch, int seq_q, int seq_kv, int heads,
+              int head_dim, float scale, sdp_stream_t stream);
+
+/* GroupNorm over x [B, C, HW] (NCHW) or [B, HW, C] (NHWC); groups must divide C.
+ * gamma, beta [C]; y = (x - mean) / sqrt(var + eps) * gamma + beta, then SiLU if silu != 0.
+ * Needs a device workspace of sdp_group_norm_workspace_size() bytes. */
+size_t sdp_group_norm_workspace_size(int batch, int channels, int hw, int groups, int layout);
+int sdp_group_norm(const void* x, const void* gamma, const void* beta, void* y, void* workspace,
+                   size_t workspace_bytes, int batch, int channels, int hw, int groups, float eps,
+                   int layout, int silu, sdp_stream_t stream);
+
+/* LayerNorm over the last dimension: x [rows, N] -> y [rows, N]; gamma, beta [N]. */
+int sdp_layer_norm(const void* x, const void* gamma, const void* beta, void* y, int64_t rows, int n,
+                   float eps, sdp_stream_t stream);
+
+/* SplitGeLU: x [rows, 2N] (+ bias [2N] if bias != NULL) -> y [rows, N] = x[:, :N] * gelu_erf(x[:, N:]). */
+int sdp_split_gelu(const void* x, const void* bias, void* y, int64_t rows, int n, sdp_stream_t stream);
+
+/* Seq2Spatial: x [B, HW, C] + bias [C] + residual [B, C, HW] -> y [B, C, HW] (NCHW). */
+int sdp_seq2spatial(const void* x, const void* bias, const void* residual, void* y, int batch, int hw,
+                    int channels, sdp_stream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

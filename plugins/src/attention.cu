@@ -1,0 +1,287 @@
+// Fused multi-head attention (self: fMHA, cross: fMHCA), FlashAttention-2 style.
+//
+// One block owns BM = 16 * WARPS query rows of one (batch, head); each warp owns 16 of them. K and V
+// stream through shared memory in tiles of BN keys; S = Q K^T and O += P V run on tensor cores
+// (mma m16n8k16) with an online softmax, so no S x S matrix ever reaches memory. The next K tile is
+// fetched while P V runs and the next V tile while the following Q K^T runs.
+//
+// Head sizes: the template's DK is the largest D it serves. D = 40, 64, 80 and 160 have their own
+// instantiations that round the Q K^T reduction only up to a multiple of 16 (48 for D = 40) and the
+// P V output to a multiple of 8 (exact), instead of padding to a power of two.
+#include <cfloat>
+
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace sdp {
+namespace {
+
+struct AttentionParams {
+  const half* q;
+  const half* k;
+  const half* v;
+  half* o;
+  int64_t q_batch, q_row, q_head;  // strides in elements
+  int64_t kv_batch, kv_row, kv_head;
+  int64_t o_batch, o_row, o_head;
+  int seq_q, seq_kv, d;
+  float scale_log2;  // softmax scale * log2(e): exponentials use exp2
+};
+
+template <int DK_, int WARPS_, int BN_, bool Q_IN_REGS_>
+struct AttentionTile {
+  static constexpr int DK = DK_, WARPS = WARPS_, BN = BN_;
+  static constexpr bool Q_IN_REGS = Q_IN_REGS_;
+  static constexpr int BM = 16 * WARPS, THREADS = 32 * WARPS;
+  static constexpr int KSTEPS = (DK + 15) / 16;  // k-steps of Q K^T
+  static constexpr int STRIDE = KSTEPS * 16 + 8;  // smem row in halves; the +8 makes ldmatrix conflict-free
+  static constexpr int NT_O = DK / 8;             // 8-wide output column tiles
+  static constexpr int NT_S = BN / 8;             // 8-wide score column tiles
+  static constexpr int SMEM_BYTES = (BM + 2 * BN) * STRIDE * 2;
+  static_assert(DK % 8 == 0 && BN % 16 == 0, "tile shape");
+};
+
+// Copy rows [row0, row0 + ROWS) x d columns of a strided matrix into shared memory; rows past `rows`
+// become zeros (finite values matter: masked probabilities are exact zeros times these).
+template <int ROWS, int THREADS, int STRIDE>
+__device__ __forceinline__ void load_rows(half* dst, const half* src, int64_t row_stride, int row0, int rows,
+                                          int d) {
+  const int vecs = d / 8;
+  for (int i = threadIdx.x; i < ROWS * vecs; i += THREADS) {
+    const int r = i / vecs, c = (i - r * vecs) * 8;
+    half* s = dst + r * STRIDE + c;
+    if (row0 + r < rows)
+      cp_async16(s, src + (row0 + r) * row_stride + c);
+    else
+      *reinterpret_cast<uint4*>(s) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p) {
+  extern __shared__ __align__(16) half smem[];
+  half* sQ = smem;
+  half* sK = sQ + T::BM * T::STRIDE;
+  half* sV = sK + T::BN * T::STRIDE;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int m0 = blockIdx.x * T::BM, head = blockIdx.y, batch = blockIdx.z;
+  const half* q = p.q + batch * p.q_batch + head * p.q_head;
+  const half* k = p.k + batch * p.kv_batch + head * p.kv_head;
+  const half* v = p.v + batch * p.kv_batch + head * p.kv_head;
+  half* o = p.o + batch * p.o_batch + head * p.o_head;
+
+  // Columns past d are never loaded: zero them once so padded k-steps add nothing.
+  for (int i = threadIdx.x; i < T::SMEM_BYTES / 16; i += T::THREADS)
+    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+
+  load_rows<T::BM, T::THREADS, T::STRIDE>(sQ, q, p.q_row, m0, p.seq_q, p.d);
+  load_rows<T::BN, T::THREADS, T::STRIDE>(sK, k, p.kv_row, 0, p.seq_kv, p.d);
+  cp_async_commit();
+  load_rows<T::BN, T::THREADS, T::STRIDE>(sV, v, p.kv_row, 0, p.seq_kv, p.d);
+  cp_async_commit();
+
+  const int ksteps = (p.d + 15) / 16;  // runtime bound: generic instantiations serve several d
+  const half* q_warp = sQ + (warp * 16 + (lane & 15)) * T::STRIDE + (lane >> 4) * 8;
+  unsigned q_frag[T::Q_IN_REGS ? T::KSTEPS : 1][4];
+  float acc[T::NT_O][4];
+#pragma unroll
+  for (int i = 0; i < T::NT_O; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float row_max[2] = {-FLT_MAX, -FLT_MAX}, row_sum[2] = {0.f, 0.f};
+
+  const int tiles = (p.seq_kv + T::BN - 1) / T::BN;
+  for (int j = 0; j < tiles; ++j) {
+    cp_async_wait<1>();  // Q and K_j have landed; V_j may still be in flight
+    __syncthreads();
+    if (T::Q_IN_REGS && j == 0) {
+#pragma unroll
+      for (int ks = 0; ks < (T::Q_IN_REGS ? T::KSTEPS : 0); ++ks) ldmatrix_x4(q_frag[ks], q_warp + ks * 16);
+    }
+
+    // S = Q K^T for this warp's 16 rows and BN keys.
+    float s[T::NT_S][4];
+#pragma unroll
+    for (int i = 0; i < T::NT_S; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < T::KSTEPS; ++ks) {
+      if (ks >= ksteps) break;
+      unsigned a[4];
+      if constexpr (T::Q_IN_REGS) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = q_frag[ks][i];
+      } else {
+        ldmatrix_x4(a, q_warp + ks * 16);
+      }
+#pragma unroll
+      for (int np = 0; np < T::NT_S / 2; ++np) {
+        unsigned b[4];
+        ldmatrix_x4(b, sK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * T::STRIDE + ks * 16 +
+                           ((lane >> 3) & 1) * 8);
+        mma_16816(s[2 * np], a, b[0], b[1]);
+        mma_16816(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // all warps are done with K_j
+    if (j + 1 < tiles) load_rows<T::BN, T::THREADS, T::STRIDE>(sK, k, p.kv_row, (j + 1) * T::BN, p.seq_kv, p.d);
+    cp_async_commit();
+
+    // Online softmax on raw scores (the scale is folded into one FFMA before exp2). Thread holds
+    // rows g = lane/4 (elements 0,1) and g + 8 (elements 2,3). Only the last tile can be ragged.
+    if ((j + 1) * T::BN > p.seq_kv) {
+      const int key0 = j * T::BN + 2 * (lane & 3);
+#pragma unroll
+      for (int nt = 0; nt < T::NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (key0 + nt * 8 + (e & 1) >= p.seq_kv) s[nt][e] = -FLT_MAX;
+    }
+    float tile_max[2] = {-FLT_MAX, -FLT_MAX};
+#pragma unroll
+    for (int nt = 0; nt < T::NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
+    float correction[2], shift[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float new_max = fmaxf(row_max[r], tile_max[r]);
+      correction[r] = exp2f((row_max[r] - new_max) * p.scale_log2);
+      row_max[r] = new_max;
+      row_sum[r] *= correction[r];
+      shift[r] = -new_max * p.scale_log2;
+    }
+#pragma unroll
+    for (int nt = 0; nt < T::NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, shift[e >> 1]));
+        row_sum[e >> 1] += s[nt][e];
+      }
+#pragma unroll
+    for (int i = 0; i < T::NT_O; ++i) {
+      acc[i][0] *= correction[0];
+      acc[i][1] *= correction[0];
+      acc[i][2] *= correction[1];
+      acc[i][3] *= correction[1];
+    }
+
+    cp_async_wait<1>();  // V_j has landed; K_{j+1} may still be in flight
+    __syncthreads();
+
+    // O += P V. The score accumulators of two adjacent 8-key tiles are exactly the A fragment of
+    // one 16-key step, so P never leaves registers.
+#pragma unroll
+    for (int kk = 0; kk < T::BN / 16; ++kk) {
+      const unsigned a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const half* v_rows = sV + (kk * 16 + (lane & 15)) * T::STRIDE;
+#pragma unroll
+      for (int dp = 0; dp < T::NT_O / 2; ++dp) {
+        if (dp * 16 >= p.d) break;
+        unsigned b[4];
+        ldmatrix_x4_trans(b, v_rows + dp * 16 + (lane >> 4) * 8);
+        mma_16816(acc[2 * dp], a, b[0], b[1]);
+        mma_16816(acc[2 * dp + 1], a, b[2], b[3]);
+      }
+      if constexpr (T::NT_O % 2 == 1) {
+        unsigned b[2];
+        ldmatrix_x2_trans(b, v_rows + (T::NT_O - 1) * 8);
+        mma_16816(acc[T::NT_O - 1], a, b[0], b[1]);
+      }
+    }
+    __syncthreads();  // all warps are done with V_j
+    if (j + 1 < tiles) load_rows<T::BN, T::THREADS, T::STRIDE>(sV, v, p.kv_row, (j + 1) * T::BN, p.seq_kv, p.d);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // Normalize, stage this warp's rows in its own part of sQ, then write 16-byte vectors.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    row_sum[r] = 1.f / row_sum[r];
+  }
+  half* out_rows = sQ + (warp * 16 + (lane >> 2)) * T::STRIDE + 2 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < T::NT_O; ++nt) {
+    *reinterpret_cast<half2*>(out_rows + nt * 8) = __floats2half2_rn(acc[nt][0] * row_sum[0], acc[nt][1] * row_sum[0]);
+    *reinterpret_cast<half2*>(out_rows + 8 * T::STRIDE + nt * 8) =
+        __floats2half2_rn(acc[nt][2] * row_sum[1], acc[nt][3] * row_sum[1]);
+  }
+  __syncthreads();
+  const int vecs = p.d / 8;
+  for (int i = threadIdx.x; i < T::BM * vecs; i += T::THREADS) {
+    const int r = i / vecs, c = (i - r * vecs) * 8;
+    if (m0 + r < p.seq_q)
+      *reinterpret_cast<uint4*>(o + (m0 + r) * p.o_row + c) = *reinterpret_cast<const uint4*>(sQ + r * T::STRIDE + c);
+  }
+}
+
+template <class T>
+int launch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+  if (attr != cudaSuccess) return fail(SDP_CUDA_ERROR, std::string("attention smem: ") + cudaGetErrorString(attr));
+  dim3 grid((p.seq_q + T::BM - 1) / T::BM, heads, batch);
+  attention_kernel<T><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p);
+  return check_launch("attention kernel");
+}
+
+// Head-size dispatch: exact fast paths for SD's head sizes, generic tiles for the rest.
+int dispatch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) {
+  switch (p.d) {
+    case 40: return launch<AttentionTile<40, 4, 128, true>>(p, batch, heads, stream);
+    case 64: return launch<AttentionTile<64, 4, 128, true>>(p, batch, heads, stream);
+    case 80: return launch<AttentionTile<80, 4, 64, true>>(p, batch, heads, stream);
+    case 160: return launch<AttentionTile<160, 4, 32, false>>(p, batch, heads, stream);
+    default: break;
+  }
+  if (p.d <= 32) return launch<AttentionTile<32, 4, 64, true>>(p, batch, heads, stream);
+  if (p.d <= 128) return launch<AttentionTile<128, 4, 64, false>>(p, batch, heads, stream);
+  return launch<AttentionTile<256, 2, 32, false>>(p, batch, heads, stream);
+}
+
+}  // namespace
+
+#define SDP_CHECK_ATTENTION_ARGS(batch, seq_q, seq_kv, heads, d)                                 \
+  SDP_REQUIRE(batch >= 1 && seq_q >= 1 && seq_kv >= 1 && heads >= 1,                            \
+              "batch, sequence lengths and heads must be >= 1");                                \
+  SDP_REQUIRE(heads <= 65535 && batch <= 65535, "batch and heads must be <= 65535");            \
+  SDP_REQUIRE(d % 8 == 0 && d >= 8 && d <= 256,                                                 \
+              "head_dim must be a multiple of 8 in [8, 256], got " + std::to_string(d))
+
+}  // namespace sdp
+
+extern "C" int sdp_fmha(const void* qkv, void* out, int batch, int seq, int heads, int head_dim, float scale,
+                        sdp_stream_t stream) {
+  SDP_CHECK_ATTENTION_ARGS(batch, seq, seq, heads, head_dim);
+  SDP_REQUIRE(scale > 0.f, "scale must be > 0");
+  SDP_REQUIRE(qkv && out && sdp::aligned16(qkv) && sdp::aligned16(out), "pointers must be non-null and 16-byte aligned");
+  const half* base = static_cast<const half*>(qkv);
+  const int64_t row = int64_t(heads) * 3 * head_dim;
+  sdp::AttentionParams p{base, base + head_dim, base + 2 * head_dim, static_cast<half*>(out),
+                         seq * row, row, 3 * head_dim,
+                         seq * row, row, 3 * head_dim,
+                         int64_t(seq) * heads * head_dim, int64_t(heads) * head_dim, head_dim,
+                         seq, seq, head_dim, scale * 1.4426950408889634f};
+  return sdp::dispatch(p, batch, heads, reinterpret_cast<cudaStream_t>(stream));
+}
+
+extern "C" int sdp_fmhca(const void* q, const void* kv, void* out, int batch, int seq_q, int seq_kv, int heads,
+                         int head_dim, float scale, sdp_stream_t stream) {
+  SDP_CHECK_ATTENTION_ARGS(batch, seq_q, seq_kv, heads, head_dim);
+  SDP_REQUIRE(scale > 0.f, "scale must be > 0");
+  SDP_REQUIRE(q && kv && out && sdp::aligned16(q) && sdp::aligned16(kv) && sdp::aligned16(out),
+              "pointers must be non-null and 16-byte aligned");
+  const half* kv_base = static_cast<const half*>(kv);
+  const int64_t q_row = int64_t(heads) * head_dim, kv_row = int64_t(heads) * 2 * head_dim;
+  sdp::AttentionParams p{static_cast<const half*>(q), kv_base, kv_base + head_dim, static_cast<half*>(out),
+                         seq_q * q_row, q_row, head_dim,
+                         seq_kv * kv_row, kv_row, 2 * head_dim,
+                         seq_q * q_row, q_row, head_dim,
+                         seq_q, seq_kv, head_dim, scale * 1.4426950408889634f};
+  return sdp::dispatch(p, batch, heads, reinterpret_cast<cudaStream_t>(stream));
+}

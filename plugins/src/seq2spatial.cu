@@ -1,0 +1,80 @@
+// Seq2Spatial: the end of a spatial transformer. x [B, HW, C] + bias [C], transposed to [B, C, HW],
+// plus the residual [B, C, HW]; one read of each input and one write, through a shared-memory tile.
+// V = 8 moves 16-byte vectors on both sides (C and HW divisible by 8); V = 1 handles any shape.
+#include "common.cuh"
+
+namespace sdp {
+namespace {
+
+constexpr int kTile = 64;
+
+template <int V>
+__global__ void __launch_bounds__(256) seq2spatial_kernel(const half* x, const half* bias, const half* residual,
+                                                          half* y, int hw, int channels) {
+  __shared__ float tile[kTile][kTile + 1];  // [pixel][channel]; +1 spreads columns over banks
+  constexpr int kVecs = kTile / V;
+  const int p0 = blockIdx.x * kTile, c0 = blockIdx.y * kTile;
+  const int64_t item = blockIdx.z;
+  const half* src = x + item * hw * channels;
+  for (int i = threadIdx.x; i < kTile * kVecs; i += blockDim.x) {  // rows of pixels, channels contiguous
+    const int p = i / kVecs, c = (i % kVecs) * V;
+    float v[8] = {};
+    if (p0 + p < hw && c0 + c < channels) {
+      const half* at = src + int64_t(p0 + p) * channels + c0 + c;
+      if constexpr (V == 8) {
+        float b[8];
+        load8(at, v);
+        load8(bias + c0 + c, b);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] += b[e];
+      } else {
+        v[0] = __half2float(*at) + __half2float(bias[c0 + c]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) tile[p][c + e] = v[e];
+  }
+  __syncthreads();
+  const half* res = residual + item * int64_t(channels) * hw;
+  half* dst = y + item * int64_t(channels) * hw;
+  for (int i = threadIdx.x; i < kTile * kVecs; i += blockDim.x) {  // rows of channels, pixels contiguous
+    const int c = i / kVecs, p = (i % kVecs) * V;
+    if (c0 + c >= channels || p0 + p >= hw) continue;
+    const int64_t at = int64_t(c0 + c) * hw + p0 + p;
+    if constexpr (V == 8) {
+      float r[8];
+      load8(res + at, r);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) r[e] += tile[p + e][c];
+      store8(dst + at, r);
+    } else {
+      dst[at] = __float2half(tile[p][c] + __half2float(res[at]));
+    }
+  }
+}
+
+template <int V>
+int launch(const half* x, const half* bias, const half* residual, half* y, int batch, int hw, int channels,
+           cudaStream_t stream) {
+  dim3 grid(blocks_for(hw, kTile), blocks_for(channels, kTile), batch);
+  seq2spatial_kernel<V><<<grid, 256, 0, stream>>>(x, bias, residual, y, hw, channels);
+  return check_launch("seq2spatial");
+}
+
+}  // namespace
+}  // namespace sdp
+
+extern "C" int sdp_seq2spatial(const void* x, const void* bias, const void* residual, void* y, int batch, int hw,
+                               int channels, sdp_stream_t stream) {
+  SDP_REQUIRE(batch >= 1 && hw >= 1 && channels >= 1, "batch, hw and channels must be >= 1");
+  SDP_REQUIRE(batch <= 65535, "batch must be <= 65535");
+  SDP_REQUIRE(x && bias && residual && y, "pointers must be non-null");
+  const half *xh = static_cast<const half*>(x), *bh = static_cast<const half*>(bias);
+  const half* rh = static_cast<const half*>(residual);
+  half* yh = static_cast<half*>(y);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const bool vector = channels % 8 == 0 && hw % 8 == 0 && sdp::aligned16(x) && sdp::aligned16(bias) &&
+                      sdp::aligned16(residual) && sdp::aligned16(y);
+  return vector ? sdp::launch<8>(xh, bh, rh, yh, batch, hw, channels, s)
+                : sdp::launch<1>(xh, bh, rh, yh, batch, hw, channels, s);
+}

@@ -1,0 +1,248 @@
+"""PyTorch custom ops (namespace `sdplugins`) over the CUDA kernels' C ABI.
+
+Each op runs on the current CUDA stream and has a fake (meta) implementation, so it works under
+torch.compile and CUDA-graph capture. The ops are registered even where the library is missing, so
+importing never fails; calling one then raises with the reason (see `status()`).
+
+The `*_into` functions write into a caller-provided output; the tests use them to poison outputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT_NCHW, LAYOUT_NHWC = 0, 1
+
+_c_void, _c_int, _c_float, _c_i64, _c_size = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64, ctypes.c_size_t
+_SIGNATURES = {
+    "sdp_version": ([], _c_int),
+    "sdp_last_error": ([], ctypes.c_char_p),
+    "sdp_fmha": ([_c_void, _c_void, _c_int, _c_int, _c_int, _c_int, _c_float, _c_void], _c_int),
+    "sdp_fmhca": ([_c_void, _c_void, _c_void, _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_void], _c_int),
+    "sdp_group_norm_workspace_size": ([_c_int, _c_int, _c_int, _c_int, _c_int], _c_size),
+    "sdp_group_norm": ([_c_void, _c_void, _c_void, _c_void, _c_void, _c_size, _c_int, _c_int, _c_int, _c_int,
+                        _c_float, _c_int, _c_int, _c_void], _c_int),
+    "sdp_layer_norm": ([_c_void, _c_void, _c_void, _c_void, _c_i64, _c_int, _c_float, _c_void], _c_int),
+    "sdp_split_gelu": ([_c_void, _c_void, _c_void, _c_i64, _c_int, _c_void], _c_int),
+    "sdp_seq2spatial": ([_c_void, _c_void, _c_void, _c_void, _c_int, _c_int, _c_int, _c_void], _c_int),
+}
+
+
+def library_path() -> Path:
+    return Path(os.environ.get("SDPLUGINS_LIBRARY", ROOT / "build" / "libsdplugins.so"))
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    path = library_path()
+    if not path.is_file():
+        return None, (f"plugin library not built: {path} is missing "
+                      "(build it with: cmake -S . -B build && cmake --build build -j)")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"plugin library {path} failed to load: {exc}"
+    for name, (args, result) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    if not torch.cuda.is_available():
+        return lib, "no CUDA device: the plugin library is built but cannot run here"
+    return lib, "available"
+
+
+_LIB, _STATUS = _load()
+
+
+def status() -> str:
+    """'available', or why the plugins cannot run here."""
+    return _STATUS
+
+
+def available() -> bool:
+    return _STATUS == "available"
+
+
+def _call(name: str, *args) -> None:
+    if not available():
+        raise RuntimeError(f"sdplugins unavailable: {_STATUS}")
+    if getattr(_LIB, name)(*args) != 0:
+        raise RuntimeError(f"sdplugins.{name}: {_LIB.sdp_last_error().decode()}")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_half(name: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        _require(t.dtype == torch.float16, f"{name}: tensors must be float16, got {t.dtype}")
+        _require(t.is_cuda, f"{name}: tensors must be on a CUDA device")
+        _require(t.is_contiguous(), f"{name}: tensors must be contiguous")
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _stream(t: torch.Tensor):
+    return ctypes.c_void_p(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+# ---- fMHA / fMHCA -------------------------------------------------------------------------------
+
+def fmha_into(qkv: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+    _check_half("fmha", qkv, out)
+    _require(qkv.dim() == 5 and qkv.shape[3] == 3, f"fmha: qkv must be [B, S, H, 3, D], got {list(qkv.shape)}")
+    b, s, h, _, d = qkv.shape
+    _require(tuple(out.shape) == (b, s, h, d), "fmha: out must be [B, S, H, D]")
+    _call("sdp_fmha", _ptr(qkv), _ptr(out), b, s, h, d, scale, _stream(qkv))
+    return out
+
+
+def fmhca_into(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+    _check_half("fmhca", q, kv, out)
+    _require(q.dim() == 4 and kv.dim() == 5 and kv.shape[3] == 2,
+             f"fmhca: q must be [B, Sq, H, D] and kv [B, Skv, H, 2, D], got {list(q.shape)} and {list(kv.shape)}")
+    b, sq, h, d = q.shape
+    _require(kv.shape[0] == b and kv.shape[2] == h and kv.shape[4] == d, "fmhca: q and kv disagree on B, H or D")
+    _require(out.shape == q.shape, "fmhca: out must be shaped like q")
+    _call("sdp_fmhca", _ptr(q), _ptr(kv), _ptr(out), b, sq, kv.shape[1], h, d, scale, _stream(q))
+    return out
+
+
+@torch.library.custom_op("sdplugins::fmha", mutates_args=())
+def fmha(qkv: torch.Tensor, scale: float) -> torch.Tensor:
+    """Self-attention: qkv [B, S, H, 3, D] -> [B, S, H, D]."""
+    return fmha_into(qkv, qkv.new_empty(qkv.shape[:3] + qkv.shape[4:]), scale)
+
+
+@fmha.register_fake
+def _(qkv, scale):
+    return qkv.new_empty(qkv.shape[:3] + qkv.shape[4:])
+
+
+@torch.library.custom_op("sdplugins::fmhca", mutates_args=())
+def fmhca(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cross-attention: q [B, Sq, H, D], kv [B, Skv, H, 2, D] -> [B, Sq, H, D]."""
+    return fmhca_into(q, kv, torch.empty_like(q), scale)
+
+
+@fmhca.register_fake
+def _(q, kv, scale):
+    return torch.empty_like(q)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+# ---- GroupNorm ----------------------------------------------------------------------------------
+
+def _group_norm_dims(x: torch.Tensor, channels_last: bool) -> tuple[int, int, int]:
+    _require(x.dim() >= 3, f"group_norm: x must be [B, C, *spatial] or [B, *spatial, C], got {list(x.shape)}")
+    b = x.shape[0]
+    c = x.shape[-1] if channels_last else x.shape[1]
+    return b, c, x.numel() // (b * c) if b * c else 0
+
+
+def group_norm_into(x, gamma, beta, out, groups: int, eps: float, silu: bool, channels_last: bool):
+    _check_half("group_norm", x, gamma, beta, out)
+    b, c, hw = _group_norm_dims(x, channels_last)
+    _require(gamma.numel() == c and beta.numel() == c, f"group_norm: gamma and beta must have {c} elements")
+    _require(groups >= 1 and c % groups == 0, f"group_norm: groups ({groups}) must divide channels ({c})")
+    _require(out.shape == x.shape, "group_norm: out must be shaped like x")
+    layout = LAYOUT_NHWC if channels_last else LAYOUT_NCHW
+    if not available():
+        _call("sdp_group_norm")  # raises with the reason
+    size = _LIB.sdp_group_norm_workspace_size(b, c, hw, groups, layout)
+    workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=x.device)
+    _call("sdp_group_norm", _ptr(x), _ptr(gamma), _ptr(beta), _ptr(out), _ptr(workspace), size,
+          b, c, hw, groups, eps, layout, int(silu), _stream(x))
+    return out
+
+
+@torch.library.custom_op("sdplugins::group_norm", mutates_args=())
+def group_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, groups: int, eps: float, silu: bool,
+               channels_last: bool) -> torch.Tensor:
+    """GroupNorm (+SiLU) over [B, C, ...] or, with channels_last, [B, ..., C]."""
+    return group_norm_into(x, gamma, beta, torch.empty_like(x), groups, eps, silu, channels_last)
+
+
+@group_norm.register_fake
+def _(x, gamma, beta, groups, eps, silu, channels_last):
+    return torch.empty_like(x)
+
+
+# ---- LayerNorm, SplitGeLU, Seq2Spatial ----------------------------------------------------------
+
+def layer_norm_into(x, gamma, beta, out, eps: float):
+    _check_half("layer_norm", x, gamma, beta, out)
+    n = x.shape[-1]
+    _require(gamma.numel() == n and beta.numel() == n, f"layer_norm: gamma and beta must have {n} elements")
+    _require(out.shape == x.shape, "layer_norm: out must be shaped like x")
+    _call("sdp_layer_norm", _ptr(x), _ptr(gamma), _ptr(beta), _ptr(out), x.numel() // n, n, eps, _stream(x))
+    return out
+
+
+@torch.library.custom_op("sdplugins::layer_norm", mutates_args=())
+def layer_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension."""
+    return layer_norm_into(x, gamma, beta, torch.empty_like(x), eps)
+
+
+@layer_norm.register_fake
+def _(x, gamma, beta, eps):
+    return torch.empty_like(x)
+
+
+def _split_shape(x: torch.Tensor) -> list[int]:
+    _require(x.shape[-1] % 2 == 0, f"split_gelu: last dimension must be even, got {x.shape[-1]}")
+    return [*x.shape[:-1], x.shape[-1] // 2]
+
+
+def split_gelu_into(x, bias, out):
+    _check_half("split_gelu", x, out, *([bias] if bias is not None else []))
+    n = _split_shape(x)[-1]
+    _require(bias is None or bias.numel() == 2 * n, f"split_gelu: bias must have {2 * n} elements")
+    _require(list(out.shape) == _split_shape(x), "split_gelu: out must be [..., N]")
+    _call("sdp_split_gelu", _ptr(x), _ptr(bias), _ptr(out), x.numel() // (2 * n), n, _stream(x))
+    return out
+
+
+@torch.library.custom_op("sdplugins::split_gelu", mutates_args=())
+def split_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[..., 2N] (+ bias) -> [..., N] = x[..., :N] * gelu_erf(x[..., N:])."""
+    return split_gelu_into(x, bias, x.new_empty(_split_shape(x)))
+
+
+@split_gelu.register_fake
+def _(x, bias):
+    return x.new_empty(_split_shape(x))
+
+
+def seq2spatial_into(x, bias, residual, out):
+    _check_half("seq2spatial", x, bias, residual, out)
+    _require(x.dim() == 3 and residual.dim() == 4, "seq2spatial: x must be [B, HW, C] and residual [B, C, H, W]")
+    b, hw, c = x.shape
+    _require(residual.shape[0] == b and residual.shape[1] == c and residual.shape[2] * residual.shape[3] == hw,
+             f"seq2spatial: residual {list(residual.shape)} does not match x {list(x.shape)}")
+    _require(bias.numel() == c and out.shape == residual.shape, "seq2spatial: bias must be [C], out like residual")
+    _call("sdp_seq2spatial", _ptr(x), _ptr(bias), _ptr(residual), _ptr(out), b, hw, c, _stream(x))
+    return out
+
+
+@torch.library.custom_op("sdplugins::seq2spatial", mutates_args=())
+def seq2spatial(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """x [B, HW, C] + bias [C], to [B, C, H, W], + residual [B, C, H, W]."""
+    return seq2spatial_into(x, bias, residual, torch.empty_like(residual))
+
+
+@seq2spatial.register_fake
+def _(x, bias, residual):
+    return torch.empty_like(residual)

@@ -1,0 +1,232 @@
+"""Benchmark every plugin op against the best PyTorch path on the same inputs, in one run.
+
+    python scripts/bench_plugins.py [--json bench_plugins.json] [--quick]
+
+Shapes: SD 1.5 / 2.1 / XL at 512^2 and 1024^2, batch 2. Each candidate is captured in a CUDA graph
+(several calls, cycling through enough input sets to defeat L2 reuse) and timed with CUDA events over
+graph replays; the median replay is reported per call. Ceilings measured in the same run: a large
+device-to-device copy (bytes read + written) and a large fp16 matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from plugins import torch_ops as ops  # noqa: E402
+
+L2_DEFEAT_BYTES = 256 * 2**20
+
+
+def time_graph(make_call: Callable[[int], Callable[[], object]], sets: int, replays: int = 30) -> float:
+    """Median microseconds per call. make_call(i) returns a call on input set i."""
+    calls = [make_call(i % sets) for i in range(max(sets, 8))]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:2]:  # warm-up: compilation, workspace allocation, autotuning
+            call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for call in calls:
+                call()
+    torch.cuda.synchronize()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    n = 2**30 // 2
+    src, dst = torch.randn(n, device="cuda").half(), torch.empty(n, device="cuda", dtype=torch.half)
+    copy_us = time_graph(lambda i: lambda: dst.copy_(src), 1, replays=20)
+    a, b = torch.randn(8192, 8192, device="cuda").half(), torch.randn(8192, 8192, device="cuda").half()
+    mm_us = time_graph(lambda i: lambda: a @ b, 1, replays=10)
+    return {"copy_GBps": 2 * n * 2 / copy_us / 1e3, "matmul_fp16_TFLOPs": 2 * 8192**3 / mm_us / 1e6}
+
+
+@dataclass
+class Case:
+    op: str
+    label: str
+    make_inputs: Callable[[], tuple]
+    ours: Callable[..., object]
+    peers: dict[str, Callable[..., object]]
+    flops: float = 0.0  # per call
+    bytes: float = 0.0  # minimal bytes moved per call (each input read once, output written once)
+    results: dict[str, float] = field(default_factory=dict)
+
+
+def randn(*shape):
+    return torch.randn(*shape, device="cuda").half()
+
+
+def _sdpa_peers(split: Callable) -> dict[str, Callable]:
+    peers = {}
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def call(*inputs, backend=backend):
+            q, k, v = split(*inputs)
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+        peers[name] = call
+    return peers
+
+
+def attention_cases(model: str, res: int, channels: tuple[int, ...], heads_of: Callable[[int], int]) -> list[Case]:
+    cases = []
+    for level, c in enumerate(channels):
+        s = (res // 8 // 2**level) ** 2
+        h = heads_of(c)
+        d = c // h
+        b = 2
+        cases.append(Case(
+            "fmha", f"{model} {res}^2 S={s} H={h} D={d}", lambda b=b, s=s, h=h, d=d: (randn(b, s, h, 3, d),),
+            lambda qkv: torch.ops.sdplugins.fmha(qkv, 1 / math.sqrt(qkv.shape[-1])),
+            _sdpa_peers(lambda qkv: tuple(qkv[:, :, :, i].transpose(1, 2) for i in range(3))),
+            flops=4 * b * h * s * s * d, bytes=2 * (b * s * h * 4 * d)))
+        cases.append(Case(
+            "fmhca", f"{model} {res}^2 Sq={s} Skv=77 H={h} D={d}",
+            lambda b=b, s=s, h=h, d=d: (randn(b, s, h, d), randn(b, 77, h, 2, d)),
+            lambda q, kv: torch.ops.sdplugins.fmhca(q, kv, 1 / math.sqrt(q.shape[-1])),
+            _sdpa_peers(lambda q, kv: (q.transpose(1, 2), kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2))),
+            flops=4 * b * h * s * 77 * d, bytes=2 * (2 * b * s * h * d + b * 77 * h * 2 * d)))
+    return cases
+
+
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def norm_cases(model: str, res: int, channels: tuple[int, ...]) -> list[Case]:
+    cases = []
+    for level, c in enumerate(channels):
+        side = res // 8 // 2**level
+        b, s = 2, side * side
+        numel = b * c * s
+        gn_eager = lambda x, g, be: F.silu(F.group_norm(x, 32, g, be, 1e-5))
+        cases.append(Case(
+            "group_norm_silu", f"{model} UNet {res}^2 C={c} {side}x{side}",
+            lambda b=b, c=c, side=side: (randn(b, c, side, side), randn(c), randn(c)),
+            lambda x, g, be: torch.ops.sdplugins.group_norm(x, g, be, 32, 1e-5, True, False),
+            {"eager": gn_eager, "compiled": _compiled(gn_eager)}, bytes=4 * numel))
+        ln = lambda x, g, be: F.layer_norm(x, (x.shape[-1],), g, be, 1e-5)
+        cases.append(Case(
+            "layer_norm", f"{model} {res}^2 S={s} C={c}", lambda b=b, s=s, c=c: (randn(b, s, c), randn(c), randn(c)),
+            lambda x, g, be: torch.ops.sdplugins.layer_norm(x, g, be, 1e-5), {"eager": ln, "compiled": _compiled(ln)},
+            bytes=4 * numel))
+
+        def geglu(x):
+            a, gate = x.chunk(2, dim=-1)
+            return a * F.gelu(gate)
+        cases.append(Case(
+            "split_gelu", f"{model} {res}^2 S={s} N={4 * c}", lambda b=b, s=s, c=c: (randn(b, s, 8 * c),),
+            lambda x: torch.ops.sdplugins.split_gelu(x, None), {"eager": geglu, "compiled": _compiled(geglu)},
+            bytes=2 * (b * s * 8 * c + b * s * 4 * c)))
+
+        def s2s(x, bias, res_):
+            return (x + bias).permute(0, 2, 1).reshape(res_.shape) + res_
+        cases.append(Case(
+            "seq2spatial", f"{model} {res}^2 S={s} C={c}",
+            lambda b=b, s=s, c=c, side=side: (randn(b, s, c), randn(c), randn(b, c, side, side)),
+            lambda x, bias, res_: torch.ops.sdplugins.seq2spatial(x, bias, res_),
+            {"eager": s2s, "compiled": _compiled(s2s)}, bytes=6 * numel))
+    return cases
+
+
+def vae_cases(res: int) -> list[Case]:
+    cases = []
+    for c, side in ((512, res // 8), (512, res // 4), (512, res // 2), (256, res // 2), (256, res), (128, res)):
+        b = 2
+        gn_eager = lambda x, g, be: F.silu(F.group_norm(x, 32, g, be, 1e-6))
+        cases.append(Case(
+            "group_norm_silu", f"VAE {res}^2 C={c} {side}x{side}",
+            lambda b=b, c=c, side=side: (randn(b, c, side, side), randn(c), randn(c)),
+            lambda x, g, be: torch.ops.sdplugins.group_norm(x, g, be, 32, 1e-6, True, False),
+            {"eager": gn_eager, "compiled": _compiled(gn_eager)}, bytes=4 * b * c * side * side))
+    return cases
+
+
+def all_cases(quick: bool) -> list[Case]:
+    resolutions = (512,) if quick else (512, 1024)
+    cases = []
+    for res in resolutions:
+        cases += attention_cases("SD1.5", res, (320, 640, 1280), lambda c: 8)
+        cases += attention_cases("SD2.1", res, (320, 640, 1280), lambda c: c // 64)
+        cases += attention_cases("SDXL", res, (640, 1280), lambda c: c // 64)
+        cases += norm_cases("SD1.5", res, (320, 640, 1280))
+        cases += vae_cases(res)
+    return cases
+
+
+def run_case(case: Case) -> None:
+    probe = case.make_inputs()
+    per_set = sum(t.numel() * t.element_size() for t in probe)
+    sets = max(1, min(16, math.ceil(L2_DEFEAT_BYTES / per_set)))
+    inputs = [probe] + [case.make_inputs() for _ in range(sets - 1)]
+    for name, fn in {"ours": case.ours, **case.peers}.items():
+        try:
+            case.results[name] = time_graph(lambda i, fn=fn: (lambda: fn(*inputs[i])), sets)
+        except Exception as exc:  # a backend that does not support the shape is skipped, and said so
+            case.results[name] = float("nan")
+            print(f"  {case.op} {case.label}: {name} unavailable ({type(exc).__name__}: {str(exc)[:80]})", file=sys.stderr)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="bench_plugins.json")
+    parser.add_argument("--quick", action="store_true", help="512^2 shapes only")
+    args = parser.parse_args()
+    if not ops.available():
+        print(f"plugins unavailable: {ops.status()}", file=sys.stderr)
+        return 1
+    torch._dynamo.config.cache_size_limit = 256
+    device = torch.cuda.get_device_name()
+    ceiling = ceilings()
+    print(f"# {device}: copy {ceiling['copy_GBps']:.0f} GB/s, fp16 matmul {ceiling['matmul_fp16_TFLOPs']:.0f} TFLOP/s")
+    cases = all_cases(args.quick)
+    rows = []
+    header = f"{'op':<16} {'shape':<38} {'ours us':>9} {'best torch':>22} {'ratio':>6} {'achieved':>16}"
+    print(header)
+    print("-" * len(header))
+    for case in cases:
+        run_case(case)
+        peers = {k: v for k, v in case.results.items() if k != "ours" and not math.isnan(v)}
+        best = min(peers, key=peers.get)
+        ours = case.results["ours"]
+        ratio = peers[best] / ours
+        if case.flops:
+            achieved = f"{case.flops / ours / 1e6:.0f} TFLOP/s {100 * case.flops / ours / 1e6 / ceiling['matmul_fp16_TFLOPs']:.0f}%"
+        else:
+            achieved = f"{case.bytes / ours / 1e3:.0f} GB/s {100 * case.bytes / ours / 1e3 / ceiling['copy_GBps']:.0f}%"
+        print(f"{case.op:<16} {case.label:<38} {ours:9.1f} {best + ' ' + format(peers[best], '.1f'):>22} {ratio:6.2f} {achieved:>16}")
+        rows.append({"op": case.op, "shape": case.label, "us": case.results, "best_torch": best, "ratio": ratio,
+                     "flops": case.flops, "bytes": case.bytes})
+    Path(args.json).write_text(json.dumps({"device": device, "ceilings": ceiling, "torch": torch.__version__,
+                                           "results": rows}, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Run every plugin kernel once on small, odd shapes; meant for `compute-sanitizer --tool memcheck`.
+
+    compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/plugin_memcheck.py
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from plugins import torch_ops as ops  # noqa: E402
+
+
+def randn(*shape):
+    return torch.randn(*shape, device="cuda").half()
+
+
+def main() -> int:
+    if not ops.available():
+        print(f"plugins unavailable: {ops.status()}")
+        return 1
+    for d in (40, 64, 80, 160, 8, 72, 256):  # every attention instantiation
+        ops.fmha(randn(2, 77, 2, 3, d), 0.1)
+        ops.fmhca(randn(1, 65, 2, d), randn(1, 77, 2, 2, d), 0.1)
+    for b, c, h, w, g in ((2, 320, 8, 8, 32), (1, 30, 5, 5, 3), (2, 960, 4, 4, 32)):
+        for channels_last in (False, True):
+            x = randn(b, h, w, c) if channels_last else randn(b, c, h, w)
+            ops.group_norm(x, randn(c), randn(c), g, 1e-5, True, channels_last)
+    for rows, n in ((5, 320), (3, 100), (2, 3000)):
+        ops.layer_norm(randn(rows, n), randn(n), randn(n), 1e-5)
+    for n in (1280, 13):
+        ops.split_gelu(randn(3, 2 * n), randn(2 * n))
+        ops.split_gelu(randn(3, 2 * n), None)
+    for b, c, h, w in ((2, 320, 8, 8), (1, 65, 5, 13)):
+        ops.seq2spatial(randn(b, h * w, c), randn(c), randn(b, c, h, w))
+    torch.cuda.synchronize()
+    print("memcheck workload done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Every plugin op against a float32 PyTorch reference on the GPU (skipped where none can run).
+
+Inputs are fresh random values; outputs are poisoned with NaN before each run, so an element the
+kernel fails to write fails the test. Error is ||out - ref|| / ||ref||.
+"""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugins import torch_ops as ops
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason=f"plugins cannot run here: {ops.status()}")
+
+# Relative-error bounds. fp16 outputs alone cost ~3e-4; attention also rounds P to fp16.
+ATTENTION_BOUND = 2e-3
+NORM_BOUND = 1e-3
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def randn(*shape, scale=1.0, shift=0.0):
+    return (torch.randn(*shape, device="cuda") * scale + shift).half()
+
+
+def poisoned(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.float16, device="cuda")
+
+
+# (batch, seq, heads, head_dim): SD 1.5 (D 40/80/160, 8 heads), SD 2.1 and SDXL (D 64), 512^2 and 1024^2,
+# then odd sizes.
+SELF_ATTENTION = [
+    (2, 4096, 8, 40), (2, 1024, 8, 80), (2, 256, 8, 160), (2, 64, 8, 160),
+    (2, 16384, 8, 40), (2, 4096, 8, 80), (2, 1024, 8, 160),
+    (2, 4096, 5, 64), (2, 1024, 10, 64), (2, 256, 20, 64),
+    (2, 4096, 10, 64), (2, 1024, 20, 64),
+    (1, 1, 8, 40), (3, 77, 4, 64), (1, 4097, 2, 40), (2, 130, 3, 8), (2, 300, 2, 72), (1, 200, 2, 256),
+    (8, 64, 8, 40), (4, 100, 2, 24), (1, 129, 1, 128), (1, 65, 1, 200),
+]
+CROSS_ATTENTION = [
+    (2, 4096, 77, 8, 40), (2, 1024, 77, 8, 80), (2, 256, 77, 8, 160), (2, 16384, 77, 8, 40),
+    (2, 4096, 77, 10, 64), (2, 1024, 77, 20, 64),
+    (1, 1, 77, 8, 40), (2, 100, 1, 4, 64), (1, 4097, 77, 2, 80), (8, 64, 77, 8, 40), (2, 70, 300, 2, 256),
+    (2, 33, 5, 3, 8), (1, 40, 129, 2, 72),
+]
+
+
+@pytest.mark.parametrize("b, s, h, d", SELF_ATTENTION)
+def test_fmha(b, s, h, d):
+    qkv = randn(b, s, h, 3, d)
+    out = poisoned(b, s, h, d)
+    scale = ops.default_scale(d)
+    ops.fmha_into(qkv, out, scale)
+    q, k, v = (qkv[:, :, :, i].float().transpose(1, 2) for i in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
+    assert rel_error(out, ref) < ATTENTION_BOUND
+
+
+@pytest.mark.parametrize("b, sq, skv, h, d", CROSS_ATTENTION)
+def test_fmhca(b, sq, skv, h, d):
+    q, kv = randn(b, sq, h, d), randn(b, skv, h, 2, d)
+    out = poisoned(b, sq, h, d)
+    ops.fmhca_into(q, kv, out, 0.3)
+    k, v = (kv[:, :, :, i].float().transpose(1, 2) for i in range(2))
+    ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, scale=0.3).transpose(1, 2)
+    assert rel_error(out, ref) < ATTENTION_BOUND
+
+
+def test_attention_op_and_graph_capture():
+    """The custom op itself, on a side stream, inside a CUDA graph, and under torch.compile."""
+    qkv = randn(2, 256, 8, 3, 40)
+    expected = ops.fmha_into(qkv, poisoned(2, 256, 8, 40), 0.2)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        torch.ops.sdplugins.fmha(qkv, 0.2)  # warm up on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            captured = torch.ops.sdplugins.fmha(qkv, 0.2)
+    qkv.copy_(randn(2, 256, 8, 3, 40))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, ops.fmha_into(qkv, poisoned(2, 256, 8, 40), 0.2))
+    compiled = torch.compile(lambda t: torch.ops.sdplugins.fmha(t, 0.2) * 2, fullgraph=True)
+    assert torch.equal(compiled(qkv), ops.fmha_into(qkv, poisoned(2, 256, 8, 40), 0.2) * 2)
+    assert not torch.equal(expected, captured)  # the replay saw the new inputs
+
+
+# (batch, channels, height, width, groups): SD 1.5 UNet and VAE at 512^2, SDXL's 1024^2 UNet, odd ones.
+GROUP_NORM = [
+    (2, 320, 64, 64, 32), (2, 640, 32, 32, 32), (2, 1280, 16, 16, 32), (2, 1280, 8, 8, 32),
+    (2, 960, 32, 32, 32), (2, 1920, 16, 16, 32), (2, 2560, 8, 8, 32),
+    (1, 512, 64, 64, 32), (1, 512, 128, 128, 32), (1, 256, 256, 256, 32), (1, 128, 512, 512, 32),
+    (2, 320, 128, 128, 32), (2, 640, 64, 64, 32),
+    (8, 64, 9, 7, 8), (1, 30, 5, 5, 3), (3, 12, 1, 1, 4), (2, 40, 3, 3, 40), (1, 2048, 4, 4, 1),
+]
+
+
+@pytest.mark.parametrize("b, c, h, w, groups", GROUP_NORM)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_group_norm(b, c, h, w, groups, layout):
+    # A non-zero mean and non-unit scale check the variance arithmetic, not just the normalisation.
+    x = randn(b, c, h, w, scale=2.0, shift=0.5)
+    gamma, beta = randn(c), randn(c)
+    silu, eps = (b + c) % 2 == 0, 1e-6 if c % 3 else 1e-5
+    ref = F.group_norm(x.float(), groups, gamma.float(), beta.float(), eps)
+    ref = F.silu(ref) if silu else ref
+    if layout == "nhwc":
+        x_in, ref = x.permute(0, 2, 3, 1).contiguous(), ref.permute(0, 2, 3, 1)
+    else:
+        x_in = x
+    out = poisoned(*x_in.shape)
+    ops.group_norm_into(x_in, gamma, beta, out, groups, eps, silu, layout == "nhwc")
+    assert rel_error(out, ref) < NORM_BOUND
+
+
+def test_group_norm_honours_epsilon():
+    """A large epsilon must change the result exactly as F.group_norm's does (NVIDIA's ignored it)."""
+    x = randn(2, 64, 8, 8, scale=0.05)
+    gamma, beta = randn(64), randn(64)
+    out = ops.group_norm_into(x, gamma, beta, poisoned(2, 64, 8, 8), 8, 0.5, False, False)
+    ref = F.group_norm(x.float(), 8, gamma.float(), beta.float(), 0.5)
+    assert rel_error(out, ref) < NORM_BOUND
+    assert rel_error(out, F.group_norm(x.float(), 8, gamma.float(), beta.float(), 1e-5)) > 0.1
+
+
+@pytest.mark.parametrize("rows, n", [(8192, 320), (2048, 640), (512, 1280), (154, 768), (154, 1024),
+                                     (32768, 320), (8192, 640), (2048, 1280), (7, 2048), (3, 100), (5, 3000),
+                                     (2, 4104), (1, 8), (9, 1)])
+def test_layer_norm(rows, n):
+    x = randn(rows, n, scale=3.0, shift=-1.0)
+    gamma, beta = randn(n), randn(n)
+    out = ops.layer_norm_into(x, gamma, beta, poisoned(rows, n), 1e-5)
+    ref = F.layer_norm(x.float(), (n,), gamma.float(), beta.float(), 1e-5)
+    if n == 1:  # a single element normalizes to exactly beta
+        ref = beta.float().expand(rows, 1)
+    assert rel_error(out, ref) < NORM_BOUND
+
+
+@pytest.mark.parametrize("rows, n", [(8192, 1280), (2048, 2560), (512, 5120), (32768, 1280), (3, 100), (77, 13), (1, 8)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_gelu(rows, n, with_bias):
+    x = randn(2, rows, 2 * n)
+    bias = randn(2 * n) if with_bias else None
+    out = ops.split_gelu_into(x, bias, poisoned(2, rows, n))
+    xf = x.float() + (bias.float() if with_bias else 0)
+    ref = xf[..., :n] * F.gelu(xf[..., n:])
+    assert rel_error(out, ref) < NORM_BOUND
+
+
+@pytest.mark.parametrize("b, c, h, w", [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8),
+                                        (2, 960, 32, 32), (2, 1920, 16, 16), (1, 7, 1, 4097), (3, 65, 5, 13),
+                                        (1, 1, 1, 1)])
+def test_seq2spatial(b, c, h, w):
+    x, bias, residual = randn(b, h * w, c), randn(c), randn(b, c, h, w)
+    out = ops.seq2spatial_into(x, bias, residual, poisoned(b, c, h, w))
+    ref = (x.float() + bias.float()).permute(0, 2, 1).reshape(b, c, h, w) + residual.float()
+    assert rel_error(out, ref) < NORM_BOUND
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ops.fmha_into(randn(1, 8, 1, 3, 12), poisoned(1, 8, 1, 12), 1.0), "multiple of 8"),
+    (lambda: ops.fmha_into(randn(1, 8, 1, 3, 264), poisoned(1, 8, 1, 264), 1.0), "[8, 256]"),
+    (lambda: ops.group_norm_into(randn(1, 30, 2, 2), randn(30), randn(30), poisoned(1, 30, 2, 2), 4, 1e-5,
+                                 False, False), "must divide"),
+])
+def test_kernels_reject_what_they_cannot_do(call, message):
+    with pytest.raises((RuntimeError, ValueError), match=message.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
+def test_memcheck_every_kernel():
+    result = subprocess.run(
+        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
+         str(ROOT / "scripts" / "plugin_memcheck.py")],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "ERROR SUMMARY: 0 errors" in result.stdout
