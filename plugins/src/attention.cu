@@ -70,10 +70,11 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
   const half* v = p.v + batch * p.kv_batch + head * p.kv_head;
   half* o = p.o + batch * p.o_batch + head * p.o_head;
 
-  // Columns past d are never loaded: zero them once so padded k-steps add nothing.
-  for (int i = threadIdx.x; i < T::SMEM_BYTES / 16; i += T::THREADS)
-    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
-  __syncthreads();
+  // Q and K columns past d are never loaded: zero them once so padded k-steps add nothing. (V's
+  // padding only feeds output columns past d, which are never stored.)
+  const int pad_vecs = (T::KSTEPS * 16 - p.d) / 8;
+  for (int i = threadIdx.x; i < (T::BM + T::BN) * pad_vecs; i += T::THREADS)
+    *reinterpret_cast<uint4*>(sQ + (i / pad_vecs) * T::STRIDE + p.d + (i % pad_vecs) * 8) = make_uint4(0, 0, 0, 0);
 
   load_rows<T::BM, T::THREADS, T::STRIDE>(sQ, q, p.q_row, m0, p.seq_q, p.d);
   load_rows<T::BN, T::THREADS, T::STRIDE>(sK, k, p.kv_row, 0, p.seq_kv, p.d);

@@ -18,15 +18,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) layer_norm_warp(const hal
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
   const half* src = x + row * n;
-  float v[VPL][8], g[VPL][8], b[VPL][8];
+  float v[VPL][8];
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
     const int c = (i * 32 + lane) * 8;
-    if (c < n) {  // gamma and beta load alongside x, not after the reductions
+    if (c < n) {
       load8(src + c, v[i]);
-      load8(gamma + c, g[i]);
-      load8(beta + c, b[i]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += v[i][e];
     }
@@ -43,8 +41,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) layer_norm_warp(const hal
   for (int i = 0; i < VPL; ++i) {
     const int c = (i * 32 + lane) * 8;
     if (c < n) {
+      float g[8], b[8];  // loading these earlier measured slower (register pressure)
+      load8(gamma + c, g);
+      load8(beta + c, b);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[i][e] = (v[i][e] - mean) * rstd * g[i][e] + b[i][e];
+      for (int e = 0; e < 8; ++e) v[i][e] = (v[i][e] - mean) * rstd * g[e] + b[e];
       store8(y + row * n + c, v[i]);
     }
   }

@@ -12,11 +12,22 @@ template <int V>
 __global__ void __launch_bounds__(256) seq2spatial_kernel(const half* x, const half* bias, const half* residual,
                                                           half* y, int hw, int channels) {
   __shared__ float tile[kTile][kTile + 1];  // [pixel][channel]; +1 spreads columns over banks
-  constexpr int kVecs = kTile / V;
+  constexpr int kVecs = kTile / V, kPerThread = kTile * kVecs / 256;
+  const half* res = residual + int64_t(blockIdx.z) * channels * hw;
+  // The residual does not depend on the tile: fetch it first so both reads are in flight together.
+  float r[kPerThread][8];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int i = threadIdx.x + k * 256, c = i / kVecs, p = (i % kVecs) * V;
+    if (blockIdx.y * kTile + c < channels && blockIdx.x * kTile + p < hw) {
+      const int64_t at = int64_t(blockIdx.y * kTile + c) * hw + blockIdx.x * kTile + p;
+      if constexpr (V == 8) load8(res + at, r[k]); else r[k][0] = __half2float(res[at]);
+    }
+  }
   const int p0 = blockIdx.x * kTile, c0 = blockIdx.y * kTile;
   const int64_t item = blockIdx.z;
   const half* src = x + item * hw * channels;
-  for (int i = threadIdx.x; i < kTile * kVecs; i += blockDim.x) {  // rows of pixels, channels contiguous
+  for (int i = threadIdx.x; i < kTile * kVecs; i += 256) {  // rows of pixels, channels contiguous
     const int p = i / kVecs, c = (i % kVecs) * V;
     float v[8] = {};
     if (p0 + p < hw && c0 + c < channels) {
@@ -35,20 +46,18 @@ __global__ void __launch_bounds__(256) seq2spatial_kernel(const half* x, const h
     for (int e = 0; e < V; ++e) tile[p][c + e] = v[e];
   }
   __syncthreads();
-  const half* res = residual + item * int64_t(channels) * hw;
   half* dst = y + item * int64_t(channels) * hw;
-  for (int i = threadIdx.x; i < kTile * kVecs; i += blockDim.x) {  // rows of channels, pixels contiguous
-    const int c = i / kVecs, p = (i % kVecs) * V;
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {  // rows of channels, pixels contiguous
+    const int i = threadIdx.x + k * 256, c = i / kVecs, p = (i % kVecs) * V;
     if (c0 + c >= channels || p0 + p >= hw) continue;
     const int64_t at = int64_t(c0 + c) * hw + p0 + p;
     if constexpr (V == 8) {
-      float r[8];
-      load8(res + at, r);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) r[e] += tile[p + e][c];
-      store8(dst + at, r);
+      for (int e = 0; e < 8; ++e) r[k][e] += tile[p + e][c];
+      store8(dst + at, r[k]);
     } else {
-      dst[at] = __float2half(tile[p][c] + __half2float(res[at]));
+      dst[at] = __float2half(tile[p][c] + r[k][0]);
     }
   }
 }
