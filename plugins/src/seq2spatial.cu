@@ -15,7 +15,7 @@ __global__ void __launch_bounds__(256) seq2spatial_kernel(const half* x, const h
   constexpr int kVecs = kTile / V, kPerThread = kTile * kVecs / 256;
   const half* res = residual + int64_t(blockIdx.z) * channels * hw;
   // The residual does not depend on the tile: fetch it first so both reads are in flight together.
-  float r[kPerThread][8];
+  float r[kPerThread][V];
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int i = threadIdx.x + k * 256, c = i / kVecs, p = (i % kVecs) * V;
