@@ -20,21 +20,14 @@ from demo.errors import UsageError  # noqa: E402
 PROG = "demo_diffusion"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit status 2
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from demo.arguments import Parser, add_engine_arguments, add_model_arguments
     from demo.backends import BACKENDS
     from demo.pipeline import SCHEDULERS
-    from models.builtin import BUILTIN_MODELS
 
-    p = _Parser(prog=PROG, description="Stable Diffusion text-to-image with per-stage latency report.")
+    p = Parser(prog=PROG, description="Stable Diffusion text-to-image with per-stage latency report.")
     p.add_argument("prompt", help="text prompt")
-    p.add_argument("--model", default="tiny",
-                   help=f"built-in ({', '.join(BUILTIN_MODELS)}), a diffusers-format directory, or a hub id "
-                        "(default: tiny)")
+    add_model_arguments(p)
     p.add_argument("--negative-prompt", default="", help="negative prompt (default: empty)")
     p.add_argument("--batch-size", type=int, default=1, help="images per run (default: 1)")
     p.add_argument("--height", type=int, help="image height in pixels, a multiple of 8 (default: model's native)")
@@ -45,17 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", help=f"one of {', '.join(SCHEDULERS)} (default: the model's own)")
     p.add_argument("--seed", type=int, help="random seed (default: a random one, reported)")
     p.add_argument("--backend", default="auto", help=f"one of {', '.join(BACKENDS)} (default: auto)")
-    p.add_argument("--onnx-dir", help="ONNX artifact directory, for engine backends (default: onnx)")
-    p.add_argument("--engine-dir", help="TensorRT engine directory, for engine backends (default: engine)")
     p.add_argument("--output-dir", default="output", help="where images and the report go (default: output)")
-    p.add_argument("--force-onnx-export", action="store_true", help="re-export ONNX even if cached")
-    p.add_argument("--force-onnx-optimize", action="store_true", help="re-optimize ONNX even if cached")
     p.add_argument("--num-warmup-runs", type=int, default=1, help="untimed runs before the timed one (default: 1)")
-    p.add_argument("--verbose", action="store_true", help="print progress details")
+    add_engine_arguments(p)
     return p
 
 
 def validate(args, source) -> None:
+    from demo.arguments import check_image_size
+
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.denoising_steps < 1:
@@ -64,13 +55,7 @@ def validate(args, source) -> None:
         raise UsageError(f"--num-warmup-runs must be 0 or more, got {args.num_warmup_runs}")
     if args.guidance_scale < 0:
         raise UsageError(f"--guidance-scale must be 0 or more, got {args.guidance_scale}")
-    low, high = source.image_size_range
-    for flag in ("height", "width"):
-        value = getattr(args, flag)
-        if value % 8:
-            raise UsageError(f"--{flag} must be a multiple of 8, got {value}")
-        if not low <= value <= high:
-            raise UsageError(f"--{flag} {value} is outside model '{source.name}' range {low}..{high}")
+    check_image_size(source, args.height, args.width)
 
 
 def check_writable(directory: Path) -> None:
@@ -113,10 +98,11 @@ def save_outputs(directory: Path, stem: str, images, report) -> list[Path]:
         run += 1
 
 
-def run(args) -> int:
+def run(parser, args) -> int:
     import torch
     from tqdm import tqdm
 
+    from demo.arguments import engine_flags_set, engine_settings
     from demo.backends import create_stages, select_backend
     from demo.logs import configure_library_logging
     from demo.pipeline import GenerationRequest, Text2ImagePipeline, default_scheduler_name
@@ -134,18 +120,21 @@ def run(args) -> int:
     scheduler_name = args.scheduler or default_scheduler_name(source)
     output_dir = Path(args.output_dir)
     check_writable(output_dir)
+    settings = None
     if backend == "torch":
-        ignored = [f for f in ("onnx_dir", "engine_dir", "force_onnx_export", "force_onnx_optimize") if getattr(args, f)]
-        if ignored:
-            print(f"note: {', '.join('--' + f.replace('_', '-') for f in ignored)} unused by the torch backend",
-                  file=sys.stderr)
+        unused = engine_flags_set(parser, args)
+        if unused:
+            print(f"note: {', '.join(unused)} unused by the torch backend", file=sys.stderr)
+    else:
+        settings = engine_settings(args, source, backend, args.batch_size, args.height, args.width,
+                                   guided=args.guidance_scale > 1.0)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     log(f"[{PROG}] model {source.name} ({source.path}), backend {backend} ({reason}), {device} {dtype}")
     models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
-    stages = create_stages(backend, models, device, dtype)
+    stages = create_stages(backend, models, device, dtype, settings, log=log)
     pipeline = Text2ImagePipeline(source, stages, scheduler_name, device, dtype)
     request = GenerationRequest(
         prompts=[args.prompt] * args.batch_size,
@@ -178,8 +167,8 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-        return run(args)
+        parser = build_parser()
+        return run(parser, parser.parse_args(argv))
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

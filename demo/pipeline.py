@@ -107,6 +107,9 @@ class Text2ImagePipeline:
         """Images as float32 [B, H, W, 3] in [0, 1] (diffusers' output_type="np")."""
         from diffusers.utils.torch_utils import randn_tensor
 
+        guided_batch = request.batch_size * (2 if request.guided else 1)
+        for name, batch in (("clip", guided_batch), ("unet", guided_batch), ("vae", request.batch_size)):
+            self.stages[name].prepare(batch, request.height, request.width)
         with timer.measure("pipeline"):
             with timer.measure("clip"):
                 texts = (request.negative_prompts + request.prompts) if request.guided else request.prompts

@@ -18,6 +18,9 @@ class Stage(abc.ABC):
         self.model = model
         self.name = model.name
 
+    def prepare(self, batch: int, height: int, width: int) -> None:
+        """Get ready for calls at this stage batch and image size (engines size their buffers here)."""
+
     @abc.abstractmethod
     def __call__(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the stage on inputs named as in model.input_names; outputs are named as in output_names."""

@@ -80,6 +80,8 @@ def _require(cond: bool, message: str) -> None:
 
 
 def _check_half(name: str, *tensors: torch.Tensor) -> None:
+    if not available():  # the root cause first: nothing below could run anyway
+        raise RuntimeError(f"sdplugins unavailable: {_STATUS}")
     for t in tensors:
         _require(t.dtype == torch.float16, f"{name}: tensors must be float16, got {t.dtype}")
         _require(t.is_cuda, f"{name}: tensors must be on a CUDA device")
@@ -158,8 +160,6 @@ def group_norm_into(x, gamma, beta, out, groups: int, eps: float, silu: bool, ch
     _require(groups >= 1 and c % groups == 0, f"group_norm: groups ({groups}) must divide channels ({c})")
     _require(out.shape == x.shape, "group_norm: out must be shaped like x")
     layout = LAYOUT_NHWC if channels_last else LAYOUT_NCHW
-    if not available():
-        _call("sdp_group_norm")  # raises with the reason
     size = _LIB.sdp_group_norm_workspace_size(b, c, hw, groups, layout)
     workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=x.device)
     _call("sdp_group_norm", _ptr(x), _ptr(gamma), _ptr(beta), _ptr(out), _ptr(workspace), size,

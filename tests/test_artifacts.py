@@ -21,7 +21,7 @@ def test_reuse_rebuild_and_recovery(tmp_path):
     quiet = lambda *_: None
     cached_build(art, key, _builder(calls), log=quiet)
     assert art.read_bytes() == b"artifact-bytes" and (tmp_path / "unet.onnx.data").exists()
-    assert read_manifest(art)["files"] == {"unet.onnx": 14, "unet.onnx.data": 9}
+    assert {n: f["size"] for n, f in read_manifest(art)["files"].items()} == {"unet.onnx": 14, "unet.onnx.data": 9}
     cached_build(art, key, _builder(calls), log=quiet)
     assert len(calls) == 1  # fresh: reused
 
@@ -35,6 +35,14 @@ def test_reuse_rebuild_and_recovery(tmp_path):
 
     cached_build(art, dict(key, model="changed"), _builder(calls), force=True, log=quiet)
     assert len(calls) == 4
+
+    # Same size, different bytes: only a content check can tell.
+    art.write_bytes(b"artifact-bytez")
+    cached_build(art, dict(key, model="changed"), _builder(calls), log=quiet)
+    assert len(calls) == 4
+    messages.clear()
+    cached_build(art, dict(key, model="changed"), _builder(calls), log=messages.append, verify_content=True)
+    assert len(calls) == 5 and "content hash differs" in messages[0]
 
 
 def test_failed_build_leaves_nothing(tmp_path):

@@ -1,0 +1,85 @@
+"""Command-line flags shared by demo_diffusion.py and the scripts, and what they turn into."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from demo.errors import UsageError
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors become one line (UsageError) instead of usage text plus exit."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    from models.builtin import BUILTIN_MODELS
+
+    p.add_argument("--model", default="tiny",
+                   help=f"built-in ({', '.join(BUILTIN_MODELS)}), a diffusers-format directory, or a hub id "
+                        "(default: tiny)")
+    p.add_argument("--verbose", action="store_true", help="show library logs and build details")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ONNX and TensorRT engines")
+    g.add_argument("--onnx-dir", default="onnx", help="ONNX artifact directory (default: onnx)")
+    g.add_argument("--engine-dir", default="engine", help="TensorRT engine directory (default: engine)")
+    g.add_argument("--force-onnx-export", action="store_true", help="re-export ONNX even if cached")
+    g.add_argument("--force-onnx-optimize", action="store_true", help="re-optimize ONNX even if cached")
+    g.add_argument("--force-engine-build", action="store_true", help="rebuild engines even if cached")
+    g.add_argument("--build-static-batch", action="store_true", help="engines for exactly --batch-size")
+    g.add_argument("--build-dynamic-shape", action="store_true",
+                   help="engines for any height/width in the model's range (default: exactly --height/--width)")
+    g.add_argument("--optimization-level", type=int, default=3, help="TensorRT builder level 0-5 (default: 3)")
+    g.add_argument("--timing-cache", help="timing cache file, read and updated by builds")
+    g.add_argument("--use-cuda-graph", action="store_true", help="replay each engine from a CUDA graph (static shapes)")
+    g.add_argument("--target-cc", help="target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 "
+                                       "(default: this machine's GPU)")
+
+
+ENGINE_FLAGS = ("onnx_dir", "engine_dir", "force_onnx_export", "force_onnx_optimize", "force_engine_build",
+                "build_static_batch", "build_dynamic_shape", "optimization_level", "timing_cache", "use_cuda_graph",
+                "target_cc")
+
+
+def engine_flags_set(parser: argparse.ArgumentParser, args) -> list[str]:
+    """Engine flags given a non-default value (reported as unused by the torch backend)."""
+    return ["--" + f.replace("_", "-") for f in ENGINE_FLAGS if getattr(args, f) != parser.get_default(f)]
+
+
+def engine_settings(args, source, flavour: str, batch_size: int, height: int, width: int, guided: bool):
+    from demo.engine import BuildOptions, EngineSettings, ImageProfile, parse_target_ccs
+
+    if not 0 <= args.optimization_level <= 5:
+        raise UsageError(f"--optimization-level must be 0..5, got {args.optimization_level}")
+    profile = ImageProfile.for_request(source, batch_size, height, width, args.build_static_batch,
+                                       args.build_dynamic_shape)
+    if args.use_cuda_graph and not profile.static:
+        raise UsageError("--use-cuda-graph needs static shapes: add --build-static-batch and drop --build-dynamic-shape")
+    check_engine_image_size(source, height, width)
+    options = BuildOptions(flavour, args.optimization_level, Path(args.timing_cache) if args.timing_cache else None,
+                           parse_target_ccs(args.target_cc))
+    return EngineSettings(flavour, Path(args.onnx_dir), Path(args.engine_dir), profile, options, guided=guided,
+                          use_cuda_graph=args.use_cuda_graph, force_onnx_export=args.force_onnx_export,
+                          force_onnx_optimize=args.force_onnx_optimize, force_engine_build=args.force_engine_build)
+
+
+def check_image_size(source, height: int, width: int) -> None:
+    low, high = source.image_size_range
+    for flag, value in (("height", height), ("width", width)):
+        if value % 8:
+            raise UsageError(f"--{flag} must be a multiple of 8, got {value}")
+        if not low <= value <= high:
+            raise UsageError(f"--{flag} {value} is outside model '{source.name}' range {low}..{high}")
+
+
+def check_engine_image_size(source, height: int, width: int) -> None:
+    """The exported UNet upsamples by plain factors of 2: latents must divide by 2**upsamplers."""
+    multiple = source.vae_scale_factor * 2 ** (len(source.config("unet")["block_out_channels"]) - 1)
+    for flag, value in (("height", height), ("width", width)):
+        if value % multiple:
+            raise UsageError(f"--{flag} {value}: engines of model '{source.name}' need a multiple of {multiple}")

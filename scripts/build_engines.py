@@ -1,0 +1,90 @@
+"""Build TensorRT engines: export -> optimize -> build, for all stages or a chosen subset.
+
+    python scripts/build_engines.py --model tiny --backend tensorrt-rtx --target-cc 8.0,8.6,8.9
+
+Works without a GPU with TensorRT for RTX (name the target GPUs with --target-cc); ONNX is then
+exported in fp32 on the CPU. Prints per stage the ONNX size, build time and engine size.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from demo.errors import UsageError  # noqa: E402
+
+PROG = "build_engines"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo.arguments import Parser, add_engine_arguments, add_model_arguments
+    from demo.trt_flavour import FLAVOURS
+
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    add_model_arguments(p)
+    p.add_argument("--backend", default="tensorrt-rtx", help=f"TensorRT flavour: {', '.join(FLAVOURS)}")
+    p.add_argument("--stages", default="clip,unet,vae", help="comma-separated subset of clip, unet, vae, vae_encoder")
+    p.add_argument("--batch-size", type=int, default=1, help="images per run the engines serve (default: 1)")
+    p.add_argument("--height", type=int, help="image height (default: model's native)")
+    p.add_argument("--width", type=int, help="image width (default: model's native)")
+    p.add_argument("--no-guidance", action="store_true", help="CLIP and UNet engines for unguided batches")
+    p.add_argument("--onnx-precision", choices=("auto", "fp16", "fp32"), default="auto",
+                   help="ONNX (and so engine) precision; auto: fp16 on a GPU, fp32 on a CPU")
+    p.add_argument("--report", help="write the per-stage table as JSON here too")
+    add_engine_arguments(p)
+    try:
+        return build(p.parse_args(argv))
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build(args) -> int:
+    import torch
+
+    from demo.arguments import check_image_size, engine_settings
+    from demo.engine import prepare_stage_engines
+    from demo.logs import configure_library_logging
+    from demo.trt_flavour import import_flavour
+    from models import STAGE_MODELS
+    from models.source import resolve_model
+
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = [s for s in stages if s not in STAGE_MODELS]
+    if unknown or not stages:
+        raise UsageError(f"unknown stage(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(STAGE_MODELS)}")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
+    import_flavour(args.backend)  # clear error if the flavour is missing
+    configure_library_logging(args.verbose)
+    source = resolve_model(args.model)
+    height, width = args.height or source.native_image_size, args.width or source.native_image_size
+    check_image_size(source, height, width)
+    settings = engine_settings(args, source, args.backend, args.batch_size, height, width,
+                               guided=not args.no_guidance)
+    gpu = torch.cuda.is_available()
+    precision = args.onnx_precision if args.onnx_precision != "auto" else ("fp16" if gpu else "fp32")
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    device = "cuda" if gpu else "cpu"
+    start = time.perf_counter()
+    prepare_stage_engines([STAGE_MODELS[name](source) for name in stages], settings, device, dtype)
+    targets = ",".join(f"{a}.{b}" for a, b in settings.options.resolved_targets())
+    print(f"\n{args.backend} engines for {source.name}, {precision}, targets {targets}, "
+          f"batch {settings.profile.batch}, height {settings.profile.height}, width {settings.profile.width}")
+    print(f"{'stage':<12} {'ONNX MiB':>9} {'export+opt s':>13} {'build s':>8} {'engine MiB':>11}")
+    for name, stat in settings.stats.items():
+        print(f"{name:<12} {stat['onnx_bytes'] / 2**20:9.1f} {stat['onnx_s']:13.1f} {stat['engine_s']:8.1f} "
+              f"{stat['engine_bytes'] / 2**20:11.1f}")
+    print(f"total {time.perf_counter() - start:.1f} s; engines in {settings.engine_dir}")
+    if args.report:
+        Path(args.report).write_text(json.dumps({"model": source.name, "flavour": args.backend, "precision": precision,
+                                                 "targets": targets, "stages": settings.stats}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
