@@ -15,13 +15,25 @@ def _staging_name(final: Path) -> str:
     return f".{final.name}.tmp-"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _temporary_file(final: Path) -> tuple[int, Path]:
+    """mkstemp beside `final`, with the permissions a plain open() would give (mkstemp uses 0600)."""
+    fd, tmp = tempfile.mkstemp(prefix=_staging_name(final), dir=final.parent)
+    os.fchmod(fd, 0o666 & ~_umask())
+    return fd, Path(tmp)
+
+
 @contextlib.contextmanager
 def atomic_file(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside `final`; on success it is renamed over `final`."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_staging_name(final), dir=final.parent)
+    fd, tmp_path = _temporary_file(final)
     os.close(fd)
-    tmp_path = Path(tmp)
     try:
         yield tmp_path
         os.replace(tmp_path, final)
@@ -41,7 +53,7 @@ def write_new_file(final: Path, data: bytes) -> bool:
     "create if absent" atomic.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_staging_name(final), dir=final.parent)
+    fd, tmp = _temporary_file(final)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)

@@ -1,5 +1,7 @@
 """The artifact cache reuses fresh artifacts, rebuilds stale or damaged ones, and never half-writes."""
 
+import os
+
 import pytest
 
 from demo.artifacts import cached_build, read_manifest
@@ -58,9 +60,16 @@ def test_failed_build_leaves_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["clip.onnx.lock"]
 
 
+def _current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_write_new_file_never_overwrites(tmp_path):
     target = tmp_path / "img.png"
     assert write_new_file(target, b"first")
     assert not write_new_file(target, b"second")
     assert target.read_bytes() == b"first"
+    assert target.stat().st_mode & 0o777 == 0o666 & ~_current_umask()  # not mkstemp's 0600
     assert [p.name for p in tmp_path.iterdir()] == ["img.png"]
