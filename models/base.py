@@ -14,7 +14,7 @@ from models.source import ModelSource
 
 ONNX_OPSET = 17
 # Bump when export or optimization code changes what it writes, so cached artifacts are rebuilt.
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
 OPTIMIZE_VERSION = 1
 # Protobuf cannot hold a model above 2 GiB; larger ones keep their weights in one external file.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
@@ -82,12 +82,16 @@ class StageModel(abc.ABC):
     def load_module(self) -> torch.nn.Module:
         """The PyTorch module, taking inputs in `input_names` order and returning one tensor per output."""
 
+    def export_module(self) -> torch.nn.Module:
+        """The module ONNX export traces; the same computation as load_module()."""
+        return self.load_module()
+
     # ---- ONNX ----------------------------------------------------------------------------------
     def export_onnx(self, path: Path, device: str | torch.device, dtype: torch.dtype, opset: int = ONNX_OPSET) -> None:
         """Export with dynamic axes; weights go to `<name>.data` beside `path` when above 2 GB."""
         import onnx
 
-        module = self.load_module().to(device=device, dtype=dtype).eval()
+        module = self.export_module().to(device=device, dtype=dtype).eval()
         height = width = self.source.native_image_size
         inputs = self.sample_inputs(self.export_batch, height, width, device, dtype)
         raw_dir = path.parent / "raw"  # the exporter may scatter large weights over many files here

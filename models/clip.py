@@ -36,8 +36,15 @@ class CLIPModel(StageModel):
     def integer_input_bound(self, name):
         return self.config["vocab_size"]
 
-    def load_module(self):
+    def load_module(self, attn_implementation: str | None = None):
         from transformers import CLIPTextModel
 
-        encoder = CLIPTextModel.from_pretrained(self.source.path, subfolder=self.component)
+        encoder = CLIPTextModel.from_pretrained(self.source.path, subfolder=self.component,
+                                                attn_implementation=attn_implementation)
         return _TextEmbeddings(encoder)
+
+    def export_module(self):
+        # Traced through SDPA, the float32 causal mask promotes fp16 scores, and the residual stream of
+        # an fp16 export turns float32 after the first layer (mixed-type LayerNorms that strongly typed
+        # TensorRT rejects). The eager attention path keeps every layer in the model's precision.
+        return self.load_module(attn_implementation="eager")

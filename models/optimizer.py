@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from polygraphy.backend.onnx import loader as poly
@@ -58,9 +59,19 @@ class GraphOptimizer:
             ("cleanup", self.cleanup),
         ]
 
+    def precision_warning(self) -> str | None:
+        """Names the matrix ops that compute in fp32 beside fp16 ones (a half-converted export)."""
+        matrix_ops = [n for n in self.graph.nodes if n.op in ("MatMul", "Conv", "Gemm") and n.outputs]
+        wide = [n.name for n in matrix_ops if n.outputs[0].dtype == np.float32]
+        if not wide or not any(n.outputs[0].dtype == np.float16 for n in matrix_ops):
+            return None
+        return (f"[optimize] {self.stage}: WARNING {len(wide)} of {len(matrix_ops)} MatMul/Conv/Gemm nodes compute "
+                f"in fp32 in an fp16 model (first: {wide[0]}); strongly typed engines will run them in fp32")
+
     def report(self) -> str:
         steps = " -> ".join(f"{name} {count}" for name, count in self.history)
-        return f"[optimize] {self.stage}: nodes {steps}"
+        warning = self.precision_warning()
+        return f"[optimize] {self.stage}: nodes {steps}" + (f"\n{warning}" if warning else "")
 
 
 def optimize_onnx_file(src: Path, dst: Path, stage: str, log: Callable[[str], None] = print) -> None:

@@ -76,3 +76,27 @@ def test_shape_profile_follows_model_config(tiny):
     clip = STAGE_MODELS["clip"](tiny)
     assert clip.shape_profile((1, 2, 4), (64,) * 3, (64,) * 3) == {"input_ids": ((1, 77), (2, 77), (4, 77))}
     assert clip.sample_inputs(2, 64, 64)["input_ids"].dtype == torch.int32
+
+
+def test_fp16_export_stays_fp16_and_the_optimizer_flags_fp32_islands(tiny, tmp_path):
+    """CLIP traced through SDPA turns fp32 after its first layer; the export path must not, and the
+    optimizer report must say so when a graph does."""
+    from models.optimizer import GraphOptimizer
+
+    clip = STAGE_MODELS["clip"](tiny)
+    clip.export_onnx(tmp_path / "clip.onnx", "cpu", torch.float16)
+    clean = GraphOptimizer(onnx.load(str(tmp_path / "clip.onnx")), "clip")
+    clean.run()
+    assert clean.precision_warning() is None
+
+    ids = clip.sample_inputs(2, 64, 64)["input_ids"]
+    sdpa_module = clip.load_module(attn_implementation="sdpa").half().eval()
+    torch.onnx.export(sdpa_module, (ids,), str(tmp_path / "sdpa.onnx"), input_names=["input_ids"],
+                      output_names=["text_embeddings"], opset_version=17, dynamo=False)
+    mixed = GraphOptimizer(onnx.load(str(tmp_path / "sdpa.onnx")), "clip")
+    mixed.run()
+    assert "MatMul/Conv/Gemm nodes compute in fp32 in an fp16 model" in mixed.report()
+    clip.export_onnx(tmp_path / "clip32.onnx", "cpu", torch.float32)
+    fp32 = GraphOptimizer(onnx.load(str(tmp_path / "clip32.onnx")), "clip")
+    fp32.run()
+    assert fp32.precision_warning() is None  # plain fp32 graphs are not flagged
