@@ -1,6 +1,7 @@
 // Fused multi-head attention (self: fMHA, cross: fMHCA), FlashAttention-2 style.
 //
-// One block owns BM = 16 * WARPS query rows of one (batch, head); each warp owns 16 of them. K and V
+// One block owns BM = 16 * MT * WARPS query rows of one (batch, head); each warp owns MT tiles of 16
+// rows (two tiles let every K/V fragment read from shared memory feed two MMAs). K and V
 // stream through shared memory in tiles of BN keys; S = Q K^T and O += P V run on tensor cores
 // (mma m16n8k16) with an online softmax, so no S x S matrix ever reaches memory. The next K tile is
 // fetched while P V runs and the next V tile while the following Q K^T runs.
@@ -28,11 +29,11 @@ struct AttentionParams {
   float scale_log2;  // softmax scale * log2(e): exponentials use exp2
 };
 
-template <int DK_, int WARPS_, int BN_, bool Q_IN_REGS_>
+template <int DK_, int WARPS_, int BN_, bool Q_IN_REGS_, int MT_ = 1>
 struct AttentionTile {
-  static constexpr int DK = DK_, WARPS = WARPS_, BN = BN_;
+  static constexpr int DK = DK_, WARPS = WARPS_, BN = BN_, MT = MT_;
   static constexpr bool Q_IN_REGS = Q_IN_REGS_;
-  static constexpr int BM = 16 * WARPS, THREADS = 32 * WARPS;
+  static constexpr int BM = 16 * MT * WARPS, THREADS = 32 * WARPS;
   static constexpr int KSTEPS = (DK + 15) / 16;  // k-steps of Q K^T
   static constexpr int STRIDE = KSTEPS * 16 + 8;  // smem row in halves; the +8 makes ldmatrix conflict-free
   static constexpr int NT_O = DK / 8;             // 8-wide output column tiles
@@ -83,12 +84,18 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
   cp_async_commit();
 
   const int ksteps = (p.d + 15) / 16;  // runtime bound: generic instantiations serve several d
-  const half* q_warp = sQ + (warp * 16 + (lane & 15)) * T::STRIDE + (lane >> 4) * 8;
-  unsigned q_frag[T::Q_IN_REGS ? T::KSTEPS : 1][4];
-  float acc[T::NT_O][4];
+  constexpr int MT = T::MT;
+  const half* q_warp = sQ + (warp * MT * 16 + (lane & 15)) * T::STRIDE + (lane >> 4) * 8;
+  unsigned q_frag[MT][T::Q_IN_REGS ? T::KSTEPS : 1][4];
+  float acc[MT][T::NT_O][4];
+  float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
-  for (int i = 0; i < T::NT_O; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float row_max[2] = {-FLT_MAX, -FLT_MAX}, row_sum[2] = {0.f, 0.f};
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < T::NT_O; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -FLT_MAX;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
 
   const int tiles = (p.seq_kv + T::BN - 1) / T::BN;
   for (int j = 0; j < tiles; ++j) {
@@ -96,30 +103,41 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
     __syncthreads();
     if (T::Q_IN_REGS && j == 0) {
 #pragma unroll
-      for (int ks = 0; ks < (T::Q_IN_REGS ? T::KSTEPS : 0); ++ks) ldmatrix_x4(q_frag[ks], q_warp + ks * 16);
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < (T::Q_IN_REGS ? T::KSTEPS : 0); ++ks)
+          ldmatrix_x4(q_frag[mt][ks], q_warp + mt * 16 * T::STRIDE + ks * 16);
     }
 
-    // S = Q K^T for this warp's 16 rows and BN keys.
-    float s[T::NT_S][4];
+    // S = Q K^T for this warp's rows and BN keys.
+    float s[MT][T::NT_S][4];
 #pragma unroll
-    for (int i = 0; i < T::NT_S; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < T::NT_S; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < T::KSTEPS; ++ks) {
       if (ks >= ksteps) break;
-      unsigned a[4];
-      if constexpr (T::Q_IN_REGS) {
+      unsigned a[MT][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = q_frag[ks][i];
-      } else {
-        ldmatrix_x4(a, q_warp + ks * 16);
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (T::Q_IN_REGS) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[mt][ks][i];
+        } else {
+          ldmatrix_x4(a[mt], q_warp + mt * 16 * T::STRIDE + ks * 16);
+        }
       }
 #pragma unroll
       for (int np = 0; np < T::NT_S / 2; ++np) {
         unsigned b[4];
         ldmatrix_x4(b, sK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * T::STRIDE + ks * 16 +
                            ((lane >> 3) & 1) * 8);
-        mma_16816(s[2 * np], a, b[0], b[1]);
-        mma_16816(s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
       }
     }
     __syncthreads();  // all warps are done with K_j
@@ -127,44 +145,50 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
     cp_async_commit();
 
     // Online softmax on raw scores (the scale is folded into one FFMA before exp2). Thread holds
-    // rows g = lane/4 (elements 0,1) and g + 8 (elements 2,3). Only the last tile can be ragged.
+    // rows g = lane/4 (elements 0,1) and g + 8 (elements 2,3) of each tile. Only the last tile can
+    // be ragged.
     if ((j + 1) * T::BN > p.seq_kv) {
       const int key0 = j * T::BN + 2 * (lane & 3);
 #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < T::NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (key0 + nt * 8 + (e & 1) >= p.seq_kv) s[mt][nt][e] = -FLT_MAX;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float tile_max[2] = {-FLT_MAX, -FLT_MAX};
+#pragma unroll
       for (int nt = 0; nt < T::NT_S; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (key0 + nt * 8 + (e & 1) >= p.seq_kv) s[nt][e] = -FLT_MAX;
-    }
-    float tile_max[2] = {-FLT_MAX, -FLT_MAX};
+        for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[mt][nt][e]);
+      float correction[2], shift[2];
 #pragma unroll
-    for (int nt = 0; nt < T::NT_S; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
-    float correction[2], shift[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float new_max = fmaxf(row_max[r], tile_max[r]);
-      correction[r] = exp2f((row_max[r] - new_max) * p.scale_log2);
-      row_max[r] = new_max;
-      row_sum[r] *= correction[r];
-      shift[r] = -new_max * p.scale_log2;
-    }
-#pragma unroll
-    for (int nt = 0; nt < T::NT_S; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, shift[e >> 1]));
-        row_sum[e >> 1] += s[nt][e];
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_max = fmaxf(row_max[mt][r], tile_max[r]);
+        correction[r] = exp2f((row_max[mt][r] - new_max) * p.scale_log2);
+        row_max[mt][r] = new_max;
+        row_sum[mt][r] *= correction[r];
+        shift[r] = -new_max * p.scale_log2;
       }
 #pragma unroll
-    for (int i = 0; i < T::NT_O; ++i) {
-      acc[i][0] *= correction[0];
-      acc[i][1] *= correction[0];
-      acc[i][2] *= correction[1];
-      acc[i][3] *= correction[1];
+      for (int nt = 0; nt < T::NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], p.scale_log2, shift[e >> 1]));
+          row_sum[mt][e >> 1] += s[mt][nt][e];
+        }
+#pragma unroll
+      for (int i = 0; i < T::NT_O; ++i) {
+        acc[mt][i][0] *= correction[0];
+        acc[mt][i][1] *= correction[0];
+        acc[mt][i][2] *= correction[1];
+        acc[mt][i][3] *= correction[1];
+      }
     }
 
     cp_async_wait<1>();  // V_j has landed; K_{j+1} may still be in flight
@@ -174,22 +198,31 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
     // one 16-key step, so P never leaves registers.
 #pragma unroll
     for (int kk = 0; kk < T::BN / 16; ++kk) {
-      const unsigned a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack_half2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack_half2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack_half2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack_half2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
       const half* v_rows = sV + (kk * 16 + (lane & 15)) * T::STRIDE;
 #pragma unroll
       for (int dp = 0; dp < T::NT_O / 2; ++dp) {
         if (dp * 16 >= p.d) break;
         unsigned b[4];
         ldmatrix_x4_trans(b, v_rows + dp * 16 + (lane >> 4) * 8);
-        mma_16816(acc[2 * dp], a, b[0], b[1]);
-        mma_16816(acc[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(acc[mt][2 * dp], a[mt], b[0], b[1]);
+          mma_16816(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
       }
       if constexpr (T::NT_O % 2 == 1) {
         unsigned b[2];
         ldmatrix_x2_trans(b, v_rows + (T::NT_O - 1) * 8);
-        mma_16816(acc[T::NT_O - 1], a, b[0], b[1]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma_16816(acc[mt][T::NT_O - 1], a[mt], b[0], b[1]);
       }
     }
     __syncthreads();  // all warps are done with V_j
@@ -200,17 +233,22 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
 
   // Normalize, stage this warp's rows in its own part of sQ, then write 16-byte vectors.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    row_sum[r] = 1.f / row_sum[r];
-  }
-  half* out_rows = sQ + (warp * 16 + (lane >> 2)) * T::STRIDE + 2 * (lane & 3);
+  for (int mt = 0; mt < MT; ++mt) {
+    float inv[2];
 #pragma unroll
-  for (int nt = 0; nt < T::NT_O; ++nt) {
-    *reinterpret_cast<half2*>(out_rows + nt * 8) = __floats2half2_rn(acc[nt][0] * row_sum[0], acc[nt][1] * row_sum[0]);
-    *reinterpret_cast<half2*>(out_rows + 8 * T::STRIDE + nt * 8) =
-        __floats2half2_rn(acc[nt][2] * row_sum[1], acc[nt][3] * row_sum[1]);
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[mt][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      inv[r] = 1.f / sum;
+    }
+    half* out_rows = sQ + ((warp * MT + mt) * 16 + (lane >> 2)) * T::STRIDE + 2 * (lane & 3);
+#pragma unroll
+    for (int nt = 0; nt < T::NT_O; ++nt) {
+      *reinterpret_cast<half2*>(out_rows + nt * 8) = __floats2half2_rn(acc[mt][nt][0] * inv[0], acc[mt][nt][1] * inv[0]);
+      *reinterpret_cast<half2*>(out_rows + 8 * T::STRIDE + nt * 8) =
+          __floats2half2_rn(acc[mt][nt][2] * inv[1], acc[mt][nt][3] * inv[1]);
+    }
   }
   __syncthreads();
   const int vecs = p.d / 8;
@@ -231,12 +269,27 @@ int launch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) 
   return check_launch("attention kernel");
 }
 
-// Head-size dispatch: exact fast paths for SD's head sizes, generic tiles for the rest.
+int multiprocessors() {
+  int device = 0, count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count > 0 ? count : 1;
+}
+
+// Head-size dispatch: exact fast paths for SD's head sizes, generic tiles for the rest. Two 16-row
+// tiles per warp (128-row blocks) pay off once they still give every multiprocessor two blocks.
 int dispatch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) {
+  const bool wide = int64_t((p.seq_q + 127) / 128) * heads * batch >= 2 * multiprocessors();
   switch (p.d) {
-    case 40: return launch<AttentionTile<40, 4, 128, true>>(p, batch, heads, stream);
-    case 64: return launch<AttentionTile<64, 4, 128, true>>(p, batch, heads, stream);
-    case 80: return launch<AttentionTile<80, 4, 64, true>>(p, batch, heads, stream);
+    case 40:
+      return wide ? launch<AttentionTile<40, 4, 64, true, 2>>(p, batch, heads, stream)
+                  : launch<AttentionTile<40, 4, 128, true>>(p, batch, heads, stream);
+    case 64:
+      return wide ? launch<AttentionTile<64, 4, 64, true, 2>>(p, batch, heads, stream)
+                  : launch<AttentionTile<64, 4, 128, true>>(p, batch, heads, stream);
+    case 80:
+      return wide ? launch<AttentionTile<80, 4, 64, false, 2>>(p, batch, heads, stream)
+                  : launch<AttentionTile<80, 4, 64, true>>(p, batch, heads, stream);
     case 160: return launch<AttentionTile<160, 4, 32, false>>(p, batch, heads, stream);
     default: break;
   }
