@@ -133,7 +133,7 @@ def test_group_norm_honours_epsilon():
 
 @pytest.mark.parametrize("rows, n", [(8192, 320), (2048, 640), (512, 1280), (154, 768), (154, 1024),
                                      (32768, 320), (8192, 640), (2048, 1280), (7, 2048), (3, 100), (5, 3000),
-                                     (2, 4104), (1, 8), (9, 1)])
+                                     (2, 4104), (1, 8), (9, 1), (13, 320), (3, 48)])
 def test_layer_norm(rows, n):
     x = randn(rows, n, scale=3.0, shift=-1.0)
     gamma, beta = randn(n), randn(n)
