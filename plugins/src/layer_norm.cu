@@ -1,9 +1,8 @@
 // LayerNorm over the last dimension, any size.
 //
-// Rows of up to 2048 elements (N % 8 == 0) are held in registers by a group of 8, 16 or 32 lanes
-// (short rows share a warp, so every lane works and the shuffle reductions stay short): exact
-// two-pass mean/variance with one read and one write. Other rows take one block each and read the
-// row three times (mean, variance, normalize), mostly from cache.
+// Rows of up to 2048 elements (N % 8 == 0) are held in registers by one warp: exact two-pass
+// mean/variance with one read and one write. Other rows take one block each and read the row three
+// times (mean, variance, normalize), mostly from cache.
 #include "common.cuh"
 
 namespace sdp {
@@ -11,47 +10,38 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
-template <int LANES>
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-  for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-template <int VPL, int LANES>  // 8-element vectors per lane, lanes per row
-__global__ void __launch_bounds__(32 * kWarpsPerBlock) layer_norm_lanes(const half* x, const half* gamma,
-                                                                        const half* beta, half* y, int64_t rows,
-                                                                        int n, float eps) {
-  const int64_t group = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / LANES;
-  // Groups past the end redo the last row without storing: every lane must reach the shuffles.
-  const bool store = group < rows;
-  const int64_t row = store ? group : rows - 1;
-  const int lane = threadIdx.x % LANES;
+template <int VPL>  // 8-element vectors per lane
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) layer_norm_warp(const half* x, const half* gamma,
+                                                                       const half* beta, half* y, int64_t rows,
+                                                                       int n, float eps) {
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
   const half* src = x + row * n;
   float v[VPL][8];
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
-    const int c = (i * LANES + lane) * 8;
+    const int c = (i * 32 + lane) * 8;
     if (c < n) {
       load8(src + c, v[i]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += v[i][e];
     }
   }
-  const float mean = group_sum<LANES>(sum) / n;
+  const float mean = warp_sum(sum) / n;
   float sq = 0.f;
 #pragma unroll
   for (int i = 0; i < VPL; ++i)
-    if ((i * LANES + lane) * 8 < n)
+    if ((i * 32 + lane) * 8 < n)
 #pragma unroll
       for (int e = 0; e < 8; ++e) sq += (v[i][e] - mean) * (v[i][e] - mean);
-  const float rstd = rsqrtf(group_sum<LANES>(sq) / n + eps);
+  const float rstd = rsqrtf(warp_sum(sq) / n + eps);
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
-    const int c = (i * LANES + lane) * 8;
-    if (store && c < n) {
-      float g[8], b[8];
+    const int c = (i * 32 + lane) * 8;
+    if (c < n) {
+      float g[8], b[8];  // loading these earlier measured slower (register pressure)
       load8(gamma + c, g);
       load8(beta + c, b);
 #pragma unroll
@@ -79,15 +69,10 @@ __global__ void __launch_bounds__(256) layer_norm_block(const half* x, const hal
     dst[c] = __float2half((__half2float(src[c]) - mean) * rstd * __half2float(gamma[c]) + __half2float(beta[c]));
 }
 
-// Picks the vectors-per-lane instantiation (1..8) for this row length at compile time.
-template <int LANES, int VPL = 1>
-int launch_lanes(const half* x, const half* g, const half* b, half* y, int64_t rows, int n, float eps, cudaStream_t s) {
-  if constexpr (VPL < 8) {
-    if (n > VPL * LANES * 8) return launch_lanes<LANES, VPL + 1>(x, g, b, y, rows, n, eps, s);
-  }
-  const unsigned blocks = blocks_for(rows * LANES, 32 * kWarpsPerBlock);
-  layer_norm_lanes<VPL, LANES><<<blocks, 32 * kWarpsPerBlock, 0, s>>>(x, g, b, y, rows, n, eps);
-  return check_launch("layer_norm_lanes");
+template <int VPL>
+int launch_warp(const half* x, const half* g, const half* b, half* y, int64_t rows, int n, float eps, cudaStream_t s) {
+  layer_norm_warp<VPL><<<blocks_for(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(x, g, b, y, rows, n, eps);
+  return check_launch("layer_norm_warp");
 }
 
 }  // namespace
@@ -103,9 +88,10 @@ extern "C" int sdp_layer_norm(const void* x, const void* gamma, const void* beta
   half* yh = static_cast<half*>(y);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool vector = n % 8 == 0 && sdp::aligned16(x) && sdp::aligned16(y) && sdp::aligned16(gamma) && sdp::aligned16(beta);
-  if (vector && n <= 8 * 8 * 8) return sdp::launch_lanes<8>(xh, g, b, yh, rows, n, eps, s);
-  if (vector && n <= 16 * 8 * 8) return sdp::launch_lanes<16>(xh, g, b, yh, rows, n, eps, s);
-  if (vector && n <= 32 * 8 * 8) return sdp::launch_lanes<32>(xh, g, b, yh, rows, n, eps, s);
+  if (vector && n <= 256) return sdp::launch_warp<1>(xh, g, b, yh, rows, n, eps, s);
+  if (vector && n <= 512) return sdp::launch_warp<2>(xh, g, b, yh, rows, n, eps, s);
+  if (vector && n <= 1024) return sdp::launch_warp<4>(xh, g, b, yh, rows, n, eps, s);
+  if (vector && n <= 2048) return sdp::launch_warp<8>(xh, g, b, yh, rows, n, eps, s);
   sdp::layer_norm_block<<<unsigned(rows), 256, 0, s>>>(xh, g, b, yh, n, eps);
   return sdp::check_launch("layer_norm_block");
 }
