@@ -24,6 +24,9 @@ from models.source import ModelSource
 # Stages whose batch doubles under classifier-free guidance.
 GUIDED_STAGES = ("clip", "unet")
 DEFAULT_MAX_BATCH = 4
+# What TensorRT for RTX builds for on a machine with no GPU when no --target-cc is given:
+# A100 (8.0), A10 / RTX 30 (8.6), L40 / RTX 40 (8.9).
+CPU_DEFAULT_TARGETS = ((8, 0), (8, 6), (8, 9))
 # Bump when build settings change what an engine contains.
 ENGINE_FORMAT_VERSION = 1
 
@@ -65,12 +68,16 @@ class BuildOptions:
     target_ccs: tuple[tuple[int, int], ...] = ()  # empty: the GPU of this machine
 
     def resolved_targets(self) -> tuple[tuple[int, int], ...]:
+        """Named targets, else this machine's GPU, else (TensorRT for RTX on a CPU) CPU_DEFAULT_TARGETS."""
         if self.target_ccs:
             return self.target_ccs
         cc = current_cc()
-        if cc is None:
-            raise UsageError("no GPU here to build for: name the target GPUs with --target-cc (e.g. 8.0,8.6,8.9)")
-        return (cc,)
+        if cc is not None:
+            return (cc,)
+        if self.flavour == "tensorrt-rtx":
+            return CPU_DEFAULT_TARGETS
+        raise UsageError(f"{self.flavour} builds for the GPU it runs on, and there is none here; "
+                         "use --backend tensorrt-rtx with --target-cc to build on a CPU")
 
 
 def parse_target_ccs(text: str | None) -> tuple[tuple[int, int], ...]:

@@ -2,8 +2,8 @@
 
 `tensorrt` (TensorRT 10/11, from NVIDIA's package index) runs on every GPU from T4 to Hopper and
 builds for the GPU it runs on. `tensorrt_rtx` (TensorRT for RTX, `pip install tensorrt-rtx-cu13`)
-runs on Ampere, Ada and Blackwell GPUs but not on Hopper (compute capability 9.0), and can build on
-a machine with no GPU for target compute capabilities named up front.
+runs on Turing, Ampere, Ada and Blackwell GPUs but not on Hopper (compute capability 9.0), and can
+build on a machine with no GPU for target compute capabilities named up front.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ FLAVOURS = {
         "pip install tensorrt, from NVIDIA's own package index"),
     "tensorrt-rtx": Flavour(
         "tensorrt-rtx", "tensorrt_rtx", "pip install tensorrt-rtx-cu13",
-        unsupported_cc=((9, 0),), min_cc=(8, 0)),
+        unsupported_cc=((9, 0),)),
 }
 
 

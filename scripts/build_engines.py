@@ -2,8 +2,8 @@
 
     python scripts/build_engines.py --model tiny --backend tensorrt-rtx --target-cc 8.0,8.6,8.9
 
-Works without a GPU with TensorRT for RTX (name the target GPUs with --target-cc); ONNX is then
-exported in fp32 on the CPU. Prints per stage the ONNX size, build time and engine size.
+Works without a GPU with TensorRT for RTX: it builds for --target-cc, by default 8.0, 8.6 and 8.9;
+ONNX is then exported in fp32 on the CPU. Prints per stage the ONNX size, build time and engine size.
 """
 
 from __future__ import annotations

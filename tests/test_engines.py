@@ -132,20 +132,19 @@ def test_build_engines_script_on_a_model_directory(tiny, tmp_path, capsys):
     from scripts.build_engines import main
 
     args = ["--model", str(tiny.path), "--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine"),
-            "--target-cc", "8.6", "--optimization-level", "0", "--build-static-batch",
+            "--optimization-level", "0", "--build-static-batch",
             "--timing-cache", str(tmp_path / "timing.cache")]
     assert main(args) == 0
     out = capsys.readouterr().out
     for stage in ("clip", "unet", "vae"):
         assert (tmp_path / "engine" / f"{stage}.engine").stat().st_size > 0
         assert stage in out
-    assert "engine MiB" in out and "targets 8.6" in out
+    assert "engine MiB" in out and "targets 8.0,8.6,8.9" in out  # no GPU, no --target-cc: the CPU default
     assert (tmp_path / "timing.cache").is_file()
 
 
 @pytest.mark.parametrize("args, message", [
     (["--backend", "tensorrt"], "tensorrt is not installed"),
-    ([], "name the target GPUs with --target-cc"),
     (["--target-cc", "eight"], "--target-cc takes compute capabilities"),
     (["--target-cc", "9.0"], "cannot target compute capability 9.0"),
     (["--target-cc", "8.6", "--stages", "unet,text"], "unknown stage(s) text"),

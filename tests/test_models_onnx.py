@@ -100,3 +100,20 @@ def test_fp16_export_stays_fp16_and_the_optimizer_flags_fp32_islands(tiny, tmp_p
     fp32 = GraphOptimizer(onnx.load(str(tmp_path / "clip32.onnx")), "clip")
     fp32.run()
     assert fp32.precision_warning() is None  # plain fp32 graphs are not flagged
+
+
+def test_large_models_keep_weights_in_one_external_file(tiny, tmp_path, monkeypatch):
+    """Above the protobuf limit (lowered here) weights go to `<stage>.onnx.data`, cached with the graph."""
+    from demo.artifacts import read_manifest
+
+    monkeypatch.setattr("models.base.EXTERNAL_DATA_THRESHOLD", 1024)
+    model = STAGE_MODELS["vae"](tiny)
+    optimized = model.prepare_onnx(tmp_path, "cpu", torch.float32, log=lambda *_: None)
+    assert set(read_manifest(tmp_path / "vae.onnx")["files"]) == {"vae.onnx", "vae.onnx.data"}
+    assert set(read_manifest(optimized)["files"]) == {"vae.opt.onnx", "vae.opt.onnx.data"}
+    assert (tmp_path / "vae.opt.onnx.data").stat().st_size > 10 * optimized.stat().st_size
+    onnx.checker.check_model(str(optimized))
+    inputs = model.sample_inputs(1, 32, 40, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = model.load_module()(inputs["latent"]).numpy()
+    assert np.abs(_run_onnx(optimized, inputs) - reference).max() <= 1e-4 * np.abs(reference).max()
