@@ -8,6 +8,7 @@ seed gives the same image as diffusers.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,8 +145,11 @@ class Text2ImagePipeline:
 
             with timer.measure("vae"):
                 images = self.stages["vae"]({"latent": latents / self.scaling_factor})["images"]
-            images = (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
-        return images
+            images = images.float().cpu()
+        if not torch.isfinite(images).all():  # e.g. fp16 overflow: say so rather than save black images
+            warnings.warn(f"non-finite values in the decoded images ({self.dtype}); they will be saved clamped",
+                          RuntimeWarning, stacklevel=2)
+        return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
 
 
 def to_uint8(images: np.ndarray) -> np.ndarray:

@@ -278,7 +278,9 @@ int multiprocessors() {
 
 // Head-size dispatch: exact fast paths for SD's head sizes, generic tiles for the rest. For D = 40,
 // two 16-row tiles per warp (128-row blocks) pay off once they still give every multiprocessor two
-// blocks (measured on an H200: 343 -> 320 us at S = 4096; the same change made D = 64 slower).
+// blocks (measured on an H200: 343 -> 320 us at S = 4096). At D = 64 the two-tile variant needs 194
+// registers, leaves 8 warps per multiprocessor and measured slower, for self-attention (291 -> 367 us)
+// and cross-attention alike (15.2 -> 18.3 us at Sq = 4096, Skv = 77).
 int dispatch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) {
   const bool wide = int64_t((p.seq_q + 127) / 128) * heads * batch >= 2 * multiprocessors();
   switch (p.d) {
