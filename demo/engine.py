@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from demo.artifacts import cached_build, content_hash
+from demo.atomic import atomic_write_bytes
 from demo.errors import UsageError
 from demo.stages import Stage
 from demo.trt_flavour import current_cc, import_flavour, version
@@ -151,28 +152,28 @@ def engine_key(model: StageModel, onnx_path: Path, shapes: dict, options: BuildO
     }
 
 
-class _Progress:
-    """Prints TensorRT build phases as they start and finish, so long builds show life."""
+def progress_monitor(trt, stage: str, log: Callable[[str], None]):
+    """A TensorRT progress monitor that logs top-level phases and any phase longer than 5 s."""
 
-    def __new__(cls, trt, stage: str, log: Callable[[str], None]):
-        class Monitor(trt.IProgressMonitor):
-            def __init__(self):
-                trt.IProgressMonitor.__init__(self)
-                self.started: dict[str, float] = {}
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self.started: dict[str, float] = {}
 
-            def phase_start(self, phase_name, parent_phase, num_steps):
-                self.started[phase_name] = time.perf_counter()
-                if parent_phase is None:
-                    log(f"[build] {stage}: {phase_name} ...")
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            self.started[phase_name] = time.perf_counter()
+            if parent_phase is None:
+                log(f"[build] {stage}: {phase_name} ...")
 
-            def step_complete(self, phase_name, step):
-                return True  # keep building
+        def step_complete(self, phase_name, step):
+            return True  # keep building
 
-            def phase_finish(self, phase_name):
-                if phase_name in self.started and time.perf_counter() - self.started[phase_name] > 5:
-                    log(f"[build] {stage}: {phase_name} done in {time.perf_counter() - self.started.pop(phase_name):.0f} s")
+        def phase_finish(self, phase_name):
+            elapsed = time.perf_counter() - self.started.pop(phase_name, time.perf_counter())
+            if elapsed > 5:
+                log(f"[build] {stage}: {phase_name} done in {elapsed:.0f} s")
 
-        return Monitor()
+    return Monitor()
 
 
 def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: dict, options: BuildOptions,
@@ -212,15 +213,13 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
         blob = options.timing_cache.read_bytes() if options.timing_cache.is_file() else b""
         cache = config.create_timing_cache(blob)
         config.set_timing_cache(cache, ignore_mismatch=False)
-    config.progress_monitor = _Progress(trt, model.name, log)
+    config.progress_monitor = progress_monitor(trt, model.name, log)
 
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise RuntimeError(f"{model.name}: TensorRT could not build the engine (see its log above)")
     path.write_bytes(serialized)
     if cache is not None:
-        from demo.atomic import atomic_write_bytes
-
         atomic_write_bytes(options.timing_cache, bytes(cache.serialize()))
     io = EngineIO(
         model.name,

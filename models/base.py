@@ -14,7 +14,7 @@ from models.source import ModelSource
 
 ONNX_OPSET = 17
 # Bump when export or optimization code changes what it writes, so cached artifacts are rebuilt.
-EXPORT_VERSION = 2
+EXPORT_VERSION = 3
 OPTIMIZE_VERSION = 1
 # Protobuf cannot hold a model above 2 GiB; larger ones keep their weights in one external file.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26

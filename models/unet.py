@@ -22,9 +22,9 @@ class UNetModel(StageModel):
     input_names = ("sample", "timestep", "encoder_hidden_states")
     output_names = ("latent",)
     dynamic_axes = {
-        "sample": {0: "2B", 2: "H", 3: "W"},
-        "encoder_hidden_states": {0: "2B"},
-        "latent": {0: "2B", 2: "H", 3: "W"},
+        "sample": {0: "B", 2: "latent_height", 3: "latent_width"},
+        "encoder_hidden_states": {0: "B"},
+        "latent": {0: "B", 2: "latent_height", 3: "latent_width"},
     }
 
     def input_shapes(self, batch, height, width):

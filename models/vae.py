@@ -38,7 +38,8 @@ class VAEDecoderModel(StageModel):
     component = "vae"
     input_names = ("latent",)
     output_names = ("images",)
-    dynamic_axes = {"latent": {0: "B", 2: "H", 3: "W"}, "images": {0: "B", 2: "8H", 3: "8W"}}
+    dynamic_axes = {"latent": {0: "B", 2: "latent_height", 3: "latent_width"},
+                    "images": {0: "B", 2: "height", 3: "width"}}
 
     def input_shapes(self, batch, height, width):
         return {"latent": (batch, self.config["latent_channels"], *self.latent_size(height, width))}
@@ -55,7 +56,8 @@ class VAEEncoderModel(StageModel):
     component = "vae"
     input_names = ("images",)
     output_names = ("latent_moments",)
-    dynamic_axes = {"images": {0: "B", 2: "8H", 3: "8W"}, "latent_moments": {0: "B", 2: "H", 3: "W"}}
+    dynamic_axes = {"images": {0: "B", 2: "height", 3: "width"},
+                    "latent_moments": {0: "B", 2: "latent_height", 3: "latent_width"}}
 
     def input_shapes(self, batch, height, width):
         return {"images": (batch, self.config["in_channels"], height, width)}
