@@ -196,6 +196,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench_plugins.json")
     parser.add_argument("--quick", action="store_true", help="512^2 shapes only")
+    parser.add_argument("--ops", help="comma-separated subset of ops to run (default: all)")
     args = parser.parse_args()
     if not ops.available():
         print(f"plugins unavailable: {ops.status()}", file=sys.stderr)
@@ -205,6 +206,8 @@ def main() -> int:
     ceiling = ceilings()
     print(f"# {device}: copy {ceiling['copy_GBps']:.0f} GB/s, fp16 matmul {ceiling['matmul_fp16_TFLOPs']:.0f} TFLOP/s")
     cases = all_cases(args.quick)
+    if args.ops:
+        cases = [c for c in cases if c.op in args.ops.split(",")]
     rows = []
     header = f"{'op':<16} {'shape':<38} {'ours us':>9} {'best torch':>22} {'ratio':>6} {'achieved':>16}"
     print(header)

@@ -6,29 +6,32 @@
 namespace sdp {
 namespace {
 
-constexpr int kTile = 64;
+// 32 pixels x 64 channels per block: at SD's small sizes (S = 256) this still gives hundreds of
+// blocks, and each thread moves one vector of each input.
+constexpr int kTileP = 32, kTileC = 64, kThreads = 256;
 
 template <int V>
-__global__ void __launch_bounds__(256) seq2spatial_kernel(const half* x, const half* bias, const half* residual,
+__global__ void __launch_bounds__(kThreads) seq2spatial_kernel(const half* x, const half* bias, const half* residual,
                                                           half* y, int hw, int channels) {
-  __shared__ float tile[kTile][kTile + 1];  // [pixel][channel]; +1 spreads columns over banks
-  constexpr int kVecs = kTile / V, kPerThread = kTile * kVecs / 256;
+  __shared__ float tile[kTileP][kTileC + 1];  // [pixel][channel]; +1 spreads columns over banks
+  constexpr int kVecsP = kTileP / V, kVecsC = kTileC / V;  // vectors along pixels, along channels
+  constexpr int kPerThread = kTileC * kVecsP / kThreads;
   const half* res = residual + int64_t(blockIdx.z) * channels * hw;
   // The residual does not depend on the tile: fetch it first so both reads are in flight together.
   float r[kPerThread][V];
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
-    const int i = threadIdx.x + k * 256, c = i / kVecs, p = (i % kVecs) * V;
-    if (blockIdx.y * kTile + c < channels && blockIdx.x * kTile + p < hw) {
-      const int64_t at = int64_t(blockIdx.y * kTile + c) * hw + blockIdx.x * kTile + p;
+    const int i = threadIdx.x + k * kThreads, c = i / kVecsP, p = (i % kVecsP) * V;
+    if (blockIdx.y * kTileC + c < channels && blockIdx.x * kTileP + p < hw) {
+      const int64_t at = int64_t(blockIdx.y * kTileC + c) * hw + blockIdx.x * kTileP + p;
       if constexpr (V == 8) load8(res + at, r[k]); else r[k][0] = __half2float(res[at]);
     }
   }
-  const int p0 = blockIdx.x * kTile, c0 = blockIdx.y * kTile;
+  const int p0 = blockIdx.x * kTileP, c0 = blockIdx.y * kTileC;
   const int64_t item = blockIdx.z;
   const half* src = x + item * hw * channels;
-  for (int i = threadIdx.x; i < kTile * kVecs; i += 256) {  // rows of pixels, channels contiguous
-    const int p = i / kVecs, c = (i % kVecs) * V;
+  for (int i = threadIdx.x; i < kTileP * kVecsC; i += kThreads) {  // rows of pixels, channels contiguous
+    const int p = i / kVecsC, c = (i % kVecsC) * V;
     float v[8] = {};
     if (p0 + p < hw && c0 + c < channels) {
       const half* at = src + int64_t(p0 + p) * channels + c0 + c;
@@ -49,7 +52,7 @@ __global__ void __launch_bounds__(256) seq2spatial_kernel(const half* x, const h
   half* dst = y + item * int64_t(channels) * hw;
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {  // rows of channels, pixels contiguous
-    const int i = threadIdx.x + k * 256, c = i / kVecs, p = (i % kVecs) * V;
+    const int i = threadIdx.x + k * kThreads, c = i / kVecsP, p = (i % kVecsP) * V;
     if (c0 + c >= channels || p0 + p >= hw) continue;
     const int64_t at = int64_t(c0 + c) * hw + p0 + p;
     if constexpr (V == 8) {
@@ -65,8 +68,8 @@ __global__ void __launch_bounds__(256) seq2spatial_kernel(const half* x, const h
 template <int V>
 int launch(const half* x, const half* bias, const half* residual, half* y, int batch, int hw, int channels,
            cudaStream_t stream) {
-  dim3 grid(blocks_for(hw, kTile), blocks_for(channels, kTile), batch);
-  seq2spatial_kernel<V><<<grid, 256, 0, stream>>>(x, bias, residual, y, hw, channels);
+  dim3 grid(blocks_for(hw, kTileP), blocks_for(channels, kTileC), batch);
+  seq2spatial_kernel<V><<<grid, kThreads, 0, stream>>>(x, bias, residual, y, hw, channels);
   return check_launch("seq2spatial");
 }
 
