@@ -269,13 +269,6 @@ int launch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) 
   return check_launch("attention kernel");
 }
 
-int multiprocessors() {
-  int device = 0, count = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  return count > 0 ? count : 1;
-}
-
 // Head-size dispatch: exact fast paths for SD's head sizes, generic tiles for the rest. For D = 40,
 // two 16-row tiles per warp (128-row blocks) pay off once they still give every multiprocessor two
 // blocks (measured on an H200: 343 -> 320 us at S = 4096). At D = 64 the two-tile variant needs 194

@@ -12,6 +12,7 @@
 namespace sdp {
 
 int fail(int code, const std::string& message);  // records message, returns code
+int multiprocessors();                            // of the current device
 
 // Returns from the calling ABI function with SDP_INVALID_ARGUMENT when `cond` is false.
 #define SDP_REQUIRE(cond, msg)                                                        \

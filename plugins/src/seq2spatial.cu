@@ -6,11 +6,11 @@
 namespace sdp {
 namespace {
 
-// 32 pixels x 64 channels per block: at SD's small sizes (S = 256) this still gives hundreds of
-// blocks, and each thread moves one vector of each input.
-constexpr int kTileP = 32, kTileC = 64, kThreads = 256;
+// Tiles of 64 channels by 64 pixels, or by 32 pixels where 64 would leave fewer than 4 blocks per
+// multiprocessor (measured on an H200: the small tile wins on small grids, loses on large ones).
+constexpr int kTileC = 64, kThreads = 256;
 
-template <int V>
+template <int V, int kTileP>
 __global__ void __launch_bounds__(kThreads) seq2spatial_kernel(const half* x, const half* bias, const half* residual,
                                                           half* y, int hw, int channels) {
   __shared__ float tile[kTileP][kTileC + 1];  // [pixel][channel]; +1 spreads columns over banks
@@ -65,12 +65,20 @@ __global__ void __launch_bounds__(kThreads) seq2spatial_kernel(const half* x, co
   }
 }
 
+template <int V, int kTileP>
+int launch_tile(const half* x, const half* bias, const half* residual, half* y, int batch, int hw, int channels,
+                cudaStream_t stream) {
+  dim3 grid(blocks_for(hw, kTileP), blocks_for(channels, kTileC), batch);
+  seq2spatial_kernel<V, kTileP><<<grid, kThreads, 0, stream>>>(x, bias, residual, y, hw, channels);
+  return check_launch("seq2spatial");
+}
+
 template <int V>
 int launch(const half* x, const half* bias, const half* residual, half* y, int batch, int hw, int channels,
            cudaStream_t stream) {
-  dim3 grid(blocks_for(hw, kTileP), blocks_for(channels, kTileC), batch);
-  seq2spatial_kernel<V><<<grid, kThreads, 0, stream>>>(x, bias, residual, y, hw, channels);
-  return check_launch("seq2spatial");
+  const int64_t big_tiles = int64_t(blocks_for(hw, 64)) * blocks_for(channels, kTileC) * batch;
+  return big_tiles < 4 * multiprocessors() ? launch_tile<V, 32>(x, bias, residual, y, batch, hw, channels, stream)
+                                           : launch_tile<V, 64>(x, bias, residual, y, batch, hw, channels, stream);
 }
 
 }  // namespace

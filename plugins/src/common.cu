@@ -1,4 +1,5 @@
-// Per-thread last-error message behind sdp_last_error().
+// Host-side helpers shared by the kernel families: the per-thread last-error message behind
+// sdp_last_error(), and device queries.
 #include <string>
 
 #include "common.cuh"
@@ -11,6 +12,13 @@ namespace sdp {
 int fail(int code, const std::string& message) {
   last_error = message;
   return code;
+}
+
+int multiprocessors() {
+  int device = 0, count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count > 0 ? count : 1;
 }
 }  // namespace sdp
 
