@@ -246,15 +246,61 @@ def _check_cuda(result) -> object:
     error, *rest = result
     if int(error) != 0:
         raise RuntimeError(f"CUDA error {error}")
-    return rest[0] if len(rest) == 1 else rest
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+class StreamExecutor:
+    """Runs `enqueue(stream)` on its own cuda-python stream, ordered after everything already queued
+    on torch's current stream and before anything queued there afterwards. With `use_cuda_graph`,
+    the second call captures the enqueued work in a CUDA graph and every later call replays it."""
+
+    def __init__(self, enqueue: Callable[[int], None], use_cuda_graph: bool):
+        from cuda.bindings import runtime as cudart
+
+        self.cudart = cudart
+        self.enqueue = enqueue
+        self.use_cuda_graph = use_cuda_graph
+        self.stream = _check_cuda(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking))
+        flags = cudart.cudaEventDisableTiming
+        self.inputs_ready = _check_cuda(cudart.cudaEventCreateWithFlags(flags))
+        self.outputs_ready = _check_cuda(cudart.cudaEventCreateWithFlags(flags))
+        self.calls = 0
+        self.graph = None
+
+    @property
+    def handle(self) -> int:
+        return int(self.stream)
+
+    def __call__(self) -> None:
+        cudart = self.cudart
+        torch_stream = torch.cuda.current_stream().cuda_stream
+        _check_cuda(cudart.cudaEventRecord(self.inputs_ready, torch_stream))
+        _check_cuda(cudart.cudaStreamWaitEvent(self.stream, self.inputs_ready, 0))
+        if self.graph is not None:
+            _check_cuda(cudart.cudaGraphLaunch(self.graph, self.stream))
+        elif self.use_cuda_graph and self.calls > 0:  # the first call may allocate; capture the second
+            mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+            _check_cuda(cudart.cudaStreamBeginCapture(self.stream, mode))
+            self.enqueue(self.handle)
+            graph = _check_cuda(cudart.cudaStreamEndCapture(self.stream))
+            self.graph = _check_cuda(cudart.cudaGraphInstantiate(graph, 0))
+            _check_cuda(cudart.cudaGraphLaunch(self.graph, self.stream))
+        else:
+            self.enqueue(self.handle)
+        self.calls += 1
+        _check_cuda(cudart.cudaEventRecord(self.outputs_ready, self.stream))
+        _check_cuda(cudart.cudaStreamWaitEvent(torch_stream, self.outputs_ready, 0))
+
+    def reset_graph(self) -> None:
+        """Buffers moved: the captured addresses are stale."""
+        self.graph, self.calls = None, 0
 
 
 class TensorRTEngine:
     """A deserialized engine with its execution context and torch-allocated I/O buffers."""
 
-    def __init__(self, flavour: str, path: Path):
+    def __init__(self, flavour: str, path: Path, use_cuda_graph: bool):
         trt = import_flavour(flavour)
-        self.trt = trt
         self.io = EngineIO.load(io_path(path))
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
@@ -262,7 +308,7 @@ class TensorRTEngine:
             raise RuntimeError(f"{path}: TensorRT could not deserialize the engine (see its log above)")
         self.context = self.engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         self.buffers: dict[str, torch.Tensor] = {}
-        self.graph = None
+        self.executor = StreamExecutor(self._enqueue, use_cuda_graph)
 
     @property
     def device_memory_size(self) -> int:
@@ -279,34 +325,25 @@ class TensorRTEngine:
             if name in self.io.inputs:
                 self.context.set_input_shape(name, shape)
             self.context.set_tensor_address(name, self.buffers[name].data_ptr())
-        self.graph = None
+        self.executor.reset_graph()
 
-    def run(self, feed: dict[str, torch.Tensor], stream: int, use_cuda_graph: bool) -> dict[str, torch.Tensor]:
+    def _enqueue(self, stream: int) -> None:
+        if not self.context.execute_async_v3(stream):
+            raise RuntimeError(f"{self.io.stage}: TensorRT execution failed")
+
+    def run(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name in self.io.inputs:
             self.buffers[name].copy_(feed[name])
-        if not use_cuda_graph:
-            if not self.context.execute_async_v3(stream):
-                raise RuntimeError(f"{self.io.stage}: TensorRT execution failed")
-        else:
-            from cuda.bindings import runtime as cudart
-
-            if self.graph is None:
-                self.context.execute_async_v3(stream)  # the first run may allocate; capture the next
-                _check_cuda(cudart.cudaStreamBeginCapture(stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal))
-                self.context.execute_async_v3(stream)
-                graph = _check_cuda(cudart.cudaStreamEndCapture(stream))
-                self.graph = _check_cuda(cudart.cudaGraphInstantiate(graph, 0))
-            _check_cuda(cudart.cudaGraphLaunch(self.graph, stream))
+        self.executor()
         return {name: self.buffers[name] for name in self.io.outputs}
 
 
 class TensorRTStage(Stage):
     """A stage backed by an engine. Outputs stay valid until this stage runs again."""
 
-    def __init__(self, model: StageModel, engine: TensorRTEngine, use_cuda_graph: bool):
+    def __init__(self, model: StageModel, engine: TensorRTEngine):
         super().__init__(model)
         self.engine = engine
-        self.use_cuda_graph = use_cuda_graph
         self._specs: list | None = None
 
     def prepare(self, batch, height, width):
@@ -316,7 +353,7 @@ class TensorRTStage(Stage):
             self._specs = specs
 
     def __call__(self, feed):
-        return self.engine.run(feed, torch.cuda.current_stream().cuda_stream, self.use_cuda_graph)
+        return self.engine.run(feed)
 
 
 @dataclass
@@ -360,8 +397,8 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
 
 def create_engine_stages(models: list[StageModel], engines: dict[str, Path], flavour: str,
                          use_cuda_graph: bool) -> dict[str, Stage]:
-    loaded = {m.name: TensorRTEngine(flavour, engines[m.name]) for m in models}
+    loaded = {m.name: TensorRTEngine(flavour, engines[m.name], use_cuda_graph) for m in models}
     shared = torch.empty(max(e.device_memory_size for e in loaded.values()) or 1, dtype=torch.uint8, device="cuda")
     for engine in loaded.values():
         engine.use_device_memory(shared)
-    return {m.name: TensorRTStage(m, loaded[m.name], use_cuda_graph) for m in models}
+    return {m.name: TensorRTStage(m, loaded[m.name]) for m in models}

@@ -161,3 +161,4 @@ def test_build_engines_usage_errors(args, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "engine").exists() or not list((tmp_path / "engine").glob("*.engine"))
+
