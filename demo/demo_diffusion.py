@@ -166,12 +166,17 @@ def run(parser, args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from demo.engine import EngineBuildError
+
     try:
         parser = build_parser()
         return run(parser, parser.parse_args(argv))
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except EngineBuildError as exc:
+        print(f"{PROG}: engine build failed: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

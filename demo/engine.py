@@ -31,6 +31,10 @@ CPU_DEFAULT_TARGETS = ((8, 0), (8, 6), (8, 9))
 # Bump when build settings change what an engine contains.
 ENGINE_FORMAT_VERSION = 1
 
+class EngineBuildError(RuntimeError):
+    """ONNX that TensorRT cannot parse or build; the message names the stage, node and cause."""
+
+
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
                  "INT64": torch.int64, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
 
@@ -186,12 +190,13 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = [parser.get_error(i) for i in range(parser.num_errors)]
-        where = "; ".join(f"node '{e.node_name()}' ({e.node_operator()}): {e.desc()}" for e in errors[:3])
-        raise RuntimeError(f"{model.name}: ONNX parse of {onnx_path} failed at {where}")
+        where = "; ".join(f"node '{e.node_name()}' ({e.node_operator()}): {e.desc().splitlines()[0]}"
+                          for e in errors[:3])
+        raise EngineBuildError(f"{model.name}: ONNX parse of {onnx_path} failed at {where}")
     inputs = [network.get_input(i) for i in range(network.num_inputs)]
     outputs = [network.get_output(i) for i in range(network.num_outputs)]
     if [t.name for t in inputs] != list(model.input_names) or [t.name for t in outputs] != list(model.output_names):
-        raise RuntimeError(f"{model.name}: ONNX I/O {[t.name for t in inputs]} -> {[t.name for t in outputs]} "
+        raise EngineBuildError(f"{model.name}: ONNX I/O {[t.name for t in inputs]} -> {[t.name for t in outputs]} "
                            f"does not match the model class {list(model.input_names)} -> {list(model.output_names)}")
 
     config = builder.create_builder_config()
@@ -200,6 +205,8 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     for name, (low, opt, high) in shapes.items():
         profile.set_shape(name, low, opt, high)
     config.add_optimization_profile(profile)
+    if options.flavour == "tensorrt" and options.target_ccs and options.target_ccs != (current_cc(),):
+        raise UsageError("tensorrt builds for the GPU it runs on; --target-cc is for --backend tensorrt-rtx")
     if options.flavour == "tensorrt-rtx":
         targets = options.resolved_targets()
         config.num_compute_capabilities = len(targets)
@@ -217,7 +224,7 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
 
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise RuntimeError(f"{model.name}: TensorRT could not build the engine (see its log above)")
+        raise EngineBuildError(f"{model.name}: TensorRT could not build the engine (see its log above)")
     path.write_bytes(serialized)
     if cache is not None:
         atomic_write_bytes(options.timing_cache, bytes(cache.serialize()))

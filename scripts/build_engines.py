@@ -36,11 +36,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="ONNX (and so engine) precision; auto: fp16 on a GPU, fp32 on a CPU")
     p.add_argument("--report", help="write the per-stage table as JSON here too")
     add_engine_arguments(p)
+    from demo.engine import EngineBuildError
+
     try:
         return build(p.parse_args(argv))
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except EngineBuildError as exc:
+        print(f"{PROG}: engine build failed: {exc}", file=sys.stderr)
+        return 1
 
 
 def build(args) -> int:

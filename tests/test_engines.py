@@ -12,8 +12,8 @@ pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
 
 from demo.artifacts import read_manifest  # noqa: E402
 from demo.backends import select_backend  # noqa: E402
-from demo.engine import (BuildOptions, EngineIO, EngineSettings, ImageProfile, build_engine_file,  # noqa: E402
-                         engine_key, io_path, prepare_engine, prepare_stage_engines)
+from demo.engine import (BuildOptions, EngineBuildError, EngineIO, EngineSettings, ImageProfile,  # noqa: E402
+                         build_engine_file, engine_key, io_path, prepare_engine, prepare_stage_engines)
 from demo.errors import UsageError  # noqa: E402
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES  # noqa: E402
 
@@ -111,7 +111,7 @@ def test_onnx_parse_error_names_the_node(tmp_path, tiny):
     node = helper.make_node("NoSuchOp", ["sample"], ["latent"], name="broken_node")
     path = tmp_path / "bad.onnx"
     onnx.save(helper.make_model(helper.make_graph([node], "g", [x], [y])), str(path))
-    with pytest.raises(RuntimeError, match="node 'broken_node' \\(NoSuchOp\\)"):
+    with pytest.raises(EngineBuildError, match="node 'broken_node' \\(NoSuchOp\\)"):
         build_engine_file(tmp_path / "bad.engine", path, STAGE_MODELS["unet"](tiny), {},
                           BuildOptions("tensorrt-rtx", 0, target_ccs=TARGETS), QUIET)
 
