@@ -9,6 +9,7 @@
 // Head sizes: the template's DK is the largest D it serves. D = 40, 64, 80 and 160 have their own
 // instantiations that round the Q K^T reduction only up to a multiple of 16 (48 for D = 40) and the
 // P V output to a multiple of 8 (exact), instead of padding to a power of two.
+#include <algorithm>
 #include <cfloat>
 
 #include "common.cuh"
@@ -42,13 +43,14 @@ struct AttentionTile {
   static_assert(DK % 8 == 0 && BN % 16 == 0, "tile shape");
 };
 
-// Copy rows [row0, row0 + ROWS) x d columns of a strided matrix into shared memory; rows past `rows`
-// become zeros (finite values matter: masked probabilities are exact zeros times these).
-template <int ROWS, int THREADS, int STRIDE>
-__device__ __forceinline__ void load_rows(half* dst, const half* src, int64_t row_stride, int row0, int rows,
-                                          int d) {
+// Copy rows [row0, row0 + count) x d columns of a strided matrix into shared memory, spread over
+// `threads` threads of which this is number `tid`; rows past `rows` become zeros (finite values
+// matter: masked probabilities are exact zeros times these).
+template <int STRIDE>
+__device__ __forceinline__ void load_rows(half* dst, const half* src, int64_t row_stride, int row0, int count,
+                                          int rows, int d, int tid, int threads) {
   const int vecs = d / 8;
-  for (int i = threadIdx.x; i < ROWS * vecs; i += THREADS) {
+  for (int i = tid; i < count * vecs; i += threads) {
     const int r = i / vecs, c = (i - r * vecs) * 8;
     half* s = dst + r * STRIDE + c;
     if (row0 + r < rows)
@@ -77,10 +79,10 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
   for (int i = threadIdx.x; i < (T::BM + T::BN) * pad_vecs; i += T::THREADS)
     *reinterpret_cast<uint4*>(sQ + (i / pad_vecs) * T::STRIDE + p.d + (i % pad_vecs) * 8) = make_uint4(0, 0, 0, 0);
 
-  load_rows<T::BM, T::THREADS, T::STRIDE>(sQ, q, p.q_row, m0, p.seq_q, p.d);
-  load_rows<T::BN, T::THREADS, T::STRIDE>(sK, k, p.kv_row, 0, p.seq_kv, p.d);
+  load_rows<T::STRIDE>(sQ, q, p.q_row, m0, T::BM, p.seq_q, p.d, threadIdx.x, T::THREADS);
+  load_rows<T::STRIDE>(sK, k, p.kv_row, 0, T::BN, p.seq_kv, p.d, threadIdx.x, T::THREADS);
   cp_async_commit();
-  load_rows<T::BN, T::THREADS, T::STRIDE>(sV, v, p.kv_row, 0, p.seq_kv, p.d);
+  load_rows<T::STRIDE>(sV, v, p.kv_row, 0, T::BN, p.seq_kv, p.d, threadIdx.x, T::THREADS);
   cp_async_commit();
 
   const int ksteps = (p.d + 15) / 16;  // runtime bound: generic instantiations serve several d
@@ -141,7 +143,8 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
       }
     }
     __syncthreads();  // all warps are done with K_j
-    if (j + 1 < tiles) load_rows<T::BN, T::THREADS, T::STRIDE>(sK, k, p.kv_row, (j + 1) * T::BN, p.seq_kv, p.d);
+    if (j + 1 < tiles)
+      load_rows<T::STRIDE>(sK, k, p.kv_row, (j + 1) * T::BN, T::BN, p.seq_kv, p.d, threadIdx.x, T::THREADS);
     cp_async_commit();
 
     // Online softmax on raw scores (the scale is folded into one FFMA before exp2). Thread holds
@@ -226,7 +229,8 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
       }
     }
     __syncthreads();  // all warps are done with V_j
-    if (j + 1 < tiles) load_rows<T::BN, T::THREADS, T::STRIDE>(sV, v, p.kv_row, (j + 1) * T::BN, p.seq_kv, p.d);
+    if (j + 1 < tiles)
+      load_rows<T::STRIDE>(sV, v, p.kv_row, (j + 1) * T::BN, T::BN, p.seq_kv, p.d, threadIdx.x, T::THREADS);
     cp_async_commit();
   }
   cp_async_wait<0>();
@@ -259,6 +263,166 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
   }
 }
 
+// ---- Short key sequences (cross-attention over text tokens) ------------------------------------
+// All of K and V (up to MAX_KV keys) stay in shared memory for the block's life. Each warp then
+// streams its own 16-row query tiles through a double buffer: it prefetches the next tile while it
+// computes the current one, with a single-pass softmax over all keys and no block-wide barrier in
+// the loop. This is a memory-bound problem (read Q, write O), so what matters is keeping loads in
+// flight, not reusing K/V tiles.
+template <int DK_, int MAX_KV_>
+struct ShortKvTile {
+  static constexpr int DK = DK_, MAX_KV = MAX_KV_, WARPS = 4, THREADS = 32 * WARPS;
+  static constexpr int KSTEPS = (DK + 15) / 16;
+  static constexpr int STRIDE = KSTEPS * 16 + 8;
+  static constexpr int NT_O = DK / 8, NT_S = MAX_KV / 8;
+  static constexpr int SMEM_BYTES = (2 * MAX_KV + WARPS * 2 * 16) * STRIDE * 2;
+  static_assert(MAX_KV % 16 == 0, "keys come in 16-key MMA steps");
+};
+
+template <class T>
+__global__ void __launch_bounds__(T::THREADS) short_kv_attention_kernel(AttentionParams p, int rows_per_block) {
+  extern __shared__ __align__(16) half smem[];
+  half* sK = smem;
+  half* sV = sK + T::MAX_KV * T::STRIDE;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  half* sQ = sV + T::MAX_KV * T::STRIDE + warp * 2 * 16 * T::STRIDE;  // this warp's two 16-row buffers
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const half* q = p.q + batch * p.q_batch + head * p.q_head;
+  const half* k = p.k + batch * p.kv_batch + head * p.kv_head;
+  const half* v = p.v + batch * p.kv_batch + head * p.kv_head;
+  half* o = p.o + batch * p.o_batch + head * p.o_head;
+  const int kv_pad = (p.seq_kv + 15) / 16 * 16;
+
+  // K and Q columns past d feed the QK^T reduction: zero them (V's only reach unstored columns).
+  const int pad_vecs = (T::KSTEPS * 16 - p.d) / 8;
+  for (int i = threadIdx.x; i < kv_pad * pad_vecs; i += T::THREADS)
+    *reinterpret_cast<uint4*>(sK + (i / pad_vecs) * T::STRIDE + p.d + (i % pad_vecs) * 8) = make_uint4(0, 0, 0, 0);
+  for (int i = lane; i < 2 * 16 * pad_vecs; i += 32)
+    *reinterpret_cast<uint4*>(sQ + (i / pad_vecs) * T::STRIDE + p.d + (i % pad_vecs) * 8) = make_uint4(0, 0, 0, 0);
+  load_rows<T::STRIDE>(sK, k, p.kv_row, 0, kv_pad, p.seq_kv, p.d, threadIdx.x, T::THREADS);
+  load_rows<T::STRIDE>(sV, v, p.kv_row, 0, kv_pad, p.seq_kv, p.d, threadIdx.x, T::THREADS);
+  const int m_begin = blockIdx.x * rows_per_block;
+  const int m_end = min(m_begin + rows_per_block, p.seq_q);
+  int tile = m_begin + warp * 16;
+  if (tile < m_end) load_rows<T::STRIDE>(sQ, q, p.q_row, tile, 16, p.seq_q, p.d, lane, 32);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();  // K and V are shared by all warps; from here on each warp works alone
+
+  const int ksteps = (p.d + 15) / 16, key0 = 2 * (lane & 3);
+  for (int buffer = 0; tile < m_end; tile += T::WARPS * 16, buffer ^= 1) {
+    half* current = sQ + buffer * 16 * T::STRIDE;
+    const int next = tile + T::WARPS * 16;
+    if (next < m_end)
+      load_rows<T::STRIDE>(sQ + (buffer ^ 1) * 16 * T::STRIDE, q, p.q_row, next, 16, p.seq_q, p.d, lane, 32);
+    cp_async_commit();
+
+    float s[T::NT_S][4];
+#pragma unroll
+    for (int i = 0; i < T::NT_S; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < T::KSTEPS; ++ks) {
+      if (ks >= ksteps) break;
+      unsigned a[4];
+      ldmatrix_x4(a, current + (lane & 15) * T::STRIDE + (lane >> 4) * 8 + ks * 16);
+#pragma unroll
+      for (int np = 0; np < T::NT_S / 2; ++np) {
+        if (np * 16 >= kv_pad) break;
+        unsigned b[4];
+        ldmatrix_x4(b, sK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * T::STRIDE + ks * 16 +
+                           ((lane >> 3) & 1) * 8);
+        mma_16816(s[2 * np], a, b[0], b[1]);
+        mma_16816(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    // Single-pass softmax over every key (rows g and g + 8 of the tile, as in attention_kernel).
+    float row_max[2] = {-FLT_MAX, -FLT_MAX}, row_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < T::NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (key0 + nt * 8 + (e & 1) >= p.seq_kv) s[nt][e] = -FLT_MAX;
+        row_max[e >> 1] = fmaxf(row_max[e >> 1], s[nt][e]);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
+      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
+      row_max[r] = -row_max[r] * p.scale_log2;
+    }
+#pragma unroll
+    for (int nt = 0; nt < T::NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, row_max[e >> 1]));
+        row_sum[e >> 1] += s[nt][e];
+      }
+    float acc[T::NT_O][4];
+#pragma unroll
+    for (int i = 0; i < T::NT_O; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < T::MAX_KV / 16; ++kk) {
+      if (kk * 16 >= kv_pad) break;
+      const unsigned a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const half* v_rows = sV + (kk * 16 + (lane & 15)) * T::STRIDE;
+#pragma unroll
+      for (int dp = 0; dp < T::NT_O / 2; ++dp) {
+        if (dp * 16 >= p.d) break;
+        unsigned b[4];
+        ldmatrix_x4_trans(b, v_rows + dp * 16 + (lane >> 4) * 8);
+        mma_16816(acc[2 * dp], a, b[0], b[1]);
+        mma_16816(acc[2 * dp + 1], a, b[2], b[3]);
+      }
+      if constexpr (T::NT_O % 2 == 1) {
+        unsigned b[2];
+        ldmatrix_x2_trans(b, v_rows + (T::NT_O - 1) * 8);
+        mma_16816(acc[T::NT_O - 1], a, b[0], b[1]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+      row_sum[r] = 1.f / row_sum[r];
+    }
+    __syncwarp();  // every lane's ldmatrix of this tile is done before it is overwritten with O
+    half* out_rows = current + (lane >> 2) * T::STRIDE + 2 * (lane & 3);
+#pragma unroll
+    for (int nt = 0; nt < T::NT_O; ++nt) {
+      *reinterpret_cast<half2*>(out_rows + nt * 8) = __floats2half2_rn(acc[nt][0] * row_sum[0], acc[nt][1] * row_sum[0]);
+      *reinterpret_cast<half2*>(out_rows + 8 * T::STRIDE + nt * 8) =
+          __floats2half2_rn(acc[nt][2] * row_sum[1], acc[nt][3] * row_sum[1]);
+    }
+    __syncwarp();
+    const int vecs = p.d / 8;
+    for (int i = lane; i < 16 * vecs; i += 32) {
+      const int r = i / vecs, c = (i - r * vecs) * 8;
+      if (tile + r < m_end)
+        *reinterpret_cast<uint4*>(o + int64_t(tile + r) * p.o_row + c) =
+            *reinterpret_cast<const uint4*>(current + r * T::STRIDE + c);
+    }
+    cp_async_wait<0>();  // the next tile has landed (this lane's copies) ...
+    __syncwarp();        // ... and every lane's, and this tile's stores have read the buffer
+  }
+}
+
+template <class T>
+int launch_short_kv(const AttentionParams& p, int batch, int heads, cudaStream_t stream) {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      short_kv_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+  if (attr != cudaSuccess) return fail(SDP_CUDA_ERROR, std::string("attention smem: ") + cudaGetErrorString(attr));
+  // About two blocks per multiprocessor in all; each block covers whole 16-row tiles.
+  const int64_t tiles = (p.seq_q + 15) / 16;
+  const int64_t per_item = std::max<int64_t>(1, (2 * multiprocessors() + int64_t(batch) * heads - 1) /
+                                                    (int64_t(batch) * heads));
+  const int rows_per_block = int((tiles + per_item - 1) / per_item) * 16;
+  dim3 grid((p.seq_q + rows_per_block - 1) / rows_per_block, heads, batch);
+  short_kv_attention_kernel<T><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, rows_per_block);
+  return check_launch("short-kv attention kernel");
+}
+
 template <class T>
 int launch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) {
   static const cudaError_t attr = cudaFuncSetAttribute(
@@ -275,6 +439,10 @@ int launch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) 
 // registers, leaves 8 warps per multiprocessor and measured slower, for self-attention (291 -> 367 us)
 // and cross-attention alike (15.2 -> 18.3 us at Sq = 4096, Skv = 77).
 int dispatch(const AttentionParams& p, int batch, int heads, cudaStream_t stream) {
+  if (p.seq_kv <= 128 && p.d <= 64)
+    return p.d == 40 ? launch_short_kv<ShortKvTile<40, 128>>(p, batch, heads, stream)
+                     : launch_short_kv<ShortKvTile<64, 128>>(p, batch, heads, stream);
+  if (p.seq_kv <= 80 && p.d == 80) return launch_short_kv<ShortKvTile<80, 80>>(p, batch, heads, stream);
   const bool wide = int64_t((p.seq_q + 127) / 128) * heads * batch >= 2 * multiprocessors();
   switch (p.d) {
     case 40:
