@@ -413,9 +413,10 @@ int launch_short_kv(const AttentionParams& p, int batch, int heads, cudaStream_t
   static const cudaError_t attr = cudaFuncSetAttribute(
       short_kv_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
   if (attr != cudaSuccess) return fail(SDP_CUDA_ERROR, std::string("attention smem: ") + cudaGetErrorString(attr));
-  // About two blocks per multiprocessor in all; each block covers whole 16-row tiles.
+  // About eight blocks per multiprocessor in all, so that the four or five that fit at once keep
+  // 16-20 warps in flight; each block covers whole 16-row tiles.
   const int64_t tiles = (p.seq_q + 15) / 16;
-  const int64_t per_item = std::max<int64_t>(1, (2 * multiprocessors() + int64_t(batch) * heads - 1) /
+  const int64_t per_item = std::max<int64_t>(1, (8 * multiprocessors() + int64_t(batch) * heads - 1) /
                                                     (int64_t(batch) * heads));
   const int rows_per_block = int((tiles + per_item - 1) / per_item) * 16;
   dim3 grid((p.seq_q + rows_per_block - 1) / rows_per_block, heads, batch);
