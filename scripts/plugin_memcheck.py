@@ -24,6 +24,8 @@ def main() -> int:
     for d in (40, 64, 80, 160, 8, 72, 256):  # every attention instantiation
         ops.fmha(randn(2, 77, 2, 3, d), 0.1)
         ops.fmhca(randn(1, 65, 2, d), randn(1, 77, 2, 2, d), 0.1)
+    for d in (40, 64, 80, 24):  # the short-KV kernels take over from 65536 query rows
+        ops.fmhca(randn(1, 8195, 8, d), randn(1, 77, 8, 2, d), 0.1)
     for b, c, h, w, g in ((2, 320, 8, 8, 32), (1, 30, 5, 5, 3), (2, 960, 4, 4, 32)):
         for channels_last in (False, True):
             x = randn(b, h, w, c) if channels_last else randn(b, c, h, w)
