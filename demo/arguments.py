@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import Callable
 
 from demo.errors import UsageError
 
@@ -13,6 +15,20 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UsageError(message)
+
+
+def run_command(prog: str, body: Callable[[], int]) -> int:
+    """Run a command-line entry point: usage errors exit 2, engine build failures 1, each one line."""
+    from demo.engine import EngineBuildError
+
+    try:
+        return body()
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except EngineBuildError as exc:
+        print(f"{prog}: engine build failed: {exc}", file=sys.stderr)
+        return 1
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +55,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-cuda-graph", action="store_true", help="replay each engine from a CUDA graph (static shapes)")
     g.add_argument("--target-cc", help="target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 "
                                        "(default: this machine's GPU)")
+
+
+def parse_stages(text: str) -> list[str]:
+    """A --stages value (comma-separated stage names) as a list, or a UsageError naming the unknown ones."""
+    from models import STAGE_MODELS
+
+    stages = [s for s in text.split(",") if s]
+    unknown = [s for s in stages if s not in STAGE_MODELS]
+    if unknown or not stages:
+        raise UsageError(f"unknown stage(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(STAGE_MODELS)}")
+    return stages
 
 
 ENGINE_FLAGS = ("onnx_dir", "engine_dir", "force_onnx_export", "force_onnx_optimize", "force_engine_build",

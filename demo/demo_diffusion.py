@@ -166,17 +166,13 @@ def run(parser, args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.engine import EngineBuildError
+    from demo.arguments import run_command
 
-    try:
+    def body():
         parser = build_parser()
         return run(parser, parser.parse_args(argv))
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except EngineBuildError as exc:
-        print(f"{PROG}: engine build failed: {exc}", file=sys.stderr)
-        return 1
+
+    return run_command(PROG, body)
 
 
 if __name__ == "__main__":

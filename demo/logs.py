@@ -11,6 +11,7 @@ def configure_library_logging(verbose: bool) -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     import diffusers
     import onnxruntime
+    import torch
     import transformers
     from polygraphy.logger import G_LOGGER
 
@@ -19,6 +20,7 @@ def configure_library_logging(verbose: bool) -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)  # export traces known branches
     diffusers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()

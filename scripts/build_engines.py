@@ -21,7 +21,7 @@ PROG = "build_engines"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import Parser, add_engine_arguments, add_model_arguments
+    from demo.arguments import Parser, add_engine_arguments, add_model_arguments, run_command
     from demo.trt_flavour import FLAVOURS
 
     p = Parser(prog=PROG, description=__doc__.splitlines()[0])
@@ -36,32 +36,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="ONNX (and so engine) precision; auto: fp16 on a GPU, fp32 on a CPU")
     p.add_argument("--report", help="write the per-stage table as JSON here too")
     add_engine_arguments(p)
-    from demo.engine import EngineBuildError
-
-    try:
-        return build(p.parse_args(argv))
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except EngineBuildError as exc:
-        print(f"{PROG}: engine build failed: {exc}", file=sys.stderr)
-        return 1
+    return run_command(PROG, lambda: build(p.parse_args(argv)))
 
 
 def build(args) -> int:
     import torch
 
-    from demo.arguments import check_image_size, engine_settings
+    from demo.arguments import check_image_size, engine_settings, parse_stages
     from demo.engine import prepare_stage_engines
     from demo.logs import configure_library_logging
     from demo.trt_flavour import import_flavour
     from models import STAGE_MODELS
     from models.source import resolve_model
 
-    stages = [s for s in args.stages.split(",") if s]
-    unknown = [s for s in stages if s not in STAGE_MODELS]
-    if unknown or not stages:
-        raise UsageError(f"unknown stage(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(STAGE_MODELS)}")
+    stages = parse_stages(args.stages)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
     import_flavour(args.backend)  # clear error if the flavour is missing

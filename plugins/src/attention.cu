@@ -60,6 +60,57 @@ __device__ __forceinline__ void load_rows(half* dst, const half* src, int64_t ro
   }
 }
 
+// S[mt] += Q[mt] K^T for one 16-wide k-step, over 16-key pairs of score tiles below `keys`; each
+// K fragment read from shared memory feeds all MT query tiles.
+template <int MT, int NT_S, int STRIDE>
+__device__ __forceinline__ void accumulate_qk(float (&s)[MT][NT_S][4], const unsigned (&a)[MT][4], const half* sK,
+                                              int ks, int keys, int lane) {
+#pragma unroll
+  for (int np = 0; np < NT_S / 2; ++np) {
+    if (np * 16 >= keys) break;
+    unsigned b[4];
+    ldmatrix_x4(b, sK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * STRIDE + ks * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
+      mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+    }
+  }
+}
+
+// The score accumulators of two adjacent 8-key tiles are exactly the A fragment of one 16-key step,
+// so P never leaves registers.
+template <int NT_S>
+__device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[NT_S][4], int kk) {
+  a[0] = pack_half2(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack_half2(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// O[mt] += P[mt] V for one 16-key step (V rows start at v_rows for this lane), output columns < d.
+template <int MT, int NT_O>
+__device__ __forceinline__ void accumulate_pv(float (&acc)[MT][NT_O][4], const unsigned (&a)[MT][4], const half* v_rows,
+                                              int d, int lane) {
+#pragma unroll
+  for (int dp = 0; dp < NT_O / 2; ++dp) {
+    if (dp * 16 >= d) break;
+    unsigned b[4];
+    ldmatrix_x4_trans(b, v_rows + dp * 16 + (lane >> 4) * 8);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma_16816(acc[mt][2 * dp], a[mt], b[0], b[1]);
+      mma_16816(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+    }
+  }
+  if constexpr (NT_O % 2 == 1) {  // D = 40: five 8-column tiles, the last one alone
+    unsigned b[2];
+    ldmatrix_x2_trans(b, v_rows + (NT_O - 1) * 8);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) mma_16816(acc[mt][NT_O - 1], a[mt], b[0], b[1]);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p) {
   extern __shared__ __align__(16) half smem[];
@@ -130,17 +181,7 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
           ldmatrix_x4(a[mt], q_warp + mt * 16 * T::STRIDE + ks * 16);
         }
       }
-#pragma unroll
-      for (int np = 0; np < T::NT_S / 2; ++np) {
-        unsigned b[4];
-        ldmatrix_x4(b, sK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * T::STRIDE + ks * 16 +
-                           ((lane >> 3) & 1) * 8);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
-          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-        }
-      }
+      accumulate_qk<MT, T::NT_S, T::STRIDE>(s, a, sK, ks, T::BN, lane);
     }
     __syncthreads();  // all warps are done with K_j
     if (j + 1 < tiles)
@@ -197,36 +238,13 @@ __global__ void __launch_bounds__(T::THREADS) attention_kernel(AttentionParams p
     cp_async_wait<1>();  // V_j has landed; K_{j+1} may still be in flight
     __syncthreads();
 
-    // O += P V. The score accumulators of two adjacent 8-key tiles are exactly the A fragment of
-    // one 16-key step, so P never leaves registers.
+    // O += P V.
 #pragma unroll
     for (int kk = 0; kk < T::BN / 16; ++kk) {
       unsigned a[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = pack_half2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack_half2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack_half2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack_half2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
-      const half* v_rows = sV + (kk * 16 + (lane & 15)) * T::STRIDE;
-#pragma unroll
-      for (int dp = 0; dp < T::NT_O / 2; ++dp) {
-        if (dp * 16 >= p.d) break;
-        unsigned b[4];
-        ldmatrix_x4_trans(b, v_rows + dp * 16 + (lane >> 4) * 8);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(acc[mt][2 * dp], a[mt], b[0], b[1]);
-          mma_16816(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
-        }
-      }
-      if constexpr (T::NT_O % 2 == 1) {
-        unsigned b[2];
-        ldmatrix_x2_trans(b, v_rows + (T::NT_O - 1) * 8);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma_16816(acc[mt][T::NT_O - 1], a[mt], b[0], b[1]);
-      }
+      for (int mt = 0; mt < MT; ++mt) p_fragment<T::NT_S>(a[mt], s[mt], kk);
+      accumulate_pv<MT, T::NT_O>(acc, a, sV + (kk * 16 + (lane & 15)) * T::STRIDE, p.d, lane);
     }
     __syncthreads();  // all warps are done with V_j
     if (j + 1 < tiles)
@@ -317,23 +335,15 @@ __global__ void __launch_bounds__(T::THREADS) short_kv_attention_kernel(Attentio
       load_rows<T::STRIDE>(sQ + (buffer ^ 1) * 16 * T::STRIDE, q, p.q_row, next, 16, p.seq_q, p.d, lane, 32);
     cp_async_commit();
 
-    float s[T::NT_S][4];
+    float s[1][T::NT_S][4];
 #pragma unroll
-    for (int i = 0; i < T::NT_S; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int i = 0; i < T::NT_S; ++i) s[0][i][0] = s[0][i][1] = s[0][i][2] = s[0][i][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < T::KSTEPS; ++ks) {
       if (ks >= ksteps) break;
-      unsigned a[4];
-      ldmatrix_x4(a, current + (lane & 15) * T::STRIDE + (lane >> 4) * 8 + ks * 16);
-#pragma unroll
-      for (int np = 0; np < T::NT_S / 2; ++np) {
-        if (np * 16 >= kv_pad) break;
-        unsigned b[4];
-        ldmatrix_x4(b, sK + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * T::STRIDE + ks * 16 +
-                           ((lane >> 3) & 1) * 8);
-        mma_16816(s[2 * np], a, b[0], b[1]);
-        mma_16816(s[2 * np + 1], a, b[2], b[3]);
-      }
+      unsigned a[1][4];
+      ldmatrix_x4(a[0], current + (lane & 15) * T::STRIDE + (lane >> 4) * 8 + ks * 16);
+      accumulate_qk<1, T::NT_S, T::STRIDE>(s, a, sK, ks, kv_pad, lane);
     }
     // Single-pass softmax over every key (rows g and g + 8 of the tile, as in attention_kernel).
     float row_max[2] = {-FLT_MAX, -FLT_MAX}, row_sum[2] = {0.f, 0.f};
@@ -341,8 +351,8 @@ __global__ void __launch_bounds__(T::THREADS) short_kv_attention_kernel(Attentio
     for (int nt = 0; nt < T::NT_S; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (key0 + nt * 8 + (e & 1) >= p.seq_kv) s[nt][e] = -FLT_MAX;
-        row_max[e >> 1] = fmaxf(row_max[e >> 1], s[nt][e]);
+        if (key0 + nt * 8 + (e & 1) >= p.seq_kv) s[0][nt][e] = -FLT_MAX;
+        row_max[e >> 1] = fmaxf(row_max[e >> 1], s[0][nt][e]);
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -354,32 +364,18 @@ __global__ void __launch_bounds__(T::THREADS) short_kv_attention_kernel(Attentio
     for (int nt = 0; nt < T::NT_S; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, row_max[e >> 1]));
-        row_sum[e >> 1] += s[nt][e];
+        s[0][nt][e] = exp2f(fmaf(s[0][nt][e], p.scale_log2, row_max[e >> 1]));
+        row_sum[e >> 1] += s[0][nt][e];
       }
-    float acc[T::NT_O][4];
+    float acc[1][T::NT_O][4];
 #pragma unroll
-    for (int i = 0; i < T::NT_O; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int i = 0; i < T::NT_O; ++i) acc[0][i][0] = acc[0][i][1] = acc[0][i][2] = acc[0][i][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < T::MAX_KV / 16; ++kk) {
       if (kk * 16 >= kv_pad) break;
-      const unsigned a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const half* v_rows = sV + (kk * 16 + (lane & 15)) * T::STRIDE;
-#pragma unroll
-      for (int dp = 0; dp < T::NT_O / 2; ++dp) {
-        if (dp * 16 >= p.d) break;
-        unsigned b[4];
-        ldmatrix_x4_trans(b, v_rows + dp * 16 + (lane >> 4) * 8);
-        mma_16816(acc[2 * dp], a, b[0], b[1]);
-        mma_16816(acc[2 * dp + 1], a, b[2], b[3]);
-      }
-      if constexpr (T::NT_O % 2 == 1) {
-        unsigned b[2];
-        ldmatrix_x2_trans(b, v_rows + (T::NT_O - 1) * 8);
-        mma_16816(acc[T::NT_O - 1], a, b[0], b[1]);
-      }
+      unsigned a[1][4];
+      p_fragment<T::NT_S>(a[0], s[0], kk);
+      accumulate_pv<1, T::NT_O>(acc, a, sV + (kk * 16 + (lane & 15)) * T::STRIDE, p.d, lane);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -391,9 +387,10 @@ __global__ void __launch_bounds__(T::THREADS) short_kv_attention_kernel(Attentio
     half* out_rows = current + (lane >> 2) * T::STRIDE + 2 * (lane & 3);
 #pragma unroll
     for (int nt = 0; nt < T::NT_O; ++nt) {
-      *reinterpret_cast<half2*>(out_rows + nt * 8) = __floats2half2_rn(acc[nt][0] * row_sum[0], acc[nt][1] * row_sum[0]);
+      *reinterpret_cast<half2*>(out_rows + nt * 8) =
+          __floats2half2_rn(acc[0][nt][0] * row_sum[0], acc[0][nt][1] * row_sum[0]);
       *reinterpret_cast<half2*>(out_rows + 8 * T::STRIDE + nt * 8) =
-          __floats2half2_rn(acc[nt][2] * row_sum[1], acc[nt][3] * row_sum[1]);
+          __floats2half2_rn(acc[0][nt][2] * row_sum[1], acc[0][nt][3] * row_sum[1]);
     }
     __syncwarp();
     const int vecs = p.d / 8;
