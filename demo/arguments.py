@@ -68,14 +68,12 @@ def parse_stages(text: str) -> list[str]:
     return stages
 
 
-ENGINE_FLAGS = ("onnx_dir", "engine_dir", "force_onnx_export", "force_onnx_optimize", "force_engine_build",
-                "build_static_batch", "build_dynamic_shape", "optimization_level", "timing_cache", "use_cuda_graph",
-                "target_cc")
-
-
 def engine_flags_set(parser: argparse.ArgumentParser, args) -> list[str]:
     """Engine flags given a non-default value (reported as unused by the torch backend)."""
-    return ["--" + f.replace("_", "-") for f in ENGINE_FLAGS if getattr(args, f) != parser.get_default(f)]
+    engine_only = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(engine_only)
+    return [action.option_strings[0] for action in engine_only._actions
+            if getattr(args, action.dest) != parser.get_default(action.dest)]
 
 
 def engine_settings(args, source, flavour: str, batch_size: int, height: int, width: int, guided: bool):
@@ -90,7 +88,7 @@ def engine_settings(args, source, flavour: str, batch_size: int, height: int, wi
     check_engine_image_size(source, height, width)
     options = BuildOptions(flavour, args.optimization_level, Path(args.timing_cache) if args.timing_cache else None,
                            parse_target_ccs(args.target_cc))
-    return EngineSettings(flavour, Path(args.onnx_dir), Path(args.engine_dir), profile, options, guided=guided,
+    return EngineSettings(Path(args.onnx_dir), Path(args.engine_dir), profile, options, guided=guided,
                           use_cuda_graph=args.use_cuda_graph, force_onnx_export=args.force_onnx_export,
                           force_onnx_optimize=args.force_onnx_optimize, force_engine_build=args.force_engine_build)
 

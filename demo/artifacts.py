@@ -46,6 +46,11 @@ def content_hash(artifact: Path) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def artifact_bytes(artifact: Path) -> int:
+    """Total size of a built artifact's files (main file and side files), from its manifest."""
+    return sum(f["size"] for f in read_manifest(artifact)["files"].values())
+
+
 def staleness(artifact: Path, key: dict, verify_content: bool = False) -> str | None:
     """Why `artifact` cannot be reused for `key`, or None when it can."""
     manifest = read_manifest(artifact)

@@ -14,16 +14,15 @@ from typing import Callable
 
 import torch
 
-from demo.artifacts import cached_build, content_hash
+from demo.artifacts import artifact_bytes, cached_build, content_hash
 from demo.atomic import atomic_write_bytes
 from demo.errors import UsageError
 from demo.stages import Stage
 from demo.trt_flavour import current_cc, import_flavour, version
+from models import stage_batch
 from models.base import Range, StageModel
 from models.source import ModelSource
 
-# Stages whose batch doubles under classifier-free guidance.
-GUIDED_STAGES = ("clip", "unet")
 DEFAULT_MAX_BATCH = 4
 # What TensorRT for RTX builds for on a machine with no GPU when no --target-cc is given:
 # A100 (8.0), A10 / RTX 30 (8.6), L40 / RTX 40 (8.9).
@@ -57,8 +56,8 @@ class ImageProfile:
         return cls(batch, (height,) * 3, (width,) * 3)
 
     def stage_shapes(self, model: StageModel, guided: bool) -> dict[str, tuple[tuple[int, ...], ...]]:
-        factor = 2 if guided and model.name in GUIDED_STAGES else 1
-        return model.shape_profile(tuple(b * factor for b in self.batch), self.height, self.width)
+        return model.shape_profile(tuple(stage_batch(model.name, b, guided) for b in self.batch),
+                                   self.height, self.width)
 
     @property
     def static(self) -> bool:
@@ -367,7 +366,6 @@ class TensorRTStage(Stage):
 class EngineSettings:
     """Everything the CLI and scripts/build_engines.py say about ONNX and engines."""
 
-    flavour: str
     onnx_dir: Path
     engine_dir: Path
     profile: ImageProfile
@@ -393,8 +391,7 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
         engines[model.name] = prepare_engine(model, onnx_path, settings.engine_dir, shapes, settings.options,
                                              settings.force_engine_build, log)
         settings.stats[model.name] = {
-            "onnx_bytes": sum(p.stat().st_size for p in settings.onnx_dir.glob(onnx_path.name + "*")
-                              if p.suffix != ".json"),
+            "onnx_bytes": artifact_bytes(onnx_path),
             "onnx_s": onnx_done - start,
             "engine_s": time.perf_counter() - onnx_done,
             "engine_bytes": engines[model.name].stat().st_size,

@@ -17,6 +17,7 @@ import torch
 from demo.errors import UsageError
 from demo.report import StageTimer
 from demo.stages import Stage
+from models import stage_batch
 from models.source import ModelSource
 
 # CLI name -> diffusers scheduler class name (diffusers' own implementations are used).
@@ -108,9 +109,8 @@ class Text2ImagePipeline:
         """Images as float32 [B, H, W, 3] in [0, 1] (diffusers' output_type="np")."""
         from diffusers.utils.torch_utils import randn_tensor
 
-        guided_batch = request.batch_size * (2 if request.guided else 1)
-        for name, batch in (("clip", guided_batch), ("unet", guided_batch), ("vae", request.batch_size)):
-            self.stages[name].prepare(batch, request.height, request.width)
+        for name, stage in self.stages.items():
+            stage.prepare(stage_batch(name, request.batch_size, request.guided), request.height, request.width)
         with timer.measure("pipeline"):
             with timer.measure("clip"):
                 texts = (request.negative_prompts + request.prompts) if request.guided else request.prompts

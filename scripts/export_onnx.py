@@ -34,6 +34,7 @@ def export(args) -> int:
     import torch
 
     from demo.arguments import parse_stages
+    from demo.artifacts import artifact_bytes
     from demo.logs import configure_library_logging
     from models import STAGE_MODELS
     from models.source import resolve_model
@@ -49,7 +50,7 @@ def export(args) -> int:
         path = STAGE_MODELS[name](source).prepare_onnx(
             onnx_dir, device, dtype, args.force_onnx_export, args.force_onnx_optimize
         )
-        size = sum(p.stat().st_size for p in onnx_dir.glob(path.name + "*") if p.suffix != ".json")
+        size = artifact_bytes(path)
         print(f"{name}: {path} ({size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -25,7 +25,7 @@ QUIET = lambda *_: None  # noqa: E731
 def built(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     profile = ImageProfile.for_request(tiny, batch_size=2, height=64, width=48, static_batch=False, dynamic_shape=False)
-    settings = EngineSettings("tensorrt-rtx", root / "onnx", root / "engine", profile,
+    settings = EngineSettings(root / "onnx", root / "engine", profile,
                               BuildOptions("tensorrt-rtx", optimization_level=0, target_ccs=TARGETS))
     models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
     engines = prepare_stage_engines(models, settings, "cpu", torch.float32, QUIET)
