@@ -11,30 +11,27 @@ constexpr int kThreads = 128;
 
 __device__ __forceinline__ float gelu_erf(float g) { return 0.5f * g * (1.f + erff(g * 0.70710678118654752f)); }
 
+// The value half x[c, c+V) and the gate half x[n+c, n+c+V) of one row (or of the bias).
+template <int V>
+__device__ __forceinline__ void load_halves(const half* row, int c, int n, float (&a)[8], float (&g)[8]) {
+  if constexpr (V == 8) {
+    load8(row + c, a);
+    load8(row + n + c, g);
+  } else {
+    a[0] = __half2float(row[c]);
+    g[0] = __half2float(row[n + c]);
+  }
+}
+
 template <int V, bool BIAS>  // V = 8: 16-byte vectors (N % 8 == 0); V = 1: any N
 __global__ void __launch_bounds__(kThreads) split_gelu_kernel(const half* x, const half* bias, half* y, int64_t rows, int n) {
   const int c = (blockIdx.x * kThreads + threadIdx.x) * V;
   if (c >= n) return;
   float ba[8], bg[8];
-  if constexpr (BIAS) {
-    if constexpr (V == 8) {
-      load8(bias + c, ba);
-      load8(bias + n + c, bg);
-    } else {
-      ba[0] = __half2float(bias[c]);
-      bg[0] = __half2float(bias[n + c]);
-    }
-  }
+  if constexpr (BIAS) load_halves<V>(bias, c, n, ba, bg);
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
-    const half* src = x + row * 2 * n;
     float a[8], g[8];
-    if constexpr (V == 8) {
-      load8(src + c, a);
-      load8(src + n + c, g);
-    } else {
-      a[0] = __half2float(src[c]);
-      g[0] = __half2float(src[n + c]);
-    }
+    load_halves<V>(x + row * 2 * n, c, n, a, g);
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       if constexpr (BIAS) a[e] += ba[e], g[e] += bg[e];
