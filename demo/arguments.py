@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from demo.errors import UsageError
+from core.errors import UsageError
 
 
 class Parser(argparse.ArgumentParser):

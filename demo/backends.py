@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from demo.errors import UsageError
+from core.errors import UsageError
 from demo.stages import Stage, TorchStage
 from demo.trt_flavour import FLAVOURS, current_cc, version, why_cannot_run
 from models.base import StageModel

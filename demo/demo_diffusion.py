@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout
 
-from demo.errors import UsageError  # noqa: E402
+from core.errors import UsageError  # noqa: E402
 
 PROG = "demo_diffusion"
 
@@ -76,7 +76,7 @@ def save_outputs(directory: Path, stem: str, images, report) -> list[Path]:
     """Write PNGs and the JSON report under fresh names; never overwrites an existing file."""
     from PIL import Image
 
-    from demo.atomic import write_new_file
+    from core.atomic import write_new_file
     from demo.pipeline import to_uint8
 
     pngs = []

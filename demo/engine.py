@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from demo.artifacts import artifact_bytes, cached_build, content_hash
-from demo.atomic import atomic_write_bytes
-from demo.errors import UsageError
+from core.artifacts import artifact_bytes, cached_build, content_hash
+from core.atomic import atomic_write_bytes
+from core.errors import UsageError
 from demo.stages import Stage
 from demo.trt_flavour import current_cc, import_flavour, version
 from models import stage_batch

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from demo.errors import UsageError
+from core.errors import UsageError
 from demo.report import StageTimer
 from demo.stages import Stage
 from models import stage_batch

@@ -9,15 +9,15 @@ from typing import ClassVar
 
 import torch
 
-from demo.artifacts import cached_build
+from core.artifacts import cached_build
+from models.onnx_io import save_onnx
+from models.optimizer import optimize_onnx_file
 from models.source import ModelSource
 
 ONNX_OPSET = 17
 # Bump when export or optimization code changes what it writes, so cached artifacts are rebuilt.
 EXPORT_VERSION = 3
 OPTIMIZE_VERSION = 1
-# Protobuf cannot hold a model above 2 GiB; larger ones keep their weights in one external file.
-EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
 
 Range = tuple[int, int, int]  # (min, opt, max)
 
@@ -132,8 +132,6 @@ class StageModel(abc.ABC):
         force_export: bool = False, force_optimize: bool = False, log=print,
     ) -> Path:
         """Export and optimize through the artifact cache; returns the optimized ONNX path."""
-        from models.optimizer import optimize_onnx_file
-
         key = self.onnx_key(dtype)
         raw = cached_build(
             onnx_dir / f"{self.name}.onnx", key, lambda p: self.export_onnx(p, device, dtype), force_export, log
@@ -146,14 +144,3 @@ class StageModel(abc.ABC):
             force_export or force_optimize,
             log,
         )
-
-
-def save_onnx(model, path: Path) -> None:
-    """Save `model`, moving weights to one external file `<path>.data` when it exceeds 2 GB."""
-    import onnx
-
-    if model.ByteSize() > EXTERNAL_DATA_THRESHOLD:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))

@@ -11,7 +11,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from demo.atomic import atomic_directory
+from core.atomic import atomic_directory
 
 # Bump when the generated files change, so cached directories (and artifacts keyed by them) are rebuilt.
 BUILTIN_FORMAT_VERSION = 1

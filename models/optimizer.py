@@ -15,7 +15,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from polygraphy.backend.onnx import loader as poly
 
-from models.base import save_onnx
+from models.onnx_io import save_onnx
 
 
 class GraphOptimizer:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.errors import UsageError
+from core.errors import UsageError
 from models.builtin import BUILTIN_MODELS, builtin_model_dir
 
 # component -> the file that must exist in its folder

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo.errors import UsageError  # noqa: E402
+from core.errors import UsageError  # noqa: E402
 
 PROG = "build_engines"
 

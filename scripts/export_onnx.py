@@ -34,7 +34,7 @@ def export(args) -> int:
     import torch
 
     from demo.arguments import parse_stages
-    from demo.artifacts import artifact_bytes
+    from core.artifacts import artifact_bytes
     from demo.logs import configure_library_logging
     from models import STAGE_MODELS
     from models.source import resolve_model

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from demo.artifacts import cached_build, read_manifest
-from demo.atomic import write_new_file
+from core.artifacts import cached_build, read_manifest
+from core.atomic import write_new_file
 
 
 def _builder(calls, data=b"artifact-bytes", side=b"side-data"):

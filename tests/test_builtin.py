@@ -59,7 +59,7 @@ def test_builtin_resolves_by_name(name):
 
 
 def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
-    from demo.errors import UsageError
+    from core.errors import UsageError
     from models.source import resolve_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

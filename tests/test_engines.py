@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
 
-from demo.artifacts import read_manifest  # noqa: E402
+from core.artifacts import read_manifest  # noqa: E402
 from demo.backends import select_backend  # noqa: E402
 from demo.engine import (BuildOptions, EngineBuildError, EngineIO, EngineSettings, ImageProfile,  # noqa: E402
                          build_engine_file, engine_key, io_path, prepare_engine, prepare_stage_engines)
-from demo.errors import UsageError  # noqa: E402
+from core.errors import UsageError  # noqa: E402
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES  # noqa: E402
 
 TARGETS = ((8, 0), (8, 6), (8, 9))

@@ -104,9 +104,9 @@ def test_fp16_export_stays_fp16_and_the_optimizer_flags_fp32_islands(tiny, tmp_p
 
 def test_large_models_keep_weights_in_one_external_file(tiny, tmp_path, monkeypatch):
     """Above the protobuf limit (lowered here) weights go to `<stage>.onnx.data`, cached with the graph."""
-    from demo.artifacts import read_manifest
+    from core.artifacts import read_manifest
 
-    monkeypatch.setattr("models.base.EXTERNAL_DATA_THRESHOLD", 1024)
+    monkeypatch.setattr("models.onnx_io.EXTERNAL_DATA_THRESHOLD", 1024)
     model = STAGE_MODELS["vae"](tiny)
     optimized = model.prepare_onnx(tmp_path, "cpu", torch.float32, log=lambda *_: None)
     assert set(read_manifest(tmp_path / "vae.onnx")["files"]) == {"vae.onnx", "vae.onnx.data"}

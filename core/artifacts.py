@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from demo.atomic import atomic_write_bytes, file_lock
+from core.atomic import atomic_write_bytes, file_lock
 
 
 def manifest_path(artifact: Path) -> Path:
