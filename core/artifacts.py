@@ -3,33 +3,69 @@
 An artifact is a main file plus optional side files (ONNX external data), and a manifest
 `<file>.json` that records the key of what made it and the size and SHA-256 of every file. The
 artifact is reused only when the key matches and every file has its recorded size (and, where the
-caller asks, its recorded hash); otherwise it is rebuilt.
-Builds happen in a staging directory under a lock, files are moved into place, and the manifest is
-written last, so a crash leaves a stale artifact, never a mismatched one.
+caller asks, its recorded hash); otherwise it is rebuilt. A manifest that is missing, unreadable or
+not shaped like one means "not built".
+Only the holder of an artifact's lock builds, replaces or verifies its files. Builds happen in a
+staging directory, files are moved into place, and the manifest is written last, so a crash leaves
+a stale artifact, never a mismatched one; whatever a killed build left is removed by the next holder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
-from core.atomic import atomic_write_bytes, file_lock
+from core.atomic import atomic_write_bytes, file_lock, remove_dead_staging
+
+# Fault-injection tests set this to stop a build at a known point (see _pause_for_tests), so that they
+# can kill it, or race another process against it, without sleeping.
+PAUSE_ENV = "DEMO_DIFFUSION_TEST_PAUSE"
+
+
+class ArtifactError(RuntimeError):
+    """An artifact that should be built is not (a build of it failed or was killed)."""
 
 
 def manifest_path(artifact: Path) -> Path:
     return artifact.with_name(artifact.name + ".json")
 
 
+def lock_path(artifact: Path) -> Path:
+    return artifact.with_name(artifact.name + ".lock")
+
+
+def _staging_prefix(artifact: Path) -> str:
+    return f".{artifact.name}.build-"
+
+
+def _is_manifest(manifest, artifact: Path) -> bool:
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("key"), dict):
+        return False
+    files = manifest.get("files")
+    if not isinstance(files, dict) or artifact.name not in files:
+        return False
+    return all(
+        isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and isinstance(entry, dict)
+        and type(entry.get("size")) is int and entry["size"] >= 0 and isinstance(entry.get("sha256"), str)
+        for name, entry in files.items()
+    )
+
+
 def read_manifest(artifact: Path) -> dict | None:
+    """The artifact's manifest, or None where it is missing, unreadable or not a manifest."""
     try:
-        return json.loads(manifest_path(artifact).read_text())
+        manifest = json.loads(manifest_path(artifact).read_text())
     except (OSError, ValueError):
         return None
+    return manifest if _is_manifest(manifest, artifact) else None
 
 
 def file_sha256(path: Path) -> str:
@@ -40,34 +76,87 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def content_hash(artifact: Path) -> str:
-    """One hash over all files of a built artifact, from its manifest."""
-    files = read_manifest(artifact)["files"]
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+@contextlib.contextmanager
+def artifact_lock(artifact: Path, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Hold `artifact`'s lock (re-entrant). Taking it removes what killed builds of the artifact left behind."""
+    waiting = lambda: log(f"[cache] {artifact.name}: waiting for another process that holds it")  # noqa: E731
+    with file_lock(lock_path(artifact), on_wait=waiting) as taken:
+        if not taken:
+            yield
+            return
+        # Staging folders of an artifact are made only by the holder of its lock, so while we hold it each one
+        # is a killed build's: a live build's staging cannot be removed (it would hold the lock), and no pid
+        # bookkeeping is needed. The manifest's temporary files follow core.atomic's rule (writer's pid).
+        for staging in artifact.parent.glob(glob.escape(_staging_prefix(artifact)) + "*"):
+            shutil.rmtree(staging, ignore_errors=True)
+        remove_dead_staging(manifest_path(artifact))
+        yield
 
 
-def artifact_bytes(artifact: Path) -> int:
-    """Total size of a built artifact's files (main file and side files), from its manifest."""
-    return sum(f["size"] for f in read_manifest(artifact)["files"].values())
-
-
-def staleness(artifact: Path, key: dict, verify_content: bool = False) -> str | None:
-    """Why `artifact` cannot be reused for `key`, or None when it can."""
-    manifest = read_manifest(artifact)
-    if manifest is None:
-        return "not built yet"
-    if manifest.get("key") != key:
-        changed = sorted(k for k in set(key) | set(manifest.get("key", {})) if key.get(k) != manifest["key"].get(k))
-        return f"stale ({', '.join(changed)} changed)"
-    for name, recorded in manifest.get("files", {}).items():
+def _damage(artifact: Path, files: dict, verify_content: bool) -> str | None:
+    """Why the files on disk differ from the manifest's `files` (caller holds the lock), or None."""
+    for name, recorded in files.items():
         file = artifact.with_name(name)
         if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != recorded["size"]:
             return f"{name} is truncated or corrupt ({file.stat().st_size} bytes, expected {recorded['size']})"
-        if verify_content and file_sha256(file) != recorded["sha256"]:
-            return f"{name} is corrupt (content hash differs)"
+    if verify_content:
+        for name, recorded in files.items():
+            if file_sha256(artifact.with_name(name)) != recorded["sha256"]:
+                return f"{name} is corrupt (content hash differs)"
     return None
+
+
+def artifact_bytes(artifact: Path) -> int:
+    """Total size of a built artifact's files (main file and side files), from its manifest, read under its
+    lock (so never while another process rebuilds it). Raises ArtifactError where it is not built."""
+    with artifact_lock(artifact):
+        manifest = read_manifest(artifact)
+    if manifest is None:
+        raise ArtifactError(f"{artifact} is not built")
+    return sum(f["size"] for f in manifest["files"].values())
+
+
+def _staleness(artifact: Path, key: dict, verify_content: bool) -> str | None:
+    """Why `artifact` cannot be reused for `key` (caller holds the lock), or None when it can."""
+    manifest = read_manifest(artifact)
+    if manifest is None:
+        return "not built yet"
+    if manifest["key"] != key:
+        changed = sorted(k for k in set(key) | set(manifest["key"]) if key.get(k) != manifest["key"].get(k))
+        return f"stale ({', '.join(changed)} changed)"
+    return _damage(artifact, manifest["files"], verify_content)
+
+
+def _pause_for_tests(artifact: Path, point: str) -> None:
+    """With PAUSE_ENV set to `<artifact file name>:<point>`: say so on stderr, then wait for a line on stdin.
+
+    Points: "building" (lock held, staging folder made, nothing built yet: a test kills the process here)
+    and "done" (cached_build returning, the artifact built or reused and its lock released unless the
+    caller holds it: a test starts a rival process here and lets this one go on once the rival waits).
+    """
+    if os.environ.get(PAUSE_ENV) == f"{artifact.name}:{point}":
+        print(f"[test] paused at {artifact.name}:{point}", file=sys.stderr, flush=True)
+        sys.stdin.readline()
+
+
+def _build_into_place(artifact: Path, key: dict, build: Callable[[Path], None]) -> None:
+    """Build in a staging folder, move the files into place, write the manifest last (caller holds the lock)."""
+    manifest_path(artifact).unlink(missing_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(artifact), dir=artifact.parent))
+    try:
+        _pause_for_tests(artifact, "building")
+        build(staging / artifact.name)
+        files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in staging.iterdir()}
+        if artifact.name not in files:
+            raise RuntimeError(f"building {artifact.name} produced no file")
+        # Side files first, the main file last: a reader never sees the main file without its data.
+        for name in sorted(files, key=lambda n: n == artifact.name):
+            os.replace(staging / name, artifact.with_name(name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    atomic_write_bytes(manifest_path(artifact), json.dumps({"key": key, "files": files}, indent=1).encode())
 
 
 def cached_build(
@@ -81,25 +170,15 @@ def cached_build(
     """Return `artifact`, building it with `build(staging_path)` unless a fresh copy exists.
 
     `build` writes the main file at `staging_path` and may write side files beside it; all files it
-    leaves in that directory become part of the artifact.
+    leaves in that directory become part of the artifact. With `verify_content`, a reused artifact's
+    files are also checked against their SHA-256, so that nothing is built from a damaged file.
     """
-    with file_lock(artifact.with_name(artifact.name + ".lock")):
-        reason = "forced rebuild" if force else staleness(artifact, key, verify_content)
+    with artifact_lock(artifact, log):
+        reason = "forced rebuild" if force else _staleness(artifact, key, verify_content)
         if reason is None:
             log(f"[cache] {artifact.name}: up to date")
-            return artifact
-        log(f"[cache] {artifact.name}: building ({reason})")
-        manifest_path(artifact).unlink(missing_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{artifact.name}.build-", dir=artifact.parent))
-        try:
-            build(staging / artifact.name)
-            files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in staging.iterdir()}
-            if artifact.name not in files:
-                raise RuntimeError(f"building {artifact.name} produced no file")
-            # Side files first, the main file last: a reader never sees the main file without its data.
-            for name in sorted(files, key=lambda n: n == artifact.name):
-                os.replace(staging / name, artifact.with_name(name))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        atomic_write_bytes(manifest_path(artifact), json.dumps({"key": key, "files": files}, indent=1).encode())
+        else:
+            log(f"[cache] {artifact.name}: building ({reason})")
+            _build_into_place(artifact, key, build)
+    _pause_for_tests(artifact, "done")
     return artifact

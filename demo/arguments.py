@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -41,6 +42,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    from models.plugin_set import PLUGINS_HELP
+
     g = p.add_argument_group("ONNX and TensorRT engines")
     g.add_argument("--onnx-dir", default="onnx", help="ONNX artifact directory (default: onnx)")
     g.add_argument("--engine-dir", default="engine", help="TensorRT engine directory (default: engine)")
@@ -53,6 +56,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimization-level", type=int, default=3, help="TensorRT builder level 0-5 (default: 3)")
     g.add_argument("--timing-cache", help="timing cache file, read and updated by builds")
     g.add_argument("--use-cuda-graph", action="store_true", help="replay each engine from a CUDA graph (static shapes)")
+    g.add_argument("--plugins", default="auto", help=PLUGINS_HELP)
+    g.add_argument("--disable-tactic-sources", metavar="NAMES",
+                   help="TensorRT tactic sources the builder must not use, e.g. CUDNN where cuDNN is missing")
     g.add_argument("--target-cc", help="target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 "
                                        "(default: this machine's GPU)")
 
@@ -77,7 +83,7 @@ def engine_flags_set(parser: argparse.ArgumentParser, args) -> list[str]:
 
 
 def engine_settings(args, source, flavour: str, batch_size: int, height: int, width: int, guided: bool):
-    from demo.engine import BuildOptions, EngineSettings, ImageProfile, parse_target_ccs
+    from demo.engine import BuildOptions, EngineSettings, ImageProfile, parse_tactic_sources, parse_target_ccs
 
     if not 0 <= args.optimization_level <= 5:
         raise UsageError(f"--optimization-level must be 0..5, got {args.optimization_level}")
@@ -86,11 +92,31 @@ def engine_settings(args, source, flavour: str, batch_size: int, height: int, wi
     if args.use_cuda_graph and not profile.static:
         raise UsageError("--use-cuda-graph needs static shapes: add --build-static-batch and drop --build-dynamic-shape")
     check_engine_image_size(source, height, width)
+    check_writable_directory("ONNX directory", Path(args.onnx_dir))
+    check_writable_directory("engine directory", Path(args.engine_dir))
+    if args.timing_cache:
+        check_writable_file("timing cache", Path(args.timing_cache))
     options = BuildOptions(flavour, args.optimization_level, Path(args.timing_cache) if args.timing_cache else None,
-                           parse_target_ccs(args.target_cc))
+                           parse_target_ccs(args.target_cc), parse_tactic_sources(args.disable_tactic_sources))
     return EngineSettings(Path(args.onnx_dir), Path(args.engine_dir), profile, options, guided=guided,
                           use_cuda_graph=args.use_cuda_graph, force_onnx_export=args.force_onnx_export,
-                          force_onnx_optimize=args.force_onnx_optimize, force_engine_build=args.force_engine_build)
+                          force_onnx_optimize=args.force_onnx_optimize, force_engine_build=args.force_engine_build,
+                          plugins=engine_plugins(args.plugins, flavour))
+
+
+def engine_plugins(text: str, flavour: str) -> tuple[str, ...]:
+    """The plugin set engines of `flavour` get for a --plugins value, or a UsageError saying why not."""
+    from models.plugin_set import parse_plugin_set
+    from plugins import trt_plugins
+
+    plugins = parse_plugin_set(text)
+    if plugins and flavour == "tensorrt-rtx":
+        if text == "auto":  # TensorRT for RTX cannot load plugin libraries like ours: auto means none there
+            return ()
+        raise UsageError("TensorRT for RTX cannot load our plugin library; use --plugins none, or --backend tensorrt")
+    if plugins and trt_plugins.status() != "built":
+        raise UsageError(trt_plugins.status())
+    return plugins
 
 
 def check_image_size(source, height: int, width: int) -> None:
@@ -108,3 +134,35 @@ def check_engine_image_size(source, height: int, width: int) -> None:
     for flag, value in (("height", height), ("width", width)):
         if value % multiple:
             raise UsageError(f"--{flag} {value}: engines of model '{source.name}' need a multiple of {multiple}")
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why files cannot be made in `directory` (created on demand), or None; creates nothing."""
+    existing = directory
+    while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"'{existing}' is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"'{existing}' is not writable"
+    return None
+
+
+def check_writable_directory(what: str, directory: Path) -> None:
+    """A directory the run will write into: a one-line UsageError now, not a traceback after the work."""
+    reason = _unwritable(directory)
+    if reason:
+        raise UsageError(f"{what} '{directory}' cannot be written: {reason}")
+
+
+def check_writable_file(what: str, file: Path) -> None:
+    """A file the run reads if present and replaces atomically (so its directory must be writable too)."""
+    reason = None
+    if file.exists() or file.is_symlink():
+        if not file.is_file():
+            reason = "it is not a regular file"
+        elif not os.access(file, os.R_OK):
+            reason = "it is not readable"
+    reason = reason or _unwritable(file.parent)
+    if reason:
+        raise UsageError(f"{what} '{file}' cannot be written: {reason}")

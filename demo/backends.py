@@ -1,12 +1,15 @@
-"""Backend selection (which implementation runs the stages, and why) and stage creation."""
+"""Backend selection (which implementation runs the stages, and why), the one place that decides
+device and precision, and stage creation."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from core.errors import UsageError
 from demo.stages import Stage, TorchStage
-from demo.trt_flavour import FLAVOURS, current_cc, version, why_cannot_run
+from demo.trt_flavour import FLAVOURS, TensorRTAPI, current_cc, version, why_cannot_run
 from models.base import StageModel
 
 BACKENDS = ("auto", "torch", *FLAVOURS)
@@ -33,11 +36,28 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None) -> tuple[s
     return "torch", "auto: " + "; ".join(reasons)
 
 
+def device_and_dtype(backend: str, precision: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """Where stages run (or, for engines, where ONNX is exported) and in which precision.
+
+    Engines are fp16 by default even when built on a CPU, so that engines built there for a GPU are
+    the ones that GPU looks for. The torch backend runs fp16 on a GPU and fp32 on a CPU (CPU kernels
+    are slow or missing in fp16)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if precision == "auto":
+        precision = "fp16" if backend != "torch" or device.type == "cuda" else "fp32"
+    if precision not in ("fp16", "fp32"):
+        raise UsageError(f"precision must be auto, fp16 or fp32, got '{precision}'")
+    return device, torch.float16 if precision == "fp16" else torch.float32
+
+
 def create_stages(backend: str, models: list[StageModel], device: torch.device, dtype: torch.dtype,
-                  engine_settings=None, log=print) -> dict[str, Stage]:
+                  engine_settings=None, log: Callable[[str], None] = print,
+                  progress: Callable[[str], None] = print) -> dict[str, Stage]:
     if backend == "torch":
         return {m.name: TorchStage(m, device, dtype) for m in models}
-    from demo.engine import create_engine_stages, prepare_stage_engines
+    from demo.engine import prepare_stage_engines
+    from demo.engine_runtime import create_engine_stages
 
-    engines = prepare_stage_engines(models, engine_settings, "cuda", torch.float16, log)
-    return create_engine_stages(models, engines, backend, engine_settings.use_cuda_graph)
+    engines = prepare_stage_engines(models, engine_settings, device, dtype, log, progress)
+    return create_engine_stages(models, engines, TensorRTAPI(backend), dtype, engine_settings.use_cuda_graph,
+                                device, log, engine_settings.plugins)

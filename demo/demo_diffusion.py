@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import random
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout
@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(args, source) -> None:
-    from demo.arguments import check_image_size
+    """The demo's own argument checks; run() makes these and the engine checks before loading or writing."""
+    from demo.arguments import check_image_size, check_writable_directory
+    from demo.pipeline import make_scheduler
 
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -53,18 +55,14 @@ def validate(args, source) -> None:
         raise UsageError(f"--denoising-steps must be at least 1, got {args.denoising_steps}")
     if args.num_warmup_runs < 0:
         raise UsageError(f"--num-warmup-runs must be 0 or more, got {args.num_warmup_runs}")
-    if args.guidance_scale < 0:
-        raise UsageError(f"--guidance-scale must be 0 or more, got {args.guidance_scale}")
+    if not (math.isfinite(args.guidance_scale) and args.guidance_scale >= 0):
+        raise UsageError(f"--guidance-scale must be a finite number, 0 or more, got {args.guidance_scale}")
+    if args.seed is not None and not 0 <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise UsageError(f"--seed must be 0..{2**64 - 1}, got {args.seed}")
+    if args.scheduler is not None:
+        make_scheduler(args.scheduler, source)  # an unknown name is a UsageError
     check_image_size(source, args.height, args.width)
-
-
-def check_writable(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        raise UsageError(f"output directory '{directory}' is not writable: {exc.strerror or exc}") from exc
+    check_writable_directory("output directory", Path(args.output_dir))  # made when the images are saved
 
 
 def output_stem(model_name: str, seed: int) -> str:
@@ -103,7 +101,7 @@ def run(parser, args) -> int:
     from tqdm import tqdm
 
     from demo.arguments import engine_flags_set, engine_settings
-    from demo.backends import create_stages, select_backend
+    from demo.backends import create_stages, device_and_dtype, select_backend
     from demo.logs import configure_library_logging
     from demo.pipeline import GenerationRequest, Text2ImagePipeline, default_scheduler_name
     from demo.report import LatencyReport, StageTimer, device_name, library_versions
@@ -112,6 +110,10 @@ def run(parser, args) -> int:
 
     configure_library_logging(args.verbose)
     log = print if args.verbose else (lambda *_: None)
+
+    def progress(message: str) -> None:  # always shown: a first run may build engines for many minutes
+        print(message, file=sys.stderr, flush=True)
+
     backend, reason = select_backend(args.backend)
     source = resolve_model(args.model)
     args.height = args.height or source.native_image_size
@@ -119,7 +121,6 @@ def run(parser, args) -> int:
     validate(args, source)
     scheduler_name = args.scheduler or default_scheduler_name(source)
     output_dir = Path(args.output_dir)
-    check_writable(output_dir)
     settings = None
     if backend == "torch":
         unused = engine_flags_set(parser, args)
@@ -130,11 +131,10 @@ def run(parser, args) -> int:
                                    guided=args.guidance_scale > 1.0)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(backend)
     log(f"[{PROG}] model {source.name} ({source.path}), backend {backend} ({reason}), {device} {dtype}")
     models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
-    stages = create_stages(backend, models, device, dtype, settings, log=log)
+    stages = create_stages(backend, models, device, dtype, settings, log=log, progress=progress)
     pipeline = Text2ImagePipeline(source, stages, scheduler_name, device, dtype)
     request = GenerationRequest(
         prompts=[args.prompt] * args.batch_size,
@@ -149,14 +149,14 @@ def run(parser, args) -> int:
     with tqdm(total=unet_calls, desc="denoising", disable=not sys.stderr.isatty(), leave=False) as bar:
         images = pipeline(request, timer, progress=bar)
 
-    factor = source.vae_scale_factor
     report = LatencyReport(
         model=source.name, backend=backend, backend_reason=reason, device=device_name(device),
         precision="fp16" if dtype == torch.float16 else "fp32", scheduler=scheduler_name,
         steps=args.denoising_steps, unet_calls=unet_calls, guidance_scale=args.guidance_scale, seed=seed,
         batch_size=args.batch_size, height=args.height, width=args.width,
-        latent_shape=[args.batch_size, source.latent_channels, args.height // factor, args.width // factor],
-        latency_ms=timer.milliseconds(), versions=library_versions(),
+        latent_shape=list(source.latent_shape(args.batch_size, args.height, args.width)),
+        latency_ms=timer.milliseconds(), versions=library_versions(backend),
+        plugins=list(settings.plugins) if settings else [],
     )
     written = save_outputs(output_dir, output_stem(source.name, seed), images, report)
     print(report.table())

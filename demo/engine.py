@@ -1,34 +1,38 @@
-"""TensorRT engines: build from optimized ONNX, cache, load, and run behind the stage interface.
+"""TensorRT engines: profiles, build options, the engine cache, and building from optimized ONNX.
 
-Host-side logic (profiles, cache keys, buffer shapes, binding order, profile checks) lives in plain
-classes that need no GPU; `TensorRTEngine` is the part that needs one.
+Everything here runs without a GPU (TensorRT for RTX builds on a CPU); running engines is
+demo/engine_runtime.py.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from core.artifacts import artifact_bytes, cached_build, content_hash
+from core.artifacts import artifact_bytes, cached_build, read_manifest
 from core.atomic import atomic_write_bytes
 from core.errors import UsageError
-from demo.stages import Stage
-from demo.trt_flavour import current_cc, import_flavour, version
+from demo.trt_flavour import TensorRTAPI, current_cc
 from models import stage_batch
 from models.base import Range, StageModel
 from models.source import ModelSource
+from plugins.trt_plugins import load_plugin_library
 
 DEFAULT_MAX_BATCH = 4
 # What TensorRT for RTX builds for on a machine with no GPU when no --target-cc is given:
 # A100 (8.0), A10 / RTX 30 (8.6), L40 / RTX 40 (8.9).
 CPU_DEFAULT_TARGETS = ((8, 0), (8, 6), (8, 9))
 # Bump when build settings change what an engine contains.
-ENGINE_FORMAT_VERSION = 1
+ENGINE_FORMAT_VERSION = 2
+# How often a build that reports no progress of its own (TensorRT 8.6) says it is still working.
+HEARTBEAT_S = 30.0
+
 
 class EngineBuildError(RuntimeError):
     """ONNX that TensorRT cannot parse or build; the message names the stage, node and cause."""
@@ -70,6 +74,8 @@ class BuildOptions:
     optimization_level: int = 3
     timing_cache: Path | None = None
     target_ccs: tuple[tuple[int, int], ...] = ()  # empty: the GPU of this machine
+    # TacticSource names the builder must not use, e.g. CUDNN where cuDNN is absent or a stub.
+    disabled_tactic_sources: tuple[str, ...] = ()
 
     def resolved_targets(self) -> tuple[tuple[int, int], ...]:
         """Named targets, else this machine's GPU, else (TensorRT for RTX on a CPU) CPU_DEFAULT_TARGETS."""
@@ -96,96 +102,110 @@ def parse_target_ccs(text: str | None) -> tuple[tuple[int, int], ...]:
     return ccs
 
 
-@dataclass
-class EngineIO:
-    """What an engine binds, in binding order (inputs in the model's order, then outputs)."""
-
-    stage: str
-    inputs: dict[str, dict]  # name -> {"dtype": "HALF", "profile": [min, opt, max]}
-    outputs: dict[str, dict]  # name -> {"dtype": ...}
-
-    @property
-    def binding_order(self) -> list[str]:
-        return [*self.inputs, *self.outputs]
-
-    def torch_dtype(self, name: str) -> torch.dtype:
-        meta = self.inputs.get(name) or self.outputs[name]
-        return _TORCH_DTYPES[meta["dtype"]]
-
-    def check_input_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Raise a UsageError naming the limits when a shape is outside the engine's profile."""
-        for name, meta in self.inputs.items():
-            shape = tuple(shapes[name])
-            low, _, high = (tuple(s) for s in meta["profile"])
-            if len(shape) != len(low) or any(not lo <= s <= hi for s, lo, hi in zip(shape, low, high)):
-                raise UsageError(
-                    f"{self.stage} engine input '{name}' shape {list(shape)} is outside the engine's profile "
-                    f"(min {list(low)}, max {list(high)}); rebuild with matching --batch-size/--height/--width, "
-                    "or with --build-dynamic-shape"
-                )
-
-    def buffer_specs(self, model: StageModel, batch: int, height: int, width: int) -> list[tuple[str, tuple, torch.dtype]]:
-        """(name, shape, dtype) of every binding for one call, in binding order."""
-        shapes = {**model.input_shapes(batch, height, width), **model.output_shapes(batch, height, width)}
-        self.check_input_shapes(shapes)
-        return [(name, tuple(shapes[name]), self.torch_dtype(name)) for name in self.binding_order]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
-    @classmethod
-    def load(cls, path: Path) -> "EngineIO":
-        return cls(**json.loads(path.read_text()))
+def parse_tactic_sources(text: str | None) -> tuple[str, ...]:
+    """A --disable-tactic-sources value (comma-separated TacticSource names) as sorted upper-case names."""
+    return tuple(sorted({item.strip().upper() for item in (text or "").split(",") if item.strip()}))
 
 
-def io_path(engine_path: Path) -> Path:
-    return engine_path.with_name(engine_path.name + ".io.json")
-
-
-def engine_key(model: StageModel, onnx_path: Path, shapes: dict, options: BuildOptions) -> dict:
+def engine_key(model: StageModel, onnx_key: dict, shapes: dict, options: BuildOptions, api: TensorRTAPI) -> dict:
+    """What makes an engine: the ONNX it comes from (by what made that, so a cached engine is found
+    without exporting again), the profile, TensorRT and the build settings. The torch version that
+    exported the ONNX is left out: engines built where another torch exported serve just as well."""
     return {
         "stage": model.name,
-        "onnx": content_hash(onnx_path),
+        "onnx": {k: v for k, v in onnx_key.items() if k != "torch"},
         "shapes": {name: [list(s) for s in rng] for name, rng in shapes.items()},
         "flavour": options.flavour,
-        "flavour_version": version(options.flavour),
+        "flavour_version": api.version,
         "target_cc": [f"{a}.{b}" for a, b in options.resolved_targets()],
         "optimization_level": options.optimization_level,
+        "disabled_tactic_sources": list(options.disabled_tactic_sources),
         "format_version": ENGINE_FORMAT_VERSION,
     }
 
 
-def progress_monitor(trt, stage: str, log: Callable[[str], None]):
-    """A TensorRT progress monitor that logs top-level phases and any phase longer than 5 s."""
+def reusable_key(artifact: Path, key: dict, options: BuildOptions) -> dict:
+    """The key of an engine already built for several GPUs, this one among them (TensorRT for RTX
+    builds on a CPU for 8.0, 8.6 and 8.9), when it matches in everything else; else `key`."""
+    if options.target_ccs or options.flavour != "tensorrt-rtx":
+        return key
+    manifest = read_manifest(artifact)
+    recorded = manifest.get("key") if isinstance(manifest, dict) else None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("target_cc"), list):
+        return key
+    if {**recorded, "target_cc": key["target_cc"]} == key and set(key["target_cc"]) <= set(recorded["target_cc"]):
+        return recorded
+    return key
 
-    class Monitor(trt.IProgressMonitor):
-        def __init__(self):
-            trt.IProgressMonitor.__init__(self)
-            self.started: dict[str, float] = {}
 
-        def phase_start(self, phase_name, parent_phase, num_steps):
-            self.started[phase_name] = time.perf_counter()
-            if parent_phase is None:
-                log(f"[build] {stage}: {phase_name} ...")
+class BuildProgress:
+    """Says what a build is doing, with elapsed times, whatever TensorRT reports itself.
 
-        def step_complete(self, phase_name, step):
-            return True  # keep building
+    TensorRT 10+ reports its phases through a progress monitor; 8.6 builds silently for minutes, so a
+    heartbeat line every HEARTBEAT_S keeps a long first build from looking hung.
+    """
 
-        def phase_finish(self, phase_name):
-            elapsed = time.perf_counter() - self.started.pop(phase_name, time.perf_counter())
-            if elapsed > 5:
-                log(f"[build] {stage}: {phase_name} done in {elapsed:.0f} s")
+    def __init__(self, api: TensorRTAPI, stage: str, progress: Callable[[str], None], heartbeat_s: float = HEARTBEAT_S):
+        self.api, self.stage, self.progress, self.heartbeat_s = api, stage, progress, heartbeat_s
+        self.start = time.perf_counter()
+        self._done = threading.Event()
 
-    return Monitor()
+    def elapsed(self) -> str:
+        return f"{time.perf_counter() - self.start:.0f} s"
+
+    def __enter__(self):
+        self.progress(f"[build] {self.stage}: building the engine with {self.api.label} ...")
+        threading.Thread(target=self._beat, daemon=True).start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.heartbeat_s):
+            self.progress(f"[build] {self.stage}: still building ({self.elapsed()})")
+
+    def __exit__(self, *exc):
+        self._done.set()
+        if exc[0] is None:
+            self.progress(f"[build] {self.stage}: engine built in {self.elapsed()}")
+
+    def monitor(self):
+        """A TensorRT progress monitor reporting top-level phases and any phase longer than 5 s."""
+        trt, progress, stage = self.api.trt, self.progress, self.stage
+
+        class Monitor(trt.IProgressMonitor):
+            def __init__(self):
+                trt.IProgressMonitor.__init__(self)
+                self.started: dict[str, float] = {}
+
+            def phase_start(self, phase_name, parent_phase, num_steps):
+                self.started[phase_name] = time.perf_counter()
+                if parent_phase is None:
+                    progress(f"[build] {stage}: {phase_name} ...")
+
+            def step_complete(self, phase_name, step):
+                return True  # keep building
+
+            def phase_finish(self, phase_name):
+                elapsed = time.perf_counter() - self.started.pop(phase_name, time.perf_counter())
+                if elapsed > 5:
+                    progress(f"[build] {stage}: {phase_name} done in {elapsed:.0f} s")
+
+        return Monitor()
 
 
 def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: dict, options: BuildOptions,
-                      log: Callable[[str], None]) -> None:
-    """Parse `onnx_path` as a strongly typed network and write the serialized engine and its I/O to `path`."""
-    trt = import_flavour(options.flavour)
-    logger = trt.Logger(trt.Logger.WARNING)
+                      progress: Callable[[str], None], with_plugins: bool = False) -> None:
+    """Parse `onnx_path` and write the serialized engine to `path`.
+
+    fp16 I/O means an fp16 engine: strongly typed where TensorRT has it, else with the FP16 flag.
+    `with_plugins`: the ONNX holds our plugin nodes, so our plugin library must be in TensorRT's
+    registry before parsing (the parser maps those nodes to its creators)."""
+    api = TensorRTAPI(options.flavour)
+    trt = api.trt
+    if with_plugins:
+        load_plugin_library(trt)
+    logger = api.logger()
     builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    network = api.create_network(builder)
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = [parser.get_error(i) for i in range(parser.num_errors)]
@@ -196,170 +216,58 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     outputs = [network.get_output(i) for i in range(network.num_outputs)]
     if [t.name for t in inputs] != list(model.input_names) or [t.name for t in outputs] != list(model.output_names):
         raise EngineBuildError(f"{model.name}: ONNX I/O {[t.name for t in inputs]} -> {[t.name for t in outputs]} "
-                           f"does not match the model class {list(model.input_names)} -> {list(model.output_names)}")
+                               f"does not match the model class {list(model.input_names)} -> {list(model.output_names)}")
 
     config = builder.create_builder_config()
     config.builder_optimization_level = options.optimization_level
+    api.set_precision(config, half=any(t.dtype == trt.float16 for t in inputs + outputs))
+    api.disable_tactic_sources(config, options.disabled_tactic_sources)
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # layer types for the engine inspector
     profile = builder.create_optimization_profile()
     for name, (low, opt, high) in shapes.items():
         profile.set_shape(name, low, opt, high)
     config.add_optimization_profile(profile)
     if options.flavour == "tensorrt" and options.target_ccs and options.target_ccs != (current_cc(),):
         raise UsageError("tensorrt builds for the GPU it runs on; --target-cc is for --backend tensorrt-rtx")
-    if options.flavour == "tensorrt-rtx":
+    if api.compute_capability_targets:
         targets = options.resolved_targets()
         config.num_compute_capabilities = len(targets)
         for index, (major, minor) in enumerate(targets):
             cc = getattr(trt.ComputeCapability, f"SM{major}{minor}", None)
             if cc is None:
-                raise UsageError(f"tensorrt-rtx cannot target compute capability {major}.{minor}")
+                raise UsageError(f"{options.flavour} cannot target compute capability {major}.{minor}")
             config.set_compute_capability(cc, index)
     cache = None
     if options.timing_cache is not None:
         blob = options.timing_cache.read_bytes() if options.timing_cache.is_file() else b""
         cache = config.create_timing_cache(blob)
         config.set_timing_cache(cache, ignore_mismatch=False)
-    config.progress_monitor = progress_monitor(trt, model.name, log)
 
-    serialized = builder.build_serialized_network(network, config)
+    with BuildProgress(api, model.name, progress) as build:
+        if api.progress_monitor:
+            config.progress_monitor = build.monitor()
+        serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise EngineBuildError(f"{model.name}: TensorRT could not build the engine (see its log above)")
     path.write_bytes(serialized)
     if cache is not None:
         atomic_write_bytes(options.timing_cache, bytes(cache.serialize()))
-    io = EngineIO(
-        model.name,
-        {t.name: {"dtype": t.dtype.name, "profile": [list(s) for s in shapes[t.name]]} for t in inputs},
-        {t.name: {"dtype": t.dtype.name} for t in outputs},
-    )
-    io_path(path).write_text(io.to_json())
 
 
-def prepare_engine(model: StageModel, onnx_path: Path, engine_dir: Path, shapes: dict, options: BuildOptions,
-                   force: bool = False, log: Callable[[str], None] = print) -> Path:
-    """The engine for `model` through the cache: reused when its key and content check out."""
-    key = engine_key(model, onnx_path, shapes, options)
-    return cached_build(
-        engine_dir / f"{model.name}.engine", key,
-        lambda p: build_engine_file(p, onnx_path, model, shapes, options, log),
-        force, log, verify_content=True,
-    )
+def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], ContextManager[Path]], engine_dir: Path,
+                   shapes: dict, options: BuildOptions, force: bool = False, log: Callable[[str], None] = print,
+                   progress: Callable[[str], None] = print) -> Path:
+    """The engine for `model` through the cache: reused when its key and content check out; otherwise
+    `make_onnx()` provides the optimized ONNX (exporting only then), locked while the engine is built from it."""
+    api = TensorRTAPI(options.flavour)
+    artifact = engine_dir / f"{model.name}.engine"
+    key = reusable_key(artifact, engine_key(model, onnx_key, shapes, options, api), options)
 
+    def build(path: Path) -> None:
+        with make_onnx() as onnx_path:
+            build_engine_file(path, onnx_path, model, shapes, options, progress, bool(onnx_key["plugins"]))
 
-# ---- runtime (needs a GPU the flavour supports) -----------------------------------------------------
-
-def _check_cuda(result) -> object:
-    error, *rest = result
-    if int(error) != 0:
-        raise RuntimeError(f"CUDA error {error}")
-    return rest[0] if len(rest) == 1 else (rest or None)
-
-
-class StreamExecutor:
-    """Runs `enqueue(stream)` on its own cuda-python stream, ordered after everything already queued
-    on torch's current stream and before anything queued there afterwards. With `use_cuda_graph`,
-    the second call captures the enqueued work in a CUDA graph and every later call replays it."""
-
-    def __init__(self, enqueue: Callable[[int], None], use_cuda_graph: bool):
-        from cuda.bindings import runtime as cudart
-
-        self.cudart = cudart
-        self.enqueue = enqueue
-        self.use_cuda_graph = use_cuda_graph
-        self.stream = _check_cuda(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking))
-        flags = cudart.cudaEventDisableTiming
-        self.inputs_ready = _check_cuda(cudart.cudaEventCreateWithFlags(flags))
-        self.outputs_ready = _check_cuda(cudart.cudaEventCreateWithFlags(flags))
-        self.calls = 0
-        self.graph = None
-
-    @property
-    def handle(self) -> int:
-        return int(self.stream)
-
-    def __call__(self) -> None:
-        cudart = self.cudart
-        torch_stream = torch.cuda.current_stream().cuda_stream
-        _check_cuda(cudart.cudaEventRecord(self.inputs_ready, torch_stream))
-        _check_cuda(cudart.cudaStreamWaitEvent(self.stream, self.inputs_ready, 0))
-        if self.graph is not None:
-            _check_cuda(cudart.cudaGraphLaunch(self.graph, self.stream))
-        elif self.use_cuda_graph and self.calls > 0:  # the first call may allocate; capture the second
-            mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
-            _check_cuda(cudart.cudaStreamBeginCapture(self.stream, mode))
-            self.enqueue(self.handle)
-            graph = _check_cuda(cudart.cudaStreamEndCapture(self.stream))
-            self.graph = _check_cuda(cudart.cudaGraphInstantiate(graph, 0))
-            _check_cuda(cudart.cudaGraphLaunch(self.graph, self.stream))
-        else:
-            self.enqueue(self.handle)
-        self.calls += 1
-        _check_cuda(cudart.cudaEventRecord(self.outputs_ready, self.stream))
-        _check_cuda(cudart.cudaStreamWaitEvent(torch_stream, self.outputs_ready, 0))
-
-    def reset_graph(self) -> None:
-        """Buffers moved: the captured addresses are stale."""
-        self.graph, self.calls = None, 0
-
-
-class TensorRTEngine:
-    """A deserialized engine with its execution context and torch-allocated I/O buffers."""
-
-    def __init__(self, flavour: str, path: Path, use_cuda_graph: bool):
-        trt = import_flavour(flavour)
-        self.io = EngineIO.load(io_path(path))
-        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self.engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
-        if self.engine is None:
-            raise RuntimeError(f"{path}: TensorRT could not deserialize the engine (see its log above)")
-        self.context = self.engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.executor = StreamExecutor(self._enqueue, use_cuda_graph)
-
-    @property
-    def device_memory_size(self) -> int:
-        return self.engine.device_memory_size_v2
-
-    def use_device_memory(self, block: torch.Tensor) -> None:
-        """Share one scratch block among engines that never run at the same time."""
-        self.context.set_device_memory(block.data_ptr(), block.numel())
-
-    def allocate(self, specs: list[tuple[str, tuple, torch.dtype]]) -> None:
-        self.buffers = {}
-        for name, shape, dtype in specs:
-            self.buffers[name] = torch.empty(shape, dtype=dtype, device="cuda")
-            if name in self.io.inputs:
-                self.context.set_input_shape(name, shape)
-            self.context.set_tensor_address(name, self.buffers[name].data_ptr())
-        self.executor.reset_graph()
-
-    def _enqueue(self, stream: int) -> None:
-        if not self.context.execute_async_v3(stream):
-            raise RuntimeError(f"{self.io.stage}: TensorRT execution failed")
-
-    def run(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        for name in self.io.inputs:
-            self.buffers[name].copy_(feed[name])
-        self.executor()
-        return {name: self.buffers[name] for name in self.io.outputs}
-
-
-class TensorRTStage(Stage):
-    """A stage backed by an engine. Outputs stay valid until this stage runs again."""
-
-    def __init__(self, model: StageModel, engine: TensorRTEngine):
-        super().__init__(model)
-        self.engine = engine
-        self._specs: list | None = None
-
-    def prepare(self, batch, height, width):
-        specs = self.engine.io.buffer_specs(self.model, batch, height, width)
-        if specs != self._specs:
-            self.engine.allocate(specs)
-            self._specs = specs
-
-    def __call__(self, feed):
-        return self.engine.run(feed)
+    return cached_build(artifact, key, build, force, log, verify_content=True)
 
 
 @dataclass
@@ -375,34 +283,37 @@ class EngineSettings:
     force_onnx_export: bool = False
     force_onnx_optimize: bool = False
     force_engine_build: bool = False
+    plugins: tuple[str, ...] = ()  # models.plugin_set keys whose passes put our plugins into the graphs
     stats: dict = field(default_factory=dict)
 
 
-def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, device: str, dtype: torch.dtype,
-                          log: Callable[[str], None] = print) -> dict[str, Path]:
-    """export -> optimize -> build for each model; records per-stage sizes and times in settings.stats."""
+def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, device: str | torch.device,
+                          dtype: torch.dtype, log: Callable[[str], None] = print,
+                          progress: Callable[[str], None] = print) -> dict[str, Path]:
+    """The engine of each model, exporting and optimizing ONNX only where an engine must be built.
+
+    Records per stage in settings.stats: ONNX size and time (None when the cached engine needed
+    none), engine build time and size. `progress` gets what a long first run is doing, `log` the rest.
+    """
     engines = {}
     for model in models:
+        stat: dict = {"onnx_bytes": None, "onnx_s": None}
+
+        @contextlib.contextmanager
+        def make_onnx(model=model, stat=stat) -> Iterator[Path]:
+            start = time.perf_counter()
+            progress(f"[build] {model.name}: exporting and optimizing ONNX ({dtype}) ...")
+            with model.optimized_onnx(settings.onnx_dir, device, dtype, settings.force_onnx_export,
+                                      settings.force_onnx_optimize, log, settings.plugins) as path:
+                stat.update(onnx_bytes=artifact_bytes(path), onnx_s=time.perf_counter() - start)
+                yield path
+
         start = time.perf_counter()
-        onnx_path = model.prepare_onnx(settings.onnx_dir, device, dtype, settings.force_onnx_export,
-                                       settings.force_onnx_optimize, log)
-        onnx_done = time.perf_counter()
         shapes = settings.profile.stage_shapes(model, settings.guided)
-        engines[model.name] = prepare_engine(model, onnx_path, settings.engine_dir, shapes, settings.options,
-                                             settings.force_engine_build, log)
-        settings.stats[model.name] = {
-            "onnx_bytes": artifact_bytes(onnx_path),
-            "onnx_s": onnx_done - start,
-            "engine_s": time.perf_counter() - onnx_done,
-            "engine_bytes": engines[model.name].stat().st_size,
-        }
+        onnx_key = model.optimized_onnx_key(dtype, settings.plugins)
+        engines[model.name] = prepare_engine(model, onnx_key, make_onnx, settings.engine_dir, shapes, settings.options,
+                                             settings.force_engine_build, log, progress)
+        stat["engine_s"] = time.perf_counter() - start - (stat["onnx_s"] or 0.0)
+        stat["engine_bytes"] = engines[model.name].stat().st_size
+        settings.stats[model.name] = stat
     return engines
-
-
-def create_engine_stages(models: list[StageModel], engines: dict[str, Path], flavour: str,
-                         use_cuda_graph: bool) -> dict[str, Stage]:
-    loaded = {m.name: TensorRTEngine(flavour, engines[m.name], use_cuda_graph) for m in models}
-    shared = torch.empty(max(e.device_memory_size for e in loaded.values()) or 1, dtype=torch.uint8, device="cuda")
-    for engine in loaded.values():
-        engine.use_device_memory(shared)
-    return {m.name: TensorRTStage(m, loaded[m.name]) for m in models}

@@ -119,10 +119,10 @@ class Text2ImagePipeline:
 
             generator = torch.Generator("cpu").manual_seed(request.seed)
             self.scheduler.set_timesteps(request.steps, device=self.device)
-            h, w = request.height // self.source.vae_scale_factor, request.width // self.source.vae_scale_factor
+            # Latents and the scheduler's arithmetic stay in fp32; only stage inputs take the stages' dtype.
             latents = randn_tensor(
-                (request.batch_size, self.source.latent_channels, h, w),
-                generator=generator, device=self.device, dtype=self.dtype,
+                self.source.latent_shape(request.batch_size, request.height, request.width),
+                generator=generator, device=self.device, dtype=torch.float32,
             )
             latents = latents * self.scheduler.init_noise_sigma
             step_kwargs = self._step_kwargs(generator)
@@ -135,7 +135,7 @@ class Text2ImagePipeline:
                         "sample": model_input.to(self.dtype),
                         "timestep": t.reshape(1).to(device=self.device, dtype=torch.float32),
                         "encoder_hidden_states": embeddings,
-                    })["latent"]
+                    })["latent"].float()
                     if request.guided:
                         uncond, cond = prediction.chunk(2)
                         prediction = uncond + request.guidance_scale * (cond - uncond)
@@ -144,7 +144,7 @@ class Text2ImagePipeline:
                         progress.update()
 
             with timer.measure("vae"):
-                images = self.stages["vae"]({"latent": latents / self.scaling_factor})["images"]
+                images = self.stages["vae"]({"latent": (latents / self.scaling_factor).to(self.dtype)})["images"]
             images = images.float().cpu()
         if not torch.isfinite(images).all():  # e.g. fp16 overflow: say so rather than save black images
             warnings.warn(f"non-finite values in the decoded images ({self.dtype}); they will be saved clamped",

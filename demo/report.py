@@ -55,6 +55,7 @@ class LatencyReport:
     width: int
     latent_shape: list[int]
     latency_ms: dict[str, float]
+    plugins: list[str] = field(default_factory=list)  # our plugins inside the engines (none for torch)
     images: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
 
@@ -73,6 +74,9 @@ class LatencyReport:
         out += [f"| {name:^15} | {ms:9.2f} ms |" for name, ms in rows]
         out += [line, f"| {'Pipeline':^15} | {self.latency_ms['pipeline']:9.2f} ms |", line]
         out.append(f"Throughput: {self.throughput:.2f} image/s")
+        ran = " ".join(filter(None, (self.backend, self.versions.get(self.backend))))
+        plugins = f", plugins {','.join(self.plugins)}" if self.plugins else ""
+        out.append(f"Backend: {ran} on {self.device}, {self.precision}{plugins}")
         return "\n".join(out)
 
     def to_json(self) -> str:
@@ -81,9 +85,12 @@ class LatencyReport:
         return json.dumps(data, indent=2)
 
 
-def library_versions() -> dict[str, str]:
+def library_versions(backend: str = "torch") -> dict[str, str]:
+    """Versions of what ran, TensorRT's among them when a TensorRT flavour ran the stages."""
     import diffusers
     import transformers
+
+    from demo.trt_flavour import FLAVOURS, version
 
     versions = {
         "python": platform.python_version(),
@@ -93,6 +100,8 @@ def library_versions() -> dict[str, str]:
     }
     if torch.cuda.is_available():
         versions["cuda"] = str(torch.version.cuda)
+    if backend in FLAVOURS:
+        versions[backend] = version(backend)
     return versions
 
 

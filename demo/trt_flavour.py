@@ -1,20 +1,31 @@
-"""The one place that knows TensorRT comes in two flavours with the same Python API.
+"""The one place that knows TensorRT's flavours and versions.
 
-`tensorrt` (TensorRT 10/11, from NVIDIA's package index) runs on every GPU from T4 to Hopper and
-builds for the GPU it runs on. `tensorrt_rtx` (TensorRT for RTX, `pip install tensorrt-rtx-cu13`)
-runs on Turing, Ampere, Ada and Blackwell GPUs but not on Hopper (compute capability 9.0), and can
-build on a machine with no GPU for target compute capabilities named up front.
+Two flavours share one Python API: `tensorrt` (TensorRT 8.6 through 11.x) runs on every GPU from T4 to
+Hopper and builds for the GPU it runs on; `tensorrt_rtx` (TensorRT for RTX, `pip install tensorrt-rtx-cu13`)
+runs on Turing, Ampere, Ada and Blackwell but not Hopper (compute capability 9.0), and can build on a
+machine with no GPU for target compute capabilities named up front.
+
+Versions differ in a few calls. `TensorRTAPI` decides each by feature (what the imported module has),
+never by comparing version numbers at the call sites:
+- strongly typed networks (10.0+): fp16 ONNX gives an fp16 engine; before that, fp16 ONNX needs
+  `BuilderFlag.FP16` on an explicit-batch network;
+- user-managed device memory (10.1+: `create_execution_context(USER_MANAGED)`, `device_memory_size_v2`,
+  `set_device_memory(ptr, size)`); before that, `create_execution_context_without_device_memory()`,
+  `device_memory_size` and `context.device_memory = ptr`;
+- build progress monitors (10.0+); before that the builder is silent and we report elapsed time ourselves;
+- target compute capabilities (TensorRT for RTX).
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from demo.errors import UsageError
+from core.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -22,6 +33,7 @@ class Flavour:
     name: str  # --backend value
     module_name: str
     install: str  # how to install it
+    min_version: tuple[int, ...] = ()  # older releases lack the name-based I/O API the runtime uses
     unsupported_cc: tuple[tuple[int, int], ...] = ()  # GPUs whose runtime it refuses
     min_cc: tuple[int, int] = (7, 5)
 
@@ -29,7 +41,8 @@ class Flavour:
 FLAVOURS = {
     "tensorrt": Flavour(
         "tensorrt", "tensorrt",
-        "pip install tensorrt, from NVIDIA's own package index"),
+        "pip install tensorrt, from NVIDIA's own package index (8.6 or newer)",
+        min_version=(8, 6)),
     "tensorrt-rtx": Flavour(
         "tensorrt-rtx", "tensorrt_rtx", "pip install tensorrt-rtx-cu13",
         unsupported_cc=((9, 0),)),
@@ -42,13 +55,22 @@ def flavour(name: str) -> Flavour:
     return FLAVOURS[name]
 
 
+def parse_version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
 def import_flavour(name: str) -> ModuleType:
-    """The flavour's module, or a UsageError naming the package to install."""
+    """The flavour's module, or a UsageError naming the package to install or the version needed."""
     spec = flavour(name)
     try:
-        return importlib.import_module(spec.module_name)
+        module = importlib.import_module(spec.module_name)
     except ImportError as exc:
         raise UsageError(f"{name} is not installed ({exc.msg}); install it with: {spec.install}") from exc
+    if parse_version(module.__version__) < spec.min_version:
+        wanted = ".".join(map(str, spec.min_version))
+        raise UsageError(f"{name} {module.__version__} is too old: this toolkit needs {wanted} or newer "
+                         f"({spec.install})")
+    return module
 
 
 def installed(name: str) -> bool:
@@ -66,8 +88,10 @@ def current_cc() -> tuple[int, int] | None:
 def why_cannot_run(name: str, cc: tuple[int, int] | None) -> str | None:
     """Why engines of this flavour cannot execute here (None when they can)."""
     spec = flavour(name)
-    if not installed(name):
-        return f"{name} is not installed (install it with: {spec.install})"
+    try:
+        import_flavour(name)
+    except UsageError as exc:
+        return str(exc)
     if cc is None:
         return f"{name} needs a CUDA GPU to run engines, and none is visible"
     if cc in spec.unsupported_cc or cc < spec.min_cc:
@@ -79,3 +103,65 @@ def why_cannot_run(name: str, cc: tuple[int, int] | None) -> str | None:
 
 def version(name: str) -> str:
     return import_flavour(name).__version__
+
+
+class TensorRTAPI:
+    """An imported flavour with its version differences resolved once, by feature."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.trt = import_flavour(name)
+        self.version = self.trt.__version__
+        trt = self.trt
+        self.strongly_typed = hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+        self.user_managed_memory = hasattr(trt, "ExecutionContextAllocationStrategy")
+        self.progress_monitor = hasattr(trt, "IProgressMonitor")
+        self.compute_capability_targets = hasattr(trt, "ComputeCapability")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.version}"
+
+    def logger(self):
+        return self.trt.Logger(self.trt.Logger.WARNING)
+
+    # ---- building ----------------------------------------------------------------------------
+    def create_network(self, builder):
+        flags = self.trt.NetworkDefinitionCreationFlag
+        if self.strongly_typed:
+            return builder.create_network(1 << int(flags.STRONGLY_TYPED))
+        return builder.create_network(1 << int(flags.EXPLICIT_BATCH))
+
+    def set_precision(self, config, half: bool) -> None:
+        """Without strong typing the builder runs fp32 unless told fp16 is allowed."""
+        if half and not self.strongly_typed:
+            config.set_flag(self.trt.BuilderFlag.FP16)
+
+    def disable_tactic_sources(self, config, names: tuple[str, ...]) -> None:
+        sources = self.trt.TacticSource
+        unknown = [n for n in names if not hasattr(sources, n)]
+        if unknown:
+            known = ", ".join(n for n in dir(sources) if n.isupper())
+            raise UsageError(f"{self.label} has no tactic source {', '.join(unknown)} (it has: {known})")
+        mask = config.get_tactic_sources()
+        for name in names:
+            mask &= ~(1 << int(getattr(sources, name)))
+        config.set_tactic_sources(mask)
+
+    # ---- running -----------------------------------------------------------------------------
+    def create_context(self, engine):
+        """An execution context that uses device memory we hand it (shared between engines)."""
+        if self.user_managed_memory:
+            return engine.create_execution_context(self.trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        return engine.create_execution_context_without_device_memory()
+
+    def device_memory_size(self, engine) -> int:
+        if self.user_managed_memory:
+            return engine.device_memory_size_v2
+        return engine.device_memory_size
+
+    def set_device_memory(self, context, pointer: int, size: int) -> None:
+        if self.user_managed_memory:
+            context.set_device_memory(pointer, size)
+        else:
+            context.device_memory = pointer

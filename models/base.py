@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import shutil
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import torch
 
-from core.artifacts import cached_build
+from core.artifacts import artifact_lock, cached_build
 from models.onnx_io import save_onnx
 from models.optimizer import optimize_onnx_file
+from models.plugin_passes import OURS
 from models.source import ModelSource
 
 ONNX_OPSET = 17
 # Bump when export or optimization code changes what it writes, so cached artifacts are rebuilt.
 EXPORT_VERSION = 3
-OPTIMIZE_VERSION = 1
+OPTIMIZE_VERSION = 2
 
 Range = tuple[int, int, int]  # (min, opt, max)
 
@@ -40,8 +42,7 @@ class StageModel(abc.ABC):
         self.config = source.config(self.component)
 
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
-        factor = self.source.vae_scale_factor
-        return height // factor, width // factor
+        return self.source.latent_shape(1, height, width)[2:]
 
     @abc.abstractmethod
     def input_shapes(self, batch: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
@@ -127,20 +128,50 @@ class StageModel(abc.ABC):
             "export_version": EXPORT_VERSION,
         }
 
+    def optimized_onnx_key(self, dtype: torch.dtype, plugins: tuple[str, ...] = (),
+                           plugin_convention: str = OURS) -> dict:
+        """What makes the optimized ONNX (and so, in part, every engine built from it); `plugins` is
+        the sorted tuple of plugin keys whose passes run (models.plugin_set.parse_plugin_set), and
+        `plugin_convention` whose plugin nodes they emit (models.plugin_passes.CONVENTIONS)."""
+        return dict(self.onnx_key(dtype), optimize_version=OPTIMIZE_VERSION, plugins=list(plugins),
+                    plugin_convention=plugin_convention)
+
+    def optimized_onnx_path(self, onnx_dir: Path) -> Path:
+        return onnx_dir / f"{self.name}.opt.onnx"
+
     def prepare_onnx(
         self, onnx_dir: Path, device: str | torch.device, dtype: torch.dtype,
-        force_export: bool = False, force_optimize: bool = False, log=print,
+        force_export: bool = False, force_optimize: bool = False, log=print, plugins: tuple[str, ...] = (),
+        plugin_convention: str = OURS,
     ) -> Path:
-        """Export and optimize through the artifact cache; returns the optimized ONNX path."""
-        key = self.onnx_key(dtype)
-        raw = cached_build(
-            onnx_dir / f"{self.name}.onnx", key, lambda p: self.export_onnx(p, device, dtype), force_export, log
-        )
-        opt_key = dict(key, optimize_version=OPTIMIZE_VERSION)
-        return cached_build(
-            onnx_dir / f"{self.name}.opt.onnx",
-            opt_key,
-            lambda p: optimize_onnx_file(raw, p, self.name, log),
-            force_export or force_optimize,
-            log,
-        )
+        """Export and optimize through the artifact cache; returns the optimized ONNX path.
+
+        The optimizer runs the passes of `plugins`, emitting `plugin_convention`'s nodes; what they
+        replaced and skipped is stored with the artifact (models.plugin_passes.read_pass_report).
+
+        Both files are checked by SHA-256 before anything is built from them, and a damaged one is
+        rebuilt. The export happens inside the optimize step, under the optimized ONNX's lock: only
+        that step reads the exported file, and no other process replaces it meanwhile.
+        """
+        exported = onnx_dir / f"{self.name}.onnx"
+
+        def optimize(path: Path) -> None:
+            raw = cached_build(exported, self.onnx_key(dtype), lambda p: self.export_onnx(p, device, dtype),
+                               force_export, log, verify_content=True)
+            optimize_onnx_file(raw, path, self.name, log, plugins, plugin_convention)
+
+        key = self.optimized_onnx_key(dtype, plugins, plugin_convention)
+        return cached_build(self.optimized_onnx_path(onnx_dir), key, optimize, force_export or force_optimize, log,
+                            verify_content=True)
+
+    @contextlib.contextmanager
+    def optimized_onnx(
+        self, onnx_dir: Path, device: str | torch.device, dtype: torch.dtype,
+        force_export: bool = False, force_optimize: bool = False, log=print, plugins: tuple[str, ...] = (),
+        plugin_convention: str = OURS,
+    ) -> Iterator[Path]:
+        """prepare_onnx, holding the optimized ONNX's lock until the block ends: no other process
+        replaces the file (say, exporting it in another precision) while the caller builds from it."""
+        with artifact_lock(self.optimized_onnx_path(onnx_dir), log):
+            yield self.prepare_onnx(onnx_dir, device, dtype, force_export, force_optimize, log, plugins,
+                                    plugin_convention)

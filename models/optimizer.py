@@ -1,8 +1,8 @@
 """The base ONNX optimizer: cleanup, constant folding and shape inference, with a node-count report.
 
 Built on onnx-graphsurgeon (graph edits) and polygraphy (folding and shape inference, which also
-handle models above 2 GB by going through disk). Later passes (plugin substitutions) add themselves
-to the same pass list and show up in the same report.
+handle models above 2 GB by going through disk). The plugin passes (models.plugin_passes) run after
+them, on the shape-inferred graph, and show up in the same report.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import onnx_graphsurgeon as gs
 from polygraphy.backend.onnx import loader as poly
 
 from models.onnx_io import save_onnx
+from models.plugin_passes import OURS, PLUGIN_KEYS, PLUGIN_PASSES, empty_report, write_pass_report
 
 
 class GraphOptimizer:
@@ -25,6 +26,7 @@ class GraphOptimizer:
         self.stage = stage
         self.graph = gs.import_onnx(model)
         self.history: list[tuple[str, int]] = [("exported", len(self.graph.nodes))]
+        self.plugin_report = empty_report()
 
     def _record(self, name: str) -> None:
         self.history.append((name, len(self.graph.nodes)))
@@ -45,6 +47,16 @@ class GraphOptimizer:
         inferred = poly.infer_shapes(self.model(), error_ok=False)
         self.graph = gs.import_onnx(inferred)
         self._record("infer-shapes")
+
+    def plugin_pass(self, key: str, convention: str = OURS) -> None:
+        self.plugin_report[key] = PLUGIN_PASSES[key].apply(self.graph, convention).as_dict()
+        self._record(key)
+
+    def plugin_passes(self, plugins: tuple[str, ...], convention: str = OURS) -> list[tuple[str, Callable[[], None]]]:
+        """The passes of the selected plugins, in a fixed order, then a cleanup; `convention` says
+        whose plugin nodes they emit (models.plugin_passes.CONVENTIONS)."""
+        passes = [(key, lambda key=key: self.plugin_pass(key, convention)) for key in PLUGIN_KEYS if key in plugins]
+        return passes + [("cleanup", self.cleanup)] if passes else []
 
     def run(self, passes: list[tuple[str, Callable[[], None]]] | None = None) -> onnx.ModelProto:
         for _, apply in passes or self.base_passes():
@@ -71,10 +83,15 @@ class GraphOptimizer:
     def report(self) -> str:
         steps = " -> ".join(f"{name} {count}" for name, count in self.history)
         warning = self.precision_warning()
-        return f"[optimize] {self.stage}: nodes {steps}" + (f"\n{warning}" if warning else "")
+        skipped = [f"[optimize] {self.stage}: {key} skipped {reason}"
+                   for key, result in self.plugin_report.items() for reason in result["skipped_reasons"]]
+        return "\n".join([f"[optimize] {self.stage}: nodes {steps}", *skipped, *([warning] if warning else [])])
 
 
-def optimize_onnx_file(src: Path, dst: Path, stage: str, log: Callable[[str], None] = print) -> None:
+def optimize_onnx_file(src: Path, dst: Path, stage: str, log: Callable[[str], None] = print,
+                       plugins: tuple[str, ...] = (), convention: str = OURS) -> None:
+    """Optimize `src` into `dst`, running the passes of `plugins`; their report goes beside `dst`."""
     optimizer = GraphOptimizer(onnx.load(str(src)), stage)
-    save_onnx(optimizer.run(), dst)
+    save_onnx(optimizer.run(optimizer.base_passes() + optimizer.plugin_passes(plugins, convention)), dst)
+    write_pass_report(dst, optimizer.plugin_report)
     log(optimizer.report())

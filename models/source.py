@@ -64,6 +64,11 @@ class ModelSource:
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.config("vae")["block_out_channels"]) - 1)
 
+    def latent_shape(self, batch: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """The latents of `batch` images of height x width pixels (the one place that computes it)."""
+        factor = self.vae_scale_factor
+        return batch, self.latent_channels, height // factor, width // factor
+
     @property
     def latent_channels(self) -> int:
         return self.config("unet")["in_channels"]

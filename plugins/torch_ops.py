@@ -30,7 +30,7 @@ _SIGNATURES = {
                         _c_float, _c_int, _c_int, _c_void], _c_int),
     "sdp_layer_norm": ([_c_void, _c_void, _c_void, _c_void, _c_i64, _c_int, _c_float, _c_void], _c_int),
     "sdp_split_gelu": ([_c_void, _c_void, _c_void, _c_i64, _c_int, _c_void], _c_int),
-    "sdp_seq2spatial": ([_c_void, _c_void, _c_void, _c_void, _c_int, _c_int, _c_int, _c_void], _c_int),
+    "sdp_seq2spatial": ([_c_void, _c_void, _c_void, _c_void, _c_int, _c_int, _c_int, _c_int, _c_void], _c_int),
 }
 
 
@@ -226,23 +226,40 @@ def _(x, bias):
     return x.new_empty(_split_shape(x))
 
 
-def seq2spatial_into(x, bias, residual, out):
+def seq2spatial_into(x, bias, residual, out, residual_layout: int = LAYOUT_NCHW):
+    """out [B, C, H, W] = transpose(x [B, HW, C] + bias [C]) + residual: [B, C, H, W] with LAYOUT_NCHW,
+    or [B, HW, C] like x with LAYOUT_NHWC (the sequence layout, added before the transpose)."""
     _check_half("seq2spatial", x, bias, residual, out)
-    _require(x.dim() == 3 and residual.dim() == 4, "seq2spatial: x must be [B, HW, C] and residual [B, C, H, W]")
+    _require(residual_layout in (LAYOUT_NCHW, LAYOUT_NHWC),
+             f"seq2spatial: residual_layout must be {LAYOUT_NCHW} (NCHW) or {LAYOUT_NHWC} (NHWC), got {residual_layout}")
+    _require(x.dim() == 3 and out.dim() == 4, "seq2spatial: x must be [B, HW, C] and out [B, C, H, W]")
     b, hw, c = x.shape
-    _require(residual.shape[0] == b and residual.shape[1] == c and residual.shape[2] * residual.shape[3] == hw,
-             f"seq2spatial: residual {list(residual.shape)} does not match x {list(x.shape)}")
-    _require(bias.numel() == c and out.shape == residual.shape, "seq2spatial: bias must be [C], out like residual")
-    _call("sdp_seq2spatial", _ptr(x), _ptr(bias), _ptr(residual), _ptr(out), b, hw, c, _stream(x))
+    _require(tuple(out.shape[:2]) == (b, c) and out.shape[2] * out.shape[3] == hw,
+             f"seq2spatial: out {list(out.shape)} does not match x {list(x.shape)}")
+    expected = out.shape if residual_layout == LAYOUT_NCHW else x.shape
+    _require(residual.shape == expected, f"seq2spatial: residual must be {list(expected)}, got {list(residual.shape)}")
+    _require(bias.numel() == c, f"seq2spatial: bias must have {c} elements")
+    _call("sdp_seq2spatial", _ptr(x), _ptr(bias), _ptr(residual), _ptr(out), b, hw, c, residual_layout, _stream(x))
     return out
 
 
+def _seq2spatial_shape(x: torch.Tensor, residual: torch.Tensor, residual_layout: int, height: int) -> list[int]:
+    if residual_layout != LAYOUT_NHWC:  # NCHW, or invalid: seq2spatial_into says so
+        return list(residual.shape)
+    b, hw, c = x.shape
+    _require(height >= 1 and hw % height == 0, f"seq2spatial: height ({height}) must divide HW ({hw})")
+    return [b, c, height, hw // height]
+
+
 @torch.library.custom_op("sdplugins::seq2spatial", mutates_args=())
-def seq2spatial(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """x [B, HW, C] + bias [C], to [B, C, H, W], + residual [B, C, H, W]."""
-    return seq2spatial_into(x, bias, residual, torch.empty_like(residual))
+def seq2spatial(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, residual_layout: int = LAYOUT_NCHW,
+                height: int = 0) -> torch.Tensor:
+    """x [B, HW, C] + bias [C], to [B, C, H, W], + residual [B, C, H, W]; with residual_layout LAYOUT_NHWC the
+    residual is [B, HW, C], added before the transpose, and `height` gives H (W = HW / H)."""
+    out = x.new_empty(_seq2spatial_shape(x, residual, residual_layout, height))
+    return seq2spatial_into(x, bias, residual, out, residual_layout)
 
 
 @seq2spatial.register_fake
-def _(x, bias, residual):
-    return torch.empty_like(residual)
+def _(x, bias, residual, residual_layout=LAYOUT_NCHW, height=0):
+    return x.new_empty(_seq2spatial_shape(x, residual, residual_layout, height))

@@ -2,8 +2,9 @@
 
     python scripts/build_engines.py --model tiny --backend tensorrt-rtx --target-cc 8.0,8.6,8.9
 
-Works without a GPU with TensorRT for RTX: it builds for --target-cc, by default 8.0, 8.6 and 8.9;
-ONNX is then exported in fp32 on the CPU. Prints per stage the ONNX size, build time and engine size.
+Works without a GPU with TensorRT for RTX: it builds for --target-cc, by default 8.0, 8.6 and 8.9, in
+the precision a GPU run looks for (fp16 unless --onnx-precision says otherwise), so the engines are
+reused there. Prints per stage the ONNX size, build time and engine size.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, help="image width (default: model's native)")
     p.add_argument("--no-guidance", action="store_true", help="CLIP and UNet engines for unguided batches")
     p.add_argument("--onnx-precision", choices=("auto", "fp16", "fp32"), default="auto",
-                   help="ONNX (and so engine) precision; auto: fp16 on a GPU, fp32 on a CPU")
+                   help="ONNX (and so engine) precision (default auto: fp16, what demo_diffusion runs)")
     p.add_argument("--report", help="write the per-stage table as JSON here too")
     add_engine_arguments(p)
     return run_command(PROG, lambda: build(p.parse_args(argv)))
@@ -42,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 def build(args) -> int:
     import torch
 
-    from demo.arguments import check_image_size, engine_settings, parse_stages
+    from core.atomic import atomic_write_bytes
+    from demo.arguments import check_image_size, check_writable_file, engine_settings, parse_stages
+    from demo.backends import device_and_dtype
     from demo.engine import prepare_stage_engines
     from demo.logs import configure_library_logging
     from demo.trt_flavour import import_flavour
@@ -52,6 +55,8 @@ def build(args) -> int:
     stages = parse_stages(args.stages)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.report:
+        check_writable_file("report file", Path(args.report))
     import_flavour(args.backend)  # clear error if the flavour is missing
     configure_library_logging(args.verbose)
     source = resolve_model(args.model)
@@ -59,23 +64,24 @@ def build(args) -> int:
     check_image_size(source, height, width)
     settings = engine_settings(args, source, args.backend, args.batch_size, height, width,
                                guided=not args.no_guidance)
-    gpu = torch.cuda.is_available()
-    precision = args.onnx_precision if args.onnx_precision != "auto" else ("fp16" if gpu else "fp32")
-    dtype = torch.float16 if precision == "fp16" else torch.float32
-    device = "cuda" if gpu else "cpu"
+    device, dtype = device_and_dtype(args.backend, args.onnx_precision)
+    precision = "fp16" if dtype == torch.float16 else "fp32"
     start = time.perf_counter()
-    prepare_stage_engines([STAGE_MODELS[name](source) for name in stages], settings, device, dtype)
+    log = print if args.verbose else (lambda *_: None)
+    prepare_stage_engines([STAGE_MODELS[name](source) for name in stages], settings, device, dtype, log=log)
     targets = ",".join(f"{a}.{b}" for a, b in settings.options.resolved_targets())
     print(f"\n{args.backend} engines for {source.name}, {precision}, targets {targets}, "
           f"batch {settings.profile.batch}, height {settings.profile.height}, width {settings.profile.width}")
     print(f"{'stage':<12} {'ONNX MiB':>9} {'export+opt s':>13} {'build s':>8} {'engine MiB':>11}")
     for name, stat in settings.stats.items():
-        print(f"{name:<12} {stat['onnx_bytes'] / 2**20:9.1f} {stat['onnx_s']:13.1f} {stat['engine_s']:8.1f} "
-              f"{stat['engine_bytes'] / 2**20:11.1f}")
+        onnx = ("cached engine: no ONNX needed" if stat["onnx_bytes"] is None
+                else f"{stat['onnx_bytes'] / 2**20:9.1f} {stat['onnx_s']:13.1f}")
+        print(f"{name:<12} {onnx:>23} {stat['engine_s']:8.1f} {stat['engine_bytes'] / 2**20:11.1f}")
     print(f"total {time.perf_counter() - start:.1f} s; engines in {settings.engine_dir}")
     if args.report:
-        Path(args.report).write_text(json.dumps({"model": source.name, "flavour": args.backend, "precision": precision,
-                                                 "targets": targets, "stages": settings.stats}, indent=1))
+        atomic_write_bytes(Path(args.report), json.dumps({"model": source.name, "flavour": args.backend,
+                                                          "precision": precision, "targets": targets,
+                                                          "stages": settings.stats}, indent=1).encode())
     return 0
 
 

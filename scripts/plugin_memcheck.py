@@ -37,6 +37,7 @@ def main() -> int:
         ops.split_gelu(randn(3, 2 * n), None)
     for b, c, h, w in ((2, 320, 8, 8), (1, 65, 5, 13)):
         ops.seq2spatial(randn(b, h * w, c), randn(c), randn(b, c, h, w))
+        ops.seq2spatial(randn(b, h * w, c), randn(c), randn(b, h * w, c), ops.LAYOUT_NHWC, h)
     torch.cuda.synchronize()
     print("memcheck workload done")
     return 0

@@ -1,7 +1,9 @@
-"""TensorRT for RTX engines built on the CPU: I/O, cache keys, recovery, errors, host-side runtime logic.
-
-No engine executes here (no GPU); what needs one is said in the README.
+"""TensorRT for RTX engines built on the CPU: cache keys, reuse, recovery, errors. Engines execute only on
+a GPU (tests/test_engines_gpu.py); the runtime is tested on the CPU with a stand-in TensorRT in
+tests/test_engine_runtime.py.
 """
+
+import sys
 
 import onnx
 import onnx.helper as helper
@@ -11,10 +13,11 @@ import torch
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
 
 from core.artifacts import read_manifest  # noqa: E402
-from demo.backends import select_backend  # noqa: E402
-from demo.engine import (BuildOptions, EngineBuildError, EngineIO, EngineSettings, ImageProfile,  # noqa: E402
-                         build_engine_file, engine_key, io_path, prepare_engine, prepare_stage_engines)
 from core.errors import UsageError  # noqa: E402
+from demo.backends import select_backend  # noqa: E402
+from demo.engine import (BuildOptions, EngineBuildError, EngineSettings, ImageProfile,  # noqa: E402
+                         build_engine_file, engine_key, prepare_engine, prepare_stage_engines)
+from demo.trt_flavour import TensorRTAPI  # noqa: E402
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES  # noqa: E402
 
 TARGETS = ((8, 0), (8, 6), (8, 9))
@@ -23,86 +26,88 @@ QUIET = lambda *_: None  # noqa: E731
 
 @pytest.fixture(scope="module")
 def built(tiny, tmp_path_factory):
+    """fp16 engines for the CPU's default targets, as a GPU run would look for them."""
     root = tmp_path_factory.mktemp("engines")
     profile = ImageProfile.for_request(tiny, batch_size=2, height=64, width=48, static_batch=False, dynamic_shape=False)
-    settings = EngineSettings(root / "onnx", root / "engine", profile,
-                              BuildOptions("tensorrt-rtx", optimization_level=0, target_ccs=TARGETS))
+    settings = EngineSettings(root / "onnx", root / "engine", profile, BuildOptions("tensorrt-rtx", optimization_level=0))
     models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
-    engines = prepare_stage_engines(models, settings, "cpu", torch.float32, QUIET)
+    engines = prepare_stage_engines(models, settings, "cpu", torch.float16, QUIET, QUIET)
     return settings, models, engines
 
 
-def test_three_engines_match_the_model_classes(built):
+def test_engines_are_keyed_by_what_made_them(built):
     settings, models, engines = built
     for model in models:
-        engine = engines[model.name]
-        assert engine.stat().st_size > 100_000
-        io = EngineIO.load(io_path(engine))
-        assert list(io.inputs) == list(model.input_names)
-        assert list(io.outputs) == list(model.output_names)
-        assert io.binding_order == [*model.input_names, *model.output_names]
-        expected = settings.profile.stage_shapes(model, guided=True)
-        for name, meta in io.inputs.items():
-            assert tuple(tuple(s) for s in meta["profile"]) == expected[name]
-        key = read_manifest(engine)["key"]
+        key = read_manifest(engines[model.name])["key"]
+        assert key["onnx"] == {k: v for k, v in model.optimized_onnx_key(torch.float16).items() if k != "torch"}
         assert key["flavour"] == "tensorrt-rtx" and key["target_cc"] == ["8.0", "8.6", "8.9"]
-    unet_io = EngineIO.load(io_path(engines["unet"]))
-    assert unet_io.inputs["sample"]["dtype"] == "FLOAT"  # fp32 ONNX on a CPU: a strongly typed fp32 engine
-    assert unet_io.inputs["sample"]["profile"] == [[2, 4, 32, 24], [4, 4, 32, 24], [8, 4, 32, 24]]  # guided: 2x
-    assert EngineIO.load(io_path(engines["clip"])).inputs["input_ids"]["dtype"] == "INT32"
+    unet_shapes = read_manifest(engines["unet"])["key"]["shapes"]
+    assert unet_shapes["sample"] == [[2, 4, 32, 24], [4, 4, 32, 24], [8, 4, 32, 24]]  # guided: twice the images
 
 
-def test_buffer_specs_and_profile_checks(built):
-    _, models, engines = built
-    unet = models[1]
-    io = EngineIO.load(io_path(engines["unet"]))
-    specs = io.buffer_specs(unet, batch=4, height=64, width=48)
-    assert specs == [("sample", (4, 4, 32, 24), torch.float32), ("timestep", (1,), torch.float32),
-                     ("encoder_hidden_states", (4, 77, 32), torch.float32), ("latent", (4, 4, 32, 24), torch.float32)]
-    with pytest.raises(UsageError, match=r"'sample' shape \[16, 4, 32, 24\] is outside the engine's profile "
-                                         r"\(min \[2, 4, 32, 24\], max \[8, 4, 32, 24\]\)"):
-        io.buffer_specs(unet, batch=16, height=64, width=48)
-    with pytest.raises(UsageError, match="outside the engine's profile"):
-        io.buffer_specs(unet, batch=2, height=64, width=64)
+def test_engines_built_on_a_cpu_are_reused_on_a_gpu_they_target(built, monkeypatch):
+    settings, models, engines = built
+    log, exported = [], []
+
+    def export(*args, **kwargs):
+        exported.append(args)
+        raise LookupError("export asked for")
+
+    monkeypatch.setattr("demo.engine.current_cc", lambda: (8, 6))  # now "on" an RTX 30 / A10
+    monkeypatch.setattr("models.base.StageModel.prepare_onnx", export)
+    gpu_settings = EngineSettings(settings.onnx_dir, settings.engine_dir, settings.profile,
+                                  BuildOptions("tensorrt-rtx", optimization_level=0))
+    prepare_stage_engines(models, gpu_settings, "cpu", torch.float16, log.append, QUIET)
+    assert log == [f"[cache] {m.name}.engine: up to date" for m in models] and exported == []
+    monkeypatch.setattr("demo.engine.current_cc", lambda: (7, 5))  # a T4: not among the targets, so rebuilt
+    with pytest.raises(LookupError, match="export asked for"):
+        prepare_stage_engines(models[:1], gpu_settings, "cpu", torch.float16, log.append, QUIET)
+    assert "stale (target_cc changed)" in log[-1] and len(exported) == 1
 
 
-def test_reuse_truncation_and_corruption_rebuild(built, tiny):
+def test_reuse_truncation_and_corruption_rebuild(built):
     settings, models, engines = built
     vae = models[2]
     shapes = settings.profile.stage_shapes(vae, guided=True)
-    onnx_path = settings.onnx_dir / "vae.opt.onnx"
+
+    def prepare(log):
+        prepare_engine(vae, vae.optimized_onnx_key(torch.float16), lambda: settings.onnx_dir / "vae.opt.onnx",
+                       settings.engine_dir, shapes, settings.options, log=log.append, progress=QUIET)
+
     log = []
-    prepare_engine(vae, onnx_path, settings.engine_dir, shapes, settings.options, log=log.append)
+    prepare(log)
     assert log == ["[cache] vae.engine: up to date"]
     engine = engines["vae"]
     good = engine.read_bytes()
     engine.write_bytes(good[: len(good) // 2])
     log.clear()
-    prepare_engine(vae, onnx_path, settings.engine_dir, shapes, settings.options, log=log.append)
+    prepare(log)
     assert "truncated or corrupt" in log[0]
     assert engine.stat().st_size == read_manifest(engine)["files"]["vae.engine"]["size"]
     flipped = bytearray(engine.read_bytes())
     flipped[len(flipped) // 2] ^= 0xFF
     engine.write_bytes(bytes(flipped))
     log.clear()
-    prepare_engine(vae, onnx_path, settings.engine_dir, shapes, settings.options, log=log.append)
+    prepare(log)
     assert "content hash differs" in log[0]
     assert not list(settings.engine_dir.glob(".*build-*"))  # no staging leftovers
 
 
-def test_cache_key_follows_onnx_shapes_and_flavour(built, tiny, monkeypatch):
+def test_cache_key_follows_onnx_shapes_flavour_and_settings(built, tiny):
     settings, models, _ = built
     unet = models[1]
-    onnx_path = settings.onnx_dir / "unet.opt.onnx"
+    api = TensorRTAPI("tensorrt-rtx")
+    onnx_key = unet.optimized_onnx_key(torch.float16)
     shapes = settings.profile.stage_shapes(unet, guided=True)
-    base = engine_key(unet, onnx_path, shapes, settings.options)
+    base = engine_key(unet, onnx_key, shapes, settings.options, api)
     other_shapes = ImageProfile.for_request(tiny, 2, 64, 64, False, False).stage_shapes(unet, guided=True)
-    assert engine_key(unet, onnx_path, other_shapes, settings.options) != base
-    assert engine_key(unet, settings.onnx_dir / "vae.opt.onnx", shapes, settings.options)["onnx"] != base["onnx"]
-    assert engine_key(unet, onnx_path, shapes, BuildOptions("tensorrt-rtx", 0, target_ccs=((8, 6),))) != base
-    monkeypatch.setattr("demo.engine.version", lambda name: "10.99")
-    assert engine_key(unet, onnx_path, shapes, BuildOptions("tensorrt", 0, target_ccs=TARGETS))["flavour"] == "tensorrt"
-    assert engine_key(unet, onnx_path, shapes, BuildOptions("tensorrt", 0, target_ccs=TARGETS)) != base
+    assert engine_key(unet, onnx_key, other_shapes, settings.options, api) != base
+    assert engine_key(unet, unet.optimized_onnx_key(torch.float32), shapes, settings.options, api) != base
+    assert engine_key(unet, dict(onnx_key, torch="0.0"), shapes, settings.options, api) == base  # exporter's torch
+    for options in (BuildOptions("tensorrt-rtx", 0, target_ccs=((8, 6),)),
+                    BuildOptions("tensorrt-rtx", 1),
+                    BuildOptions("tensorrt-rtx", 0, disabled_tactic_sources=("CUDNN",))):
+        assert engine_key(unet, onnx_key, shapes, options, api) != base
 
 
 def test_onnx_parse_error_names_the_node(tmp_path, tiny):
@@ -116,7 +121,8 @@ def test_onnx_parse_error_names_the_node(tmp_path, tiny):
                           BuildOptions("tensorrt-rtx", 0, target_ccs=TARGETS), QUIET)
 
 
-def test_backend_errors_and_auto_choice():
+def test_backend_errors_and_auto_choice(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # as where full TensorRT is not installed
     with pytest.raises(UsageError, match="tensorrt is not installed .*pip install tensorrt"):
         select_backend("tensorrt", cc=(8, 6))
     with pytest.raises(UsageError, match=r"tensorrt-rtx cannot run on this GPU \(compute capability 9.0\); "
@@ -151,7 +157,8 @@ def test_build_engines_script_on_a_model_directory(tiny, tmp_path, capsys):
     (["--target-cc", "8.6", "--height", "60"], "multiple of 8"),
     (["--target-cc", "8.6", "--use-cuda-graph"], "--use-cuda-graph needs static shapes"),
 ])
-def test_build_engines_usage_errors(args, message, tmp_path, capsys):
+def test_build_engines_usage_errors(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # as where full TensorRT is not installed
     from scripts.build_engines import main
 
     base = ["--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine")]

@@ -110,7 +110,7 @@ def test_large_models_keep_weights_in_one_external_file(tiny, tmp_path, monkeypa
     model = STAGE_MODELS["vae"](tiny)
     optimized = model.prepare_onnx(tmp_path, "cpu", torch.float32, log=lambda *_: None)
     assert set(read_manifest(tmp_path / "vae.onnx")["files"]) == {"vae.onnx", "vae.onnx.data"}
-    assert set(read_manifest(optimized)["files"]) == {"vae.opt.onnx", "vae.opt.onnx.data"}
+    assert set(read_manifest(optimized)["files"]) == {"vae.opt.onnx", "vae.opt.onnx.data", "vae.opt.onnx.passes.json"}
     assert (tmp_path / "vae.opt.onnx.data").stat().st_size > 10 * optimized.stat().st_size
     onnx.checker.check_model(str(optimized))
     inputs = model.sample_inputs(1, 32, 40, generator=torch.Generator().manual_seed(3))

@@ -158,10 +158,25 @@ def test_split_gelu(rows, n, with_bias):
 @pytest.mark.parametrize("b, c, h, w", [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8),
                                         (2, 960, 32, 32), (2, 1920, 16, 16), (1, 7, 1, 4097), (3, 65, 5, 13),
                                         (1, 1, 1, 1)])
-def test_seq2spatial(b, c, h, w):
-    x, bias, residual = randn(b, h * w, c), randn(c), randn(b, c, h, w)
-    out = ops.seq2spatial_into(x, bias, residual, poisoned(b, c, h, w))
-    ref = (x.float() + bias.float()).permute(0, 2, 1).reshape(b, c, h, w) + residual.float()
+@pytest.mark.parametrize("residual_layout", ["nchw", "sequence"])
+def test_seq2spatial(b, c, h, w, residual_layout):
+    x, bias = randn(b, h * w, c), randn(c)
+    if residual_layout == "nchw":  # SD 2.x: linear proj_out, then the residual in NCHW
+        residual = randn(b, c, h, w)
+        out = ops.seq2spatial_into(x, bias, residual, poisoned(b, c, h, w))
+        ref = (x.float() + bias.float()).permute(0, 2, 1).reshape(b, c, h, w) + residual.float()
+    else:  # SD 1.x: the residual in sequence layout, added before the transpose to the conv proj_out
+        residual = randn(b, h * w, c)
+        out = ops.seq2spatial_into(x, bias, residual, poisoned(b, c, h, w), ops.LAYOUT_NHWC)
+        ref = (x.float() + bias.float() + residual.float()).permute(0, 2, 1).reshape(b, c, h, w)
+    assert rel_error(out, ref) < NORM_BOUND
+
+
+def test_seq2spatial_op_with_sequence_residual():
+    x, bias, residual = randn(2, 12 * 20, 64), randn(64), randn(2, 12 * 20, 64)
+    out = torch.ops.sdplugins.seq2spatial(x, bias, residual, ops.LAYOUT_NHWC, 12)
+    ref = (x.float() + bias.float() + residual.float()).permute(0, 2, 1).reshape(2, 64, 12, 20)
+    assert out.shape == (2, 64, 12, 20)
     assert rel_error(out, ref) < NORM_BOUND
 
 

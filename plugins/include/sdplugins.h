@@ -47,9 +47,11 @@ int sdp_layer_norm(const void* x, const void* gamma, const void* beta, void* y, 
 /* SplitGeLU: x [rows, 2N] (+ bias [2N] if bias != NULL) -> y [rows, N] = x[:, :N] * gelu_erf(x[:, N:]). */
 int sdp_split_gelu(const void* x, const void* bias, void* y, int64_t rows, int n, sdp_stream_t stream);
 
-/* Seq2Spatial: x [B, HW, C] + bias [C] + residual [B, C, HW] -> y [B, C, HW] (NCHW). */
+/* Seq2Spatial: y [B, C, HW] (NCHW) = transpose(x [B, HW, C] + bias [C]) + residual, the residual in
+ * residual_layout: SDP_LAYOUT_NCHW, [B, C, HW] (added after the transpose), or SDP_LAYOUT_NHWC,
+ * [B, HW, C] like x (the sequence layout, added before the transpose). */
 int sdp_seq2spatial(const void* x, const void* bias, const void* residual, void* y, int batch, int hw,
-                    int channels, sdp_stream_t stream);
+                    int channels, int residual_layout, sdp_stream_t stream);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,272 @@
+"""Running TensorRT engines behind the stage interface.
+
+`Engine` owns everything about one deserialized engine: its execution context, what it binds (read
+from the engine itself and checked against the model class), its I/O buffers, the device memory it
+works in, and its stream and CUDA graph. `create_engine_stages` loads the pipeline's engines with one
+shared device-memory block (the stages run one after another) that lives as long as they do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from core.errors import UsageError
+from demo.stages import Stage
+from demo.trt_flavour import TensorRTAPI
+from models.base import StageModel
+from plugins.trt_plugins import load_plugin_library
+
+
+class EngineMismatchError(RuntimeError):
+    """An engine that does not bind what its model class says (wrong file, stale build, other model)."""
+
+
+def _check_cuda(result) -> object:
+    error, *rest = result
+    if int(error) != 0:
+        raise RuntimeError(f"CUDA error {error}")
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+class Engine:
+    """One TensorRT engine: deserialized, bound to buffers it owns, run on its own stream.
+
+    On a CUDA device work runs on a private stream ordered after everything already queued on torch's
+    current stream and before anything queued there afterwards. With `use_cuda_graph`, `prepare`
+    runs the engine once and captures the next enqueue in a CUDA graph that every `run` replays, so
+    capture happens while getting ready, never inside a timed run.
+    """
+
+    def __init__(self, api: TensorRTAPI, path: Path, stage: str, device: torch.device, use_cuda_graph: bool):
+        self.api = api
+        self.stage = stage
+        self.device = torch.device(device)
+        self.use_cuda_graph = use_cuda_graph
+        self._runtime = api.trt.Runtime(api.logger())
+        self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise EngineMismatchError(f"{stage}: {api.label} could not deserialize {path} (see its log above); "
+                                      "rebuild it with --force-engine-build")
+        modes = api.trt.TensorIOMode
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.input_names = [n for n in names if self.engine.get_tensor_mode(n) == modes.INPUT]
+        self.output_names = [n for n in names if self.engine.get_tensor_mode(n) == modes.OUTPUT]
+        self.context = api.create_context(self.engine)
+        self.device_memory: torch.Tensor | None = None
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.bound_shapes: dict[str, tuple[int, ...]] | None = None
+        self._stream = self._inputs_ready = self._outputs_ready = None
+        self._graph = self._graph_exec = None
+        if self.device.type == "cuda":
+            from cuda.bindings import runtime as cudart
+
+            self._cudart = cudart
+            self._stream = _check_cuda(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking))
+            self._inputs_ready = _check_cuda(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming))
+            self._outputs_ready = _check_cuda(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming))
+
+    # ---- what the engine binds -------------------------------------------------------------------
+    def torch_dtype(self, name: str) -> torch.dtype:
+        dtype = self.engine.get_tensor_dtype(name)
+        try:
+            return _TORCH_DTYPES[dtype.name]
+        except KeyError:
+            raise EngineMismatchError(f"{self.stage}: tensor '{name}' has type {dtype.name}, "
+                                      "which the runtime does not bind") from None
+
+    def check_model(self, model: StageModel, dtype: torch.dtype) -> None:
+        """The engine must bind the model class's inputs and outputs, in the precision asked for."""
+        if self.input_names != list(model.input_names) or self.output_names != list(model.output_names):
+            raise EngineMismatchError(
+                f"{self.stage}: the engine binds {self.input_names} -> {self.output_names}, the model class "
+                f"{list(model.input_names)} -> {list(model.output_names)}; rebuild with --force-engine-build")
+        wanted = {**model.input_dtypes(dtype), **{n: dtype for n in model.output_names}}
+        wrong = [f"{n} is {self.torch_dtype(n)}, expected {t}" for n, t in wanted.items() if self.torch_dtype(n) != t]
+        if wrong:
+            raise EngineMismatchError(f"{self.stage}: engine tensor types differ from the model class ({'; '.join(wrong)}); "
+                                      "rebuild with --force-engine-build")
+
+    def plugin_layers(self) -> Counter:
+        """Our plugin layers in the built engine, per plugin ("fMHA", ...), from TensorRT's engine
+        inspector (engines are built with detailed profiling verbosity, so layer types are listed).
+        The ONNX passes name each plugin node '<tensor>/SDP<plugin>', and the parser keeps the name."""
+        inspector = self.engine.create_engine_inspector()
+        info = json.loads(inspector.get_engine_information(self.api.trt.LayerInformationFormat.JSON))
+        counts: Counter = Counter()
+        for layer in info.get("Layers", []):
+            if isinstance(layer, dict) and layer.get("LayerType") == "PluginV2":
+                found = re.search(r"SDP(\w+)", layer.get("Name", ""))
+                counts[found.group(1) if found else "other"] += 1
+        return counts
+
+    def profile(self, name: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(s) for s in self.engine.get_tensor_profile_shape(name, 0))
+
+    # ---- memory ------------------------------------------------------------------------------------
+    @property
+    def device_memory_size(self) -> int:
+        return self.api.device_memory_size(self.engine)
+
+    def use_device_memory(self, block: torch.Tensor) -> None:
+        """Work in `block` (shared with engines that never run at the same time); kept alive here."""
+        if block.numel() * block.element_size() < self.device_memory_size:
+            raise ValueError(f"{self.stage}: device memory block of {block.numel()} bytes, "
+                             f"the engine needs {self.device_memory_size}")
+        self.device_memory = block
+        self.api.set_device_memory(self.context, block.data_ptr(), block.numel() * block.element_size())
+
+    # ---- binding -----------------------------------------------------------------------------------
+    def prepare(self, input_shapes: dict[str, tuple[int, ...]], output_shapes: dict[str, tuple[int, ...]]) -> None:
+        """Allocate and bind buffers for these shapes; outputs must come out as `output_shapes` say."""
+        shapes = {**input_shapes, **output_shapes}
+        if shapes == self.bound_shapes:
+            return
+        if self.device_memory is None:
+            raise RuntimeError(f"{self.stage}: no device memory bound (use_device_memory) before prepare")
+        self._destroy_graph()
+        self.buffers, self.bound_shapes = {}, None
+        for name in self.input_names:
+            shape = tuple(input_shapes[name])
+            low, _, high = self.profile(name)
+            if len(shape) != len(low) or any(not lo <= s <= hi for s, lo, hi in zip(shape, low, high)):
+                raise UsageError(
+                    f"{self.stage} engine input '{name}' shape {list(shape)} is outside the engine's profile "
+                    f"(min {list(low)}, max {list(high)}); rebuild with matching --batch-size/--height/--width, "
+                    "or with --build-dynamic-shape")
+            # Inputs start as zeros: `prepare` may run the engine before the first real feed.
+            self.buffers[name] = torch.zeros(shape, dtype=self.torch_dtype(name), device=self.device)
+            if not self.context.set_input_shape(name, shape):
+                raise EngineMismatchError(f"{self.stage}: TensorRT refused shape {list(shape)} for input '{name}'")
+            self.context.set_tensor_address(name, self.buffers[name].data_ptr())
+        for name in self.output_names:
+            actual = tuple(self.context.get_tensor_shape(name))
+            if actual != tuple(output_shapes[name]):
+                raise EngineMismatchError(f"{self.stage}: output '{name}' comes out {list(actual)}, the model class "
+                                          f"expects {list(output_shapes[name])}; rebuild with --force-engine-build")
+            self.buffers[name] = torch.empty(actual, dtype=self.torch_dtype(name), device=self.device)
+            self.context.set_tensor_address(name, self.buffers[name].data_ptr())
+        self.bound_shapes = shapes
+        if self.use_cuda_graph:
+            self._launch()  # first enqueue: TensorRT may allocate or initialize lazily, not capturable
+            self._capture_graph()
+
+    # ---- running -----------------------------------------------------------------------------------
+    def run(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Outputs are fresh tensors: a later run never changes what an earlier one returned."""
+        if self.bound_shapes is None:
+            raise RuntimeError(f"{self.stage}: run before prepare")
+        for name in self.input_names:
+            self.buffers[name].copy_(feed[name])
+        self._launch()
+        return {name: self.buffers[name].clone() for name in self.output_names}
+
+    def _enqueue(self, stream: int) -> None:
+        if not self.context.execute_async_v3(stream):
+            raise RuntimeError(f"{self.stage}: TensorRT execution failed (see its log above)")
+
+    def _launch(self) -> None:
+        if self._stream is None:  # a host device (only the tests' stand-in TensorRT runs there)
+            self._enqueue(0)
+            return
+        cudart = self._cudart
+        torch_stream = torch.cuda.current_stream(self.device).cuda_stream
+        _check_cuda(cudart.cudaEventRecord(self._inputs_ready, torch_stream))
+        _check_cuda(cudart.cudaStreamWaitEvent(self._stream, self._inputs_ready, 0))
+        if self._graph_exec is not None:
+            _check_cuda(cudart.cudaGraphLaunch(self._graph_exec, self._stream))
+        else:
+            self._enqueue(int(self._stream))
+        _check_cuda(cudart.cudaEventRecord(self._outputs_ready, self._stream))
+        _check_cuda(cudart.cudaStreamWaitEvent(torch_stream, self._outputs_ready, 0))
+
+    def _capture_graph(self) -> None:
+        if self._stream is None:
+            return
+        cudart = self._cudart
+        torch.cuda.synchronize(self.device)
+        mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        _check_cuda(cudart.cudaStreamBeginCapture(self._stream, mode))
+        try:
+            self._enqueue(int(self._stream))
+        finally:  # end the capture even when enqueue fails, or the stream stays unusable
+            graph = _check_cuda(cudart.cudaStreamEndCapture(self._stream))
+        self._graph = graph
+        self._graph_exec = _check_cuda(cudart.cudaGraphInstantiate(graph, 0))
+
+    @property
+    def has_graph(self) -> bool:
+        return self._graph_exec is not None
+
+    def _destroy_graph(self) -> None:
+        if self._graph_exec is not None:
+            _check_cuda(self._cudart.cudaGraphExecDestroy(self._graph_exec))
+        if self._graph is not None:
+            _check_cuda(self._cudart.cudaGraphDestroy(self._graph))
+        self._graph = self._graph_exec = None
+
+    def close(self) -> None:
+        """Release the graph, events, stream, context and engine (idempotent)."""
+        if self._stream is not None:
+            _check_cuda(self._cudart.cudaStreamSynchronize(self._stream))
+            self._destroy_graph()
+            for event in (self._inputs_ready, self._outputs_ready):
+                _check_cuda(self._cudart.cudaEventDestroy(event))
+            _check_cuda(self._cudart.cudaStreamDestroy(self._stream))
+            self._stream = self._inputs_ready = self._outputs_ready = None
+        self.buffers, self.bound_shapes = {}, None
+        self.context = self.engine = None
+        self.device_memory = None
+
+    def __del__(self):
+        if getattr(self, "_stream", None) is not None:
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown: CUDA may already be gone
+                pass
+
+
+_TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
+                 "INT64": torch.int64, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
+
+
+class EngineStage(Stage):
+    """A pipeline stage backed by an Engine."""
+
+    def __init__(self, model: StageModel, engine: Engine):
+        super().__init__(model)
+        self.engine = engine
+
+    def prepare(self, batch, height, width):
+        self.engine.prepare(self.model.input_shapes(batch, height, width), self.model.output_shapes(batch, height, width))
+
+    def __call__(self, feed):
+        return self.engine.run(feed)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def create_engine_stages(models: list[StageModel], engines: dict[str, Path], api: TensorRTAPI, dtype: torch.dtype,
+                         use_cuda_graph: bool, device: torch.device | str = "cuda",
+                         log: Callable[[str], None] = print, plugins: tuple[str, ...] = ()) -> dict[str, EngineStage]:
+    """Load each model's engine, check it against its model class, and share one device-memory block.
+    Engines with our plugins in them (`plugins`) need our plugin library in TensorRT's registry first."""
+    if plugins:
+        load_plugin_library(api.trt)
+    loaded = {}
+    for model in models:
+        engine = Engine(api, engines[model.name], model.name, torch.device(device), use_cuda_graph)
+        engine.check_model(model, dtype)
+        loaded[model.name] = engine
+    size = max(e.device_memory_size for e in loaded.values())
+    block = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+    for engine in loaded.values():
+        engine.use_device_memory(block)
+    log(f"[engine] {', '.join(loaded)} loaded ({api.label}); shared device memory {size / 2**20:.1f} MiB")
+    return {m.name: EngineStage(m, loaded[m.name]) for m in models}

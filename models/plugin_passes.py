@@ -1,0 +1,676 @@
+"""Plugin passes: the six patterns our CUDA plugins replace, what each match must satisfy, and its replacement.
+
+Each pass is a list of declarative patterns (models.patterns) and one rewrite. The rewrite reads
+everything from the graph (head count and head size from the weights and the reshape constants,
+epsilon and attention scale from the nodes), checks that the kernels can take the match, and only
+then replaces it by a node of the plugin-node contract (op types `SDP*`, domain `sdplugins`,
+attributes `plugin_version` and `plugin_namespace`, which TensorRT's ONNX parser maps to our plugin
+creators). A match the kernels cannot take stays as it is and is reported as skipped with its reason.
+Constants keep the graph's precision, so fp32 and fp16 exports both work.
+
+The same passes can emit TensorRT's own Stable Diffusion plugins instead (convention "tensorrt":
+fMHA_V2, fMHCA, GroupNorm, LayerNorm, SplitGeLU, SeqLen2Spatial of libnvinfer_plugin, TensorRT 8.5/8.6,
+in the conventions of NVIDIA's demoDiffusion 8.5), each where those plugins can take the match, so the
+two can be measured against each other kernel for kernel.
+
+Also here: the pass report stored beside each optimized ONNX artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from models.patterns import DimOf, Match, Op, Pattern, constant_values, find_matches, replace_match, scalar_value, \
+    shape_elements
+from models.plugin_set import PLUGIN_KEYS
+
+PLUGIN_DOMAIN = "sdplugins"
+PLUGIN_VERSION = "1"
+# The largest head size and the head-size multiple the attention kernels take.
+MAX_HEAD_SIZE, HEAD_SIZE_MULTIPLE = 256, 8
+
+# Whose plugin nodes the passes emit: ours (the plugin-node contract) or TensorRT's bundled ones.
+OURS, TENSORRT = "sdplugins", "tensorrt"
+CONVENTIONS = (OURS, TENSORRT)
+# TensorRT's bundled plugins are registered in the default namespace; the parser ignores the domain,
+# which only keeps ONNX tools from taking the nodes for standard ops.
+TENSORRT_DOMAIN, TENSORRT_NAMESPACE = "nvinfer_plugin", ""
+# What TensorRT 8.5/8.6's kernels take (plugin/*Plugin in NVIDIA/TensorRT 8.5.3): fMHA_V2's head sizes,
+# fMHCA's longest key sequence, SplitGeLU's half widths, GroupNorm's fixed group count and its channel
+# tiles (channels per block by channel count, 320 otherwise). Their attention scale is 1/sqrt(D).
+TENSORRT_FMHA_HEAD_SIZES = (16, 32, 40, 64, 80, 128, 160, 256)
+TENSORRT_FMHCA_MAX_KEYS = 128
+TENSORRT_SPLIT_GELU_WIDTHS = (1280, 2560, 5120)
+TENSORRT_GROUP_NORM_GROUPS = 32
+TENSORRT_GROUP_NORM_TILES = {960: 480, 1920: 480, 512: 256, 256: 256, 128: 128}
+REPORT_SUFFIX = ".passes.json"
+
+
+class Skip(Exception):
+    """A match the kernels cannot take; the message says why."""
+
+
+# ---- the pass report -------------------------------------------------------------------------------
+
+@dataclass
+class PassResult:
+    replaced: int = 0
+    skipped_reasons: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"replaced": self.replaced, "skipped": len(self.skipped_reasons),
+                "skipped_reasons": list(self.skipped_reasons)}
+
+
+def empty_report() -> dict[str, dict]:
+    return {key: PassResult().as_dict() for key in PLUGIN_KEYS}
+
+
+def pass_report_path(optimized_onnx: Path) -> Path:
+    return optimized_onnx.with_name(optimized_onnx.name + REPORT_SUFFIX)
+
+
+def write_pass_report(optimized_onnx: Path, report: dict[str, dict]) -> None:
+    pass_report_path(optimized_onnx).write_text(json.dumps(report, indent=1))
+
+
+def read_pass_report(optimized_onnx: Path) -> dict[str, dict]:
+    """{"<plugin key>": {"replaced": N, "skipped": M, "skipped_reasons": [...]}} for all six keys."""
+    return json.loads(pass_report_path(optimized_onnx).read_text())
+
+
+def format_report_line(stage: str, report: dict[str, dict]) -> str:
+    counts = ", ".join(f"{key} {report[key]['replaced']}" + (f" (skipped {report[key]['skipped']})"
+                                                              if report[key]["skipped"] else "")
+                       for key in PLUGIN_KEYS)
+    return f"[plugins] {stage}: {counts}"
+
+
+# ---- passes ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PluginPass:
+    """Patterns (tried in order) and the rewrite that checks a match and replaces it, or raises Skip."""
+
+    key: str
+    patterns: tuple[Pattern, ...]
+    rewrite: Callable[[gs.Graph, Match, str], None]
+
+    def apply(self, graph: gs.Graph, convention: str = OURS) -> PassResult:
+        result = PassResult()
+        skipped_nodes: set[int] = set()  # a skipped match is not reported again by a later, smaller variant
+        for pattern in self.patterns:
+            for match in find_matches(graph, pattern):
+                nodes = {id(n) for n in match.removable_nodes()}
+                if nodes & skipped_nodes:
+                    continue
+                try:
+                    self.rewrite(graph, match, convention)
+                except Skip as skip:
+                    result.skipped_reasons.append(f"{match.root.name}: {skip}")
+                    skipped_nodes |= nodes
+                else:
+                    result.replaced += 1
+        return result
+
+
+class _Builder:
+    """New nodes and tensors for one replacement, named after the tensor the match produces."""
+
+    def __init__(self, match: Match, dtype, convention: str):
+        self.base = match.output.name
+        self.dtype = dtype
+        self.convention = convention
+        self.nodes: list[gs.Node] = []
+
+    def tensor(self, suffix: str, shape=None) -> gs.Variable:
+        return gs.Variable(f"{self.base}/{suffix}", dtype=self.dtype, shape=shape)
+
+    def constant(self, suffix: str, values: np.ndarray) -> gs.Constant:
+        return gs.Constant(f"{self.base}/{suffix}", np.ascontiguousarray(values))
+
+    def node(self, op: str, suffix: str, inputs: list[gs.Tensor], output: gs.Tensor) -> gs.Tensor:
+        self.nodes.append(gs.Node(op=op, name=f"{self.base}/{suffix}", inputs=inputs, outputs=[output]))
+        return output
+
+    def plugin(self, op: str, inputs: list[gs.Tensor], output: gs.Tensor, **attrs) -> None:
+        """A plugin node in the convention's domain and namespace (the contract's, for ours)."""
+        domain, namespace = (PLUGIN_DOMAIN, PLUGIN_DOMAIN) if self.convention == OURS else \
+            (TENSORRT_DOMAIN, TENSORRT_NAMESPACE)
+        attrs = {**attrs, "plugin_version": PLUGIN_VERSION, "plugin_namespace": namespace}
+        self.nodes.append(gs.Node(op=op, name=f"{self.base}/{op}", inputs=inputs, outputs=[output],
+                                  domain=domain, attrs=attrs))
+
+
+def _dtype(tensor: gs.Tensor, fallback: np.ndarray):
+    return tensor.dtype if tensor.dtype is not None else fallback.dtype
+
+
+def _rank(tensor: gs.Tensor) -> int | None:
+    return None if tensor.shape is None else len(tensor.shape)
+
+
+def _dim(tensor: gs.Tensor, axis: int):
+    """A dimension from shape inference: an int, a symbolic name, or None."""
+    return None if tensor.shape is None else tensor.shape[axis]
+
+
+# ---- attention -------------------------------------------------------------------------------------
+
+def _attention_ops(query_source: str, key_value_source: str) -> dict[str, Op]:
+    ops: dict[str, Op] = {}
+    for p, source, perm in (("q", query_source, (0, 2, 1, 3)), ("k", key_value_source, (0, 2, 3, 1)),
+                            ("v", key_value_source, (0, 2, 1, 3))):
+        ops[f"{p}_proj"] = Op("MatMul", (source, f"w{p}"))
+        ops[f"{p}_bias"] = Op("Add", (f"{p}_proj", f"b{p}"), optional=f"{p}_proj")
+        ops[f"{p}_heads"] = Op("Reshape", (f"{p}_bias", f"{p}_shape"))
+        ops[f"{p}_t"] = Op("Transpose", (f"{p}_heads",), attrs={"perm": perm})
+    # SDPA exports scale q and k by sqrt(scale) each; other exports scale the scores once.
+    ops["q_scaled"] = Op("Mul", ("q_t", "q_scale"), optional="q_t")
+    ops["k_scaled"] = Op("Mul", ("k_t", "k_scale"), optional="k_t")
+    ops["scores"] = Op("MatMul", ("q_scaled", "k_scaled"))
+    ops["scores_scaled"] = Op(("Mul", "Div"), ("scores", "score_scale"), optional="scores")
+    ops["probs"] = Op("Softmax", ("scores_scaled",), where=lambda n: n.attrs.get("axis", -1) in (-1, 3))
+    ops["weighted"] = Op("MatMul", ("probs", "v_t"))
+    ops["output"] = Op("Transpose", ("weighted",), attrs={"perm": (0, 2, 1, 3)})
+    return ops
+
+
+_ATTENTION_CONSTANTS = frozenset({"wq", "wk", "wv", "bq", "bk", "bv", "q_scale", "k_scale", "score_scale"})
+
+SELF_ATTENTION = Pattern("self-attention", _attention_ops("x", "x"), "output", _ATTENTION_CONSTANTS)
+CROSS_ATTENTION = Pattern("cross-attention", _attention_ops("x", "context"), "output", _ATTENTION_CONSTANTS,
+                          where=lambda m: m.tensor("x") is not m.tensor("context"))
+
+
+def _attention_heads(match: Match) -> tuple[int, int]:
+    """(heads, head size), read from each projection's weight and its reshape to [B, S, H, D]."""
+    found = set()
+    for p in "qkv":
+        columns = constant_values(match.tensor(f"w{p}")).shape[-1]
+        elements = shape_elements(match.tensor(f"{p}_shape"))
+        if elements is None or len(elements) != 4:
+            raise Skip(f"the {p} reshape is not to [B, S, heads, head size]")
+        heads, size = elements[2], elements[3]
+        if heads == -1 and isinstance(size, int) and size > 0:
+            heads = columns // size
+        if size == -1 and isinstance(heads, int) and heads > 0:
+            size = columns // heads
+        if not (isinstance(heads, int) and isinstance(size, int) and heads > 0 and size > 0):
+            raise Skip(f"the head count of the {p} reshape is not a constant")
+        if heads * size != columns:
+            raise Skip(f"the {p} reshape ({heads} heads x {size}) does not split its {columns} projection columns")
+        found.add((heads, size))
+    if len(found) != 1:
+        raise Skip(f"q, k and v disagree on heads and head size: {sorted(found)}")
+    heads, size = found.pop()
+    if size % HEAD_SIZE_MULTIPLE or size > MAX_HEAD_SIZE:
+        raise Skip(f"head size {size} is not a multiple of {HEAD_SIZE_MULTIPLE} up to {MAX_HEAD_SIZE}")
+    return heads, size
+
+
+def _check_tensorrt_scale(scale: float, size: int) -> None:
+    if not math.isclose(scale * math.sqrt(size), 1.0, rel_tol=1e-3):
+        raise Skip(f"TensorRT's attention plugins scale by 1/sqrt({size}), this attention by {scale:.6g}")
+
+
+def _attention_scale(match: Match) -> float:
+    """The softmax scale the graph applies, as the product of its scalar factors."""
+    scale = 1.0
+    for op_name, var in (("q_scaled", "q_scale"), ("k_scaled", "k_scale"), ("scores_scaled", "score_scale")):
+        node = match.node(op_name)
+        if node is None:
+            continue
+        value = scalar_value(match.tensor(var))
+        if value is None:
+            raise Skip(f"the attention scale ({op_name}) is not a scalar")
+        scale *= 1.0 / value if node.op == "Div" else value
+    return scale
+
+
+def _projection(match: Match, p: str, heads: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Weight [C, H, D] and bias [H, D] (zeros when the projection has none) of projection p."""
+    weight = constant_values(match.tensor(f"w{p}"))
+    if weight.ndim != 2:
+        raise Skip(f"the {p} projection weight is not a matrix")
+    bias = constant_values(match.tensor(f"b{p}")) if match.node(f"{p}_bias") is not None else None
+    if bias is not None and bias.size != heads * size:
+        raise Skip(f"the {p} bias is not one value per projection column")
+    bias = np.zeros(heads * size, weight.dtype) if bias is None else bias.astype(weight.dtype)
+    return weight.reshape(-1, heads, size), bias.reshape(heads, size)
+
+
+def _has_bias(match: Match, projections: str) -> bool:
+    return any(match.node(f"{p}_bias") is not None for p in projections)
+
+
+def _fused_projection(b: _Builder, name: str, source: gs.Tensor, weights, biases, with_bias: bool,
+                      shape: list[int]) -> gs.Tensor:
+    """source @ [W_0 | W_1 | ...] with the columns interleaved per head, reshaped to `shape` (0 copies B and S).
+
+    weights are [C, H, D] and biases [H, D]; with n of them the output is [B, S, H, n, D] in memory.
+    """
+    heads, size = weights[0].shape[1:]
+    columns = heads * len(weights) * size
+    fused = np.stack(weights, axis=2).reshape(weights[0].shape[0], columns)
+    flat_shape = None if source.shape is None else [*source.shape[:2], columns]
+    out = b.node("MatMul", f"{name}/MatMul", [source, b.constant(f"{name}/weight", fused)],
+                 b.tensor(f"{name}/flat", flat_shape))
+    if with_bias:
+        bias = np.stack(biases, axis=1).reshape(columns)
+        out = b.node("Add", f"{name}/Add", [out, b.constant(f"{name}/bias", bias)],
+                     b.tensor(f"{name}/biased", flat_shape))
+    out_shape = None if source.shape is None else [*source.shape[:2], *shape[2:]]
+    return b.node("Reshape", f"{name}/Reshape", [out, b.constant(f"{name}/shape", np.array(shape, dtype=np.int64))],
+                  b.tensor(f"{name}/heads", out_shape))
+
+
+def _require_sequence(tensor: gs.Tensor, what: str) -> None:
+    if _rank(tensor) != 3:
+        raise Skip(f"{what} is not [B, S, C]")
+
+
+def _rewrite_self_attention(graph: gs.Graph, match: Match, convention: str) -> None:
+    x = match.tensor("x")
+    _require_sequence(x, "the attention input")
+    heads, size = _attention_heads(match)
+    scale = _attention_scale(match)
+    if convention == TENSORRT:
+        if size not in TENSORRT_FMHA_HEAD_SIZES:
+            raise Skip(f"TensorRT's fMHA_V2 has no kernel for head size {size}")
+        _check_tensorrt_scale(scale, size)
+    projections = [_projection(match, p, heads, size) for p in "qkv"]
+    b = _Builder(match, _dtype(x, projections[0][0]), convention)
+    qkv = _fused_projection(b, "qkv", x, [w for w, _ in projections], [bias for _, bias in projections],
+                            _has_bias(match, "qkv"), [0, 0, heads, 3, size])
+    if convention == OURS:
+        b.plugin("SDPfMHA", [qkv], match.output, scale=scale)
+    else:
+        b.plugin("fMHA_V2", [qkv], match.output)
+    replace_match(graph, match, b.nodes)
+
+
+def _rewrite_cross_attention(graph: gs.Graph, match: Match, convention: str) -> None:
+    x, context = match.tensor("x"), match.tensor("context")
+    _require_sequence(x, "the attention input")
+    _require_sequence(context, "the attention context")
+    heads, size = _attention_heads(match)
+    scale = _attention_scale(match)
+    if convention == TENSORRT:
+        keys = _dim(context, 1)
+        if not isinstance(keys, int) or keys > TENSORRT_FMHCA_MAX_KEYS:
+            raise Skip(f"TensorRT's fMHCA takes up to {TENSORRT_FMHCA_MAX_KEYS} keys, this context has {keys}")
+        _check_tensorrt_scale(scale, size)
+    (wq, bq), (wk, bk), (wv, bv) = (_projection(match, p, heads, size) for p in "qkv")
+    b = _Builder(match, _dtype(x, wq), convention)
+    q = _fused_projection(b, "q", x, [wq], [bq], _has_bias(match, "q"), [0, 0, heads, size])
+    kv = _fused_projection(b, "kv", context, [wk, wv], [bk, bv], _has_bias(match, "kv"), [0, 0, heads, 2, size])
+    if convention == OURS:
+        b.plugin("SDPfMHCA", [q, kv], match.output, scale=scale)
+    else:
+        b.plugin("fMHCA", [q, kv], match.output)
+    replace_match(graph, match, b.nodes)
+
+
+# ---- GroupNorm (+SiLU) -----------------------------------------------------------------------------
+
+def _with_silu(ops: dict[str, Op], last: str) -> dict[str, Op]:
+    return {**ops, "sigmoid": Op("Sigmoid", (last,)), "silu": Op("Mul", (last, "sigmoid"))}
+
+
+_GROUP_NORM_EXPORTED = {
+    "grouped": Op("Reshape", ("x", "group_shape")),
+    "normalized": Op("InstanceNormalization", ("grouped", "instance_scale", "instance_bias")),
+    "x_shape": Op("Shape", ("x",), where=lambda n: not {"start", "end"} & set(n.attrs), shared=True),
+    "restored": Op("Reshape", ("normalized", "x_shape")),
+    "scaled": Op("Mul", ("restored", "gamma")),
+    "shifted": Op("Add", ("scaled", "beta")),
+}
+_GROUP_NORM_NATIVE = {"shifted": Op("GroupNormalization", ("x", "gamma", "beta"))}
+_GROUP_NORM_CONSTANTS = frozenset({"group_shape", "instance_scale", "instance_bias", "gamma", "beta"})
+
+GROUP_NORM_PATTERNS = (
+    Pattern("group-norm+silu", _with_silu(_GROUP_NORM_EXPORTED, "shifted"), "silu", _GROUP_NORM_CONSTANTS),
+    Pattern("group-norm-native+silu", _with_silu(_GROUP_NORM_NATIVE, "shifted"), "silu", _GROUP_NORM_CONSTANTS),
+    Pattern("group-norm", _GROUP_NORM_EXPORTED, "shifted", _GROUP_NORM_CONSTANTS),
+    Pattern("group-norm-native", _GROUP_NORM_NATIVE, "shifted", _GROUP_NORM_CONSTANTS),
+)
+
+
+def _per_channel(values: np.ndarray, channels: int, rank: int, what: str) -> np.ndarray:
+    """An affine constant broadcast over [B, C, ...] of `rank` ([C, 1, 1] for NCHW) as [C]."""
+    shape = list(values.shape)
+    while len(shape) > rank - 1 and shape[0] == 1:
+        shape.pop(0)
+    if shape != [channels] + [1] * (rank - 2):
+        raise Skip(f"the {what} {list(values.shape)} is not one value per channel")
+    return values.reshape(channels)
+
+
+def _group_norm_parameters(graph: gs.Graph, match: Match, channels: int, rank: int):
+    """(groups, epsilon, gamma [C], beta [C]) of either form."""
+    gamma, beta = constant_values(match.tensor("gamma")), constant_values(match.tensor("beta"))
+    node = match.node("normalized") or match.node("shifted")
+    epsilon = float(node.attrs.get("epsilon", 1e-5))
+    if node.op == "GroupNormalization":
+        groups = int(node.attrs["num_groups"])
+        if groups < 1 or channels % groups:
+            raise Skip(f"{groups} groups do not divide {channels} channels")
+        # Opset 18 gives scale and bias per group; opset 21 per channel.
+        per_group = graph.opset < 21
+        expected = groups if per_group else channels
+        if gamma.size != expected or beta.size != expected:
+            raise Skip(f"scale and bias have {gamma.size} and {beta.size} values, expected {expected}")
+        if per_group:
+            gamma, beta = (np.repeat(v.reshape(-1), channels // groups) for v in (gamma, beta))
+        return groups, epsilon, gamma.reshape(channels), beta.reshape(channels)
+    group_shape = constant_values(match.tensor("group_shape")).reshape(-1).tolist()
+    if len(group_shape) != 3 or group_shape[0] < 0 or group_shape[2] != -1:
+        raise Skip(f"the grouping reshape {group_shape} is not [B, groups, -1]")
+    groups = int(group_shape[1])
+    if groups < 1 or channels % groups:
+        raise Skip(f"{groups} groups do not divide {channels} channels")
+    instance_scale = constant_values(match.tensor("instance_scale"))
+    instance_bias = constant_values(match.tensor("instance_bias"))
+    if not (np.all(instance_scale == 1) and np.all(instance_bias == 0)):
+        raise Skip("the InstanceNormalization has an affine of its own")
+    return (groups, epsilon, _per_channel(gamma, channels, rank, "scale"),
+            _per_channel(beta, channels, rank, "shift"))
+
+
+def _check_tensorrt_group_norm(x: gs.Tensor, channels: int, groups: int) -> None:
+    if x.dtype != np.float16:
+        raise Skip("TensorRT's GroupNorm takes fp16 only")
+    if groups != TENSORRT_GROUP_NORM_GROUPS:
+        raise Skip(f"TensorRT's GroupNorm has {TENSORRT_GROUP_NORM_GROUPS} groups, this one {groups}")
+    per_block = TENSORRT_GROUP_NORM_TILES.get(channels, 320)
+    if channels % per_block or per_block % (channels // groups):
+        raise Skip(f"TensorRT's GroupNorm kernels do not tile {channels} channels")
+
+
+def _rewrite_group_norm(graph: gs.Graph, match: Match, convention: str) -> None:
+    x = match.tensor("x")
+    rank, channels = _rank(x), _dim(x, 1) if _rank(x) else None
+    if rank not in (3, 4):
+        raise Skip(f"the input is rank {rank}, not [B, C, H, W] or [B, C, HW]")
+    if not isinstance(channels, int):
+        raise Skip("the channel count is not known")
+    groups, epsilon, gamma, beta = _group_norm_parameters(graph, match, channels, rank)
+    silu = int(match.node("silu") is not None)
+    if convention == TENSORRT:
+        _check_tensorrt_group_norm(x, channels, groups)
+    b = _Builder(match, _dtype(x, gamma), convention)
+    # TensorRT's GroupNorm reads gamma and beta as float32.
+    affine_dtype = b.dtype if convention == OURS else np.float32
+    gamma_c, beta_c = (b.constant(name, v.astype(affine_dtype)) for name, v in (("gamma", gamma), ("beta", beta)))
+
+    def group_norm(source: gs.Tensor, output: gs.Tensor) -> None:
+        if convention == OURS:
+            b.plugin("SDPGroupNorm", [source, gamma_c, beta_c], output, num_groups=groups, epsilon=epsilon, silu=silu)
+        else:
+            b.plugin("GroupNorm", [source, gamma_c, beta_c], output, epsilon=epsilon, bSwish=silu)
+
+    if rank == 4:
+        group_norm(x, match.output)
+    else:  # [B, C, HW] (the VAE's attention) runs as [B, C, HW, 1]
+        axes = b.constant("axes", np.array([3]))
+        shape4 = [*x.shape, 1]
+        x4 = b.node("Unsqueeze", "Unsqueeze", [x, axes], b.tensor("x4", shape4))
+        y4 = b.tensor("y4", shape4)
+        group_norm(x4, y4)
+        b.node("Squeeze", "Squeeze", [y4, axes], match.output)
+    replace_match(graph, match, b.nodes)
+
+
+# ---- LayerNorm -------------------------------------------------------------------------------------
+
+def _reduces_last_axis(node: gs.Node) -> bool:
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1:  # opset 18 moved axes to an input
+        axes = constant_values(node.inputs[1])
+    if axes is None or node.attrs.get("keepdims", 1) != 1:
+        return False
+    axes = np.asarray(axes).reshape(-1).tolist()
+    rank = _rank(node.inputs[0])
+    return axes == [-1] or (rank is not None and axes == [rank - 1])
+
+
+def _close(tensor: gs.Tensor | None, value: float) -> bool:
+    actual = scalar_value(tensor)
+    return actual is not None and math.isclose(actual, value, rel_tol=1e-3)
+
+
+_LAYER_NORM_DECOMPOSED = {
+    "mean": Op("ReduceMean", ("x",), where=_reduces_last_axis, exact_inputs=False),
+    "centered": Op("Sub", ("x", "mean")),
+    "squared": Op("Pow", ("centered", "two")),
+    "variance": Op("ReduceMean", ("squared",), where=_reduces_last_axis, exact_inputs=False),
+    "variance_eps": Op("Add", ("variance", "epsilon")),
+    "std": Op("Sqrt", ("variance_eps",)),
+    "normalized": Op("Div", ("centered", "std")),
+    "scaled": Op("Mul", ("normalized", "gamma")),
+    "output": Op("Add", ("scaled", "beta")),
+}
+
+LAYER_NORM_PATTERNS = (
+    Pattern("layer-norm", {"output": Op("LayerNormalization", ("x", "gamma", "beta"))}, "output",
+            frozenset({"gamma", "beta"})),
+    Pattern("layer-norm-no-bias", {"output": Op("LayerNormalization", ("x", "gamma"))}, "output",
+            frozenset({"gamma"})),
+    Pattern("layer-norm-decomposed", _LAYER_NORM_DECOMPOSED, "output", frozenset({"two", "epsilon", "gamma", "beta"}),
+            where=lambda m: _close(m.tensor("two"), 2.0)),
+)
+
+
+def _rewrite_layer_norm(graph: gs.Graph, match: Match, convention: str) -> None:
+    x = match.tensor("x")
+    node = match.root
+    if node.op == "LayerNormalization":
+        axis, rank = node.attrs.get("axis", -1), _rank(x)
+        if axis != -1 and (rank is None or axis != rank - 1):
+            raise Skip(f"it normalizes from axis {axis}, not over the last dimension only")
+        epsilon = float(node.attrs.get("epsilon", 1e-5))
+    else:
+        epsilon = scalar_value(match.tensor("epsilon"))
+        if epsilon is None:
+            raise Skip("epsilon is not a scalar")
+    gamma = constant_values(match.tensor("gamma"))
+    beta = constant_values(match.tensor("beta")) if match.tensor("beta") is not None else np.zeros_like(gamma)
+    width = _dim(x, -1) if _rank(x) else None
+    if not isinstance(width, int):
+        raise Skip("the normalized width is not known")
+    if gamma.size != width or beta.size != width:
+        raise Skip(f"scale and shift have {gamma.size} and {beta.size} values for a width of {width}")
+    b = _Builder(match, _dtype(x, gamma), convention)
+    inputs = [x, b.constant("gamma", gamma.reshape(width).astype(b.dtype)),
+              b.constant("beta", beta.reshape(width).astype(b.dtype))]
+    if convention == OURS:
+        b.plugin("SDPLayerNorm", inputs, match.output, epsilon=epsilon)
+    else:
+        b.plugin("LayerNorm", inputs, match.output, epsilon=epsilon, axis=-1)
+    replace_match(graph, match, b.nodes)
+
+
+# ---- SplitGeLU (GEGLU) -----------------------------------------------------------------------------
+
+def _gelu_erf(gate: str) -> dict[str, Op]:
+    """gate * (erf(gate / sqrt 2) + 1) * 0.5, as torch exports F.gelu."""
+    return {
+        "gate_scaled": Op(("Div", "Mul"), (gate, "erf_scale")),
+        "erf": Op("Erf", ("gate_scaled",)),
+        "erf_plus_one": Op("Add", ("erf", "one")),
+        "gate_times": Op("Mul", (gate, "erf_plus_one")),
+        "gelu": Op("Mul", ("gate_times", "half")),
+    }
+
+
+def _gelu_native(gate: str) -> dict[str, Op]:
+    return {"gelu": Op("Gelu", (gate,), where=lambda n: n.attrs.get("approximate", "none") == "none")}
+
+
+def _is_erf_gelu(match: Match) -> bool:
+    if match.node("erf") is None:
+        return True  # the native Gelu
+    divides = match.node("gate_scaled").op == "Div"
+    return (_close(match.tensor("erf_scale"), math.sqrt(2) if divides else 1 / math.sqrt(2))
+            and _close(match.tensor("one"), 1.0) and _close(match.tensor("half"), 0.5))
+
+
+def _geglu_pattern(name: str, halves: dict[str, Op], value: str, gate: str, gelu) -> Pattern:
+    """(x + bias) split in halves along the last axis: value * gelu(gate)."""
+    ops = {"biased": Op("Add", ("x", "bias"), optional="x"), **halves, **gelu(gate),
+           "output": Op("Mul", (value, "gelu"))}
+    return Pattern(name, ops, "output", frozenset({"bias", "erf_scale", "one", "half"}), where=_is_erf_gelu)
+
+
+_SLICES = {"value": Op("Slice", ("biased",), exact_inputs=False), "gate": Op("Slice", ("biased",), exact_inputs=False)}
+_SPLIT = {"halves": Op("Split", ("biased",), exact_inputs=False)}
+
+SPLIT_GELU_PATTERNS = (
+    _geglu_pattern("geglu-slice", _SLICES, "value", "gate", _gelu_erf),
+    _geglu_pattern("geglu-split", _SPLIT, "halves:0", "halves:1", _gelu_erf),
+    _geglu_pattern("geglu-slice-gelu", _SLICES, "value", "gate", _gelu_native),
+    _geglu_pattern("geglu-split-gelu", _SPLIT, "halves:0", "halves:1", _gelu_native),
+)
+
+
+def _slice_range(node: gs.Node, width: int, rank: int) -> tuple[int, int] | None:
+    """[start, end) of a Slice along the last axis with step 1, else None."""
+    starts, ends = constant_values(node.inputs[1]), constant_values(node.inputs[2])
+    axes = constant_values(node.inputs[3]) if len(node.inputs) > 3 else np.array([0])
+    steps = constant_values(node.inputs[4]) if len(node.inputs) > 4 else np.array([1])
+    if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)):
+        return None
+    if int(axes[0]) not in (-1, rank - 1) or int(steps[0]) != 1:
+        return None
+    start, end = (int(v[0]) + width if int(v[0]) < 0 else int(v[0]) for v in (starts, ends))
+    return min(start, width), min(end, width)
+
+
+def _split_halves(node: gs.Node, width: int, rank: int) -> bool:
+    if node.attrs.get("axis", 0) not in (-1, rank - 1) or len(node.outputs) != 2:
+        return False
+    sizes = constant_values(node.inputs[1]) if len(node.inputs) > 1 else None
+    return sizes is None or sizes.reshape(-1).tolist() == [width // 2, width // 2]
+
+
+def _rewrite_split_gelu(graph: gs.Graph, match: Match, convention: str) -> None:
+    x, bias = match.tensor("x"), constant_values(match.tensor("bias"))
+    rank, width = _rank(x), _dim(x, -1) if _rank(x) else None
+    if not isinstance(width, int) or width % 2:
+        raise Skip(f"the last dimension ({width}) is not a known even width")
+    half = width // 2
+    if match.node("halves") is not None:
+        if not _split_halves(match.node("halves"), width, rank):
+            raise Skip("the Split does not cut the last dimension into two halves")
+    elif (_slice_range(match.node("value"), width, rank), _slice_range(match.node("gate"), width, rank)) != \
+            ((0, half), (half, width)):
+        raise Skip("the slices are not value = first half, gate = second half of the last dimension")
+    if bias is not None and bias.size != width:
+        raise Skip(f"the bias has {bias.size} values for a width of {width}")
+    if convention == TENSORRT and (rank != 3 or half not in TENSORRT_SPLIT_GELU_WIDTHS):
+        raise Skip(f"TensorRT's SplitGeLU takes [B, S, 2N] with N in {TENSORRT_SPLIT_GELU_WIDTHS}, not N = {half}")
+    b = _Builder(match, x.dtype or (bias.dtype if bias is not None else np.float32), convention)
+    if convention == OURS:
+        bias = np.zeros(width, b.dtype) if bias is None else bias.reshape(width).astype(b.dtype)
+        b.plugin("SDPSplitGeLU", [x, b.constant("bias", bias)], match.output)
+    else:  # TensorRT's SplitGeLU takes the biased input
+        biased = x if bias is None else b.node("Add", "Add", [x, b.constant("bias", bias.reshape(width))],
+                                               b.tensor("biased", x.shape))
+        b.plugin("SplitGeLU", [biased], match.output)
+    replace_match(graph, match, b.nodes)
+
+
+# ---- Seq2Spatial -----------------------------------------------------------------------------------
+
+_TO_NCHW = {"perm": (0, 3, 1, 2)}
+SEQ2SPATIAL_PATTERNS = (
+    # Linear proj_out (SD 2.x): proj_out bias, to NCHW, then the block's NCHW residual.
+    Pattern("seq2spatial-nchw-residual", {
+        "biased": Op("Add", ("x", "bias")),
+        "spatial": Op("Reshape", ("biased", "spatial_shape")),
+        "transposed": Op("Transpose", ("spatial",), attrs=_TO_NCHW),
+        "output": Op("Add", ("transposed", "residual")),
+    }, "output", frozenset({"bias"})),
+    # Convolutional proj_out (SD 1.x): the last feed-forward's bias and the sequence residual, then to NCHW.
+    Pattern("seq2spatial-sequence-residual", {
+        "biased": Op("Add", ("x", "bias")),
+        "summed": Op("Add", ("biased", "residual")),
+        "spatial": Op("Reshape", ("summed", "spatial_shape")),
+        "output": Op("Transpose", ("spatial",), attrs=_TO_NCHW),
+    }, "output", frozenset({"bias"})),
+)
+
+
+def _spatial_source(match: Match, channels: int) -> gs.Tensor | None:
+    """The [B, C', H, W] tensor whose H and W the reshape to [B, H, W, C] reads, if it reads them from one."""
+    elements = shape_elements(match.tensor("spatial_shape"))
+    if elements is None or len(elements) != 4 or elements[3] not in (channels, -1):
+        return None
+    h, w = elements[1], elements[2]
+    if isinstance(h, DimOf) and isinstance(w, DimOf) and h.tensor is w.tensor and (h.axis, w.axis) == (2, 3) \
+            and _rank(h.tensor) == 4:
+        return h.tensor
+    return None
+
+
+def _rewrite_seq2spatial(graph: gs.Graph, match: Match, convention: str) -> None:
+    x, residual, bias = match.tensor("x"), match.tensor("residual"), constant_values(match.tensor("bias"))
+    channels = bias.size
+    if _rank(x) != 3 or (isinstance(_dim(x, 2), int) and _dim(x, 2) != channels):
+        raise Skip(f"the input is not [B, HW, C] with C = {channels} bias values")
+    b = _Builder(match, _dtype(x, bias), convention)
+    bias_c = b.constant("bias", bias.reshape(channels).astype(b.dtype))
+    if match.node("summed") is not None:  # the residual is a sequence
+        if _rank(residual) != 3:
+            raise Skip("the residual is not [B, HW, C]")
+        spatial = _spatial_source(match, channels)
+        if spatial is None:
+            raise Skip("H and W of the reshape to [B, H, W, C] are not read from a [B, C, H, W] tensor")
+        if convention == OURS:
+            b.plugin("SDPSeq2Spatial", [x, bias_c, residual, spatial], match.output, residual_layout=1)
+        else:
+            _tensorrt_seq2spatial(b, [x, bias_c, residual], spatial, channels, match.output)
+    else:
+        if convention == TENSORRT:
+            raise Skip("TensorRT's SeqLen2Spatial adds a sequence residual only, this one is NCHW")
+        transposed = match.node("transposed").outputs[0]
+        if _rank(residual) != 4 or _dim(residual, 1) not in (channels, None):
+            raise Skip(f"the residual is not [B, {channels}, H, W]")
+        same_hw = (residual.shape[2:] == transposed.shape[2:] and None not in residual.shape[2:]) \
+            or _spatial_source(match, channels) is residual
+        if not same_hw or match.output.shape != residual.shape:
+            raise Skip("the residual's H and W are not those of the reshaped sequence")
+        b.plugin("SDPSeq2Spatial", [x, bias_c, residual], match.output, residual_layout=0)
+    replace_match(graph, match, b.nodes)
+
+
+def _tensorrt_seq2spatial(b: _Builder, inputs: list[gs.Tensor], spatial: gs.Tensor, channels: int,
+                          output: gs.Tensor) -> None:
+    """SeqLen2Spatial takes its output shape, channels included, from a float32 fourth input."""
+    if _dim(spatial, 1) != channels:
+        raise Skip(f"TensorRT's SeqLen2Spatial takes C from its shape input, which has {_dim(spatial, 1)} channels")
+    if spatial.dtype != np.float32:
+        cast = gs.Variable(f"{b.base}/spatial_float", dtype=np.float32, shape=spatial.shape)
+        b.nodes.append(gs.Node("Cast", f"{b.base}/Cast", attrs={"to": onnx.TensorProto.FLOAT}, inputs=[spatial],
+                               outputs=[cast]))
+        spatial = cast
+    b.plugin("SeqLen2Spatial", [*inputs, spatial], output)
+
+
+PLUGIN_PASSES = {
+    "fMHA": PluginPass("fMHA", (SELF_ATTENTION,), _rewrite_self_attention),
+    "fMHCA": PluginPass("fMHCA", (CROSS_ATTENTION,), _rewrite_cross_attention),
+    "GroupNorm": PluginPass("GroupNorm", GROUP_NORM_PATTERNS, _rewrite_group_norm),
+    "LayerNorm": PluginPass("LayerNorm", LAYER_NORM_PATTERNS, _rewrite_layer_norm),
+    "SplitGeLU": PluginPass("SplitGeLU", SPLIT_GELU_PATTERNS, _rewrite_split_gelu),
+    "Seq2Spatial": PluginPass("Seq2Spatial", SEQ2SPATIAL_PATTERNS, _rewrite_seq2spatial),
+}

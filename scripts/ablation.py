@@ -1,0 +1,341 @@
+"""Plugin ablation on one GPU in one run: engines with none of our plugins, then adding them one family at a
+time, then each family alone; CLIP, UNet x N, VAE and pipeline latency per configuration.
+
+    python scripts/ablation.py --model sd1.5-arch --disable-tactic-sources CUDNN --timing-cache timing.cache
+
+Each configuration gets its own ONNX and engine folders under --work-dir (sharing one raw export), and
+its engines are built by scripts/build_engines.py, several at a time (--parallel-builds). Then each
+configuration runs the same request (same seed, scheduler and prompt) --runs times after warm-up; the
+medians are reported. For every engine the plugin layers TensorRT's engine inspector lists are counted
+against what the ONNX passes reported replacing, and every image is compared with the no-plugin one.
+Writes JSON, a markdown table and a PNG chart into --results-dir, and records which plugins measured
+faster than none on this GPU's compute capability in results/plugins_auto.json (what --plugins auto uses).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from core.errors import UsageError  # noqa: E402
+
+PROG = "ablation"
+ROOT = Path(__file__).resolve().parent.parent
+ATTENTION = ("fMHA", "fMHCA")
+# (label, plugins): demoDiffusion 8.5's order, then each family alone.
+CONFIGS = (
+    ("none", ()),
+    ("+fMHA/fMHCA", ATTENTION),
+    ("+LayerNorm", ATTENTION + ("LayerNorm",)),
+    ("+GroupNorm", ATTENTION + ("LayerNorm", "GroupNorm")),
+    ("+SplitGeLU", ATTENTION + ("LayerNorm", "GroupNorm", "SplitGeLU")),
+    ("+Seq2Spatial", ATTENTION + ("LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial")),
+    ("LayerNorm alone", ("LayerNorm",)),
+    ("GroupNorm alone", ("GroupNorm",)),
+    ("SplitGeLU alone", ("SplitGeLU",)),
+    ("Seq2Spatial alone", ("Seq2Spatial",)),
+)
+# What each configuration shows alone (for --plugins auto): the attention pair is measured as a pair.
+ALONE = {"+fMHA/fMHCA": ATTENTION, "LayerNorm alone": ("LayerNorm",), "GroupNorm alone": ("GroupNorm",),
+         "SplitGeLU alone": ("SplitGeLU",), "Seq2Spatial alone": ("Seq2Spatial",)}
+# NVIDIA demoDiffusion 8.5 (TensorRT 8.5.2, A100, SD 1.5 UNet x 50, 512x512), ms, for the cumulative rows.
+PUBLISHED_A100_UNET = {"none": 1282.32, "+fMHA/fMHCA": 1047.26, "+LayerNorm": 979.72, "+GroupNorm": 874.51,
+                       "+SplitGeLU": 856.47, "+Seq2Spatial": 805.97}
+STAGES = ("clip", "unet", "vae", "pipeline")
+
+
+def slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in label).strip("-").lower() or "none"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo.arguments import Parser, add_engine_arguments, add_model_arguments, run_command
+
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    add_model_arguments(p)
+    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--denoising-steps", type=int, default=50)
+    p.add_argument("--scheduler", default="DDIM")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", default="a photo of an astronaut riding a horse on mars")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per configuration; medians reported (default: 5)")
+    p.add_argument("--configs", help=f"comma list of configuration labels (default: all of {', '.join(c for c, _ in CONFIGS)})")
+    p.add_argument("--work-dir", default="ablation", help="per-configuration ONNX and engines (default: ablation)")
+    p.add_argument("--results-dir", default=str(ROOT / "results"), help="where JSON, markdown and PNG go")
+    p.add_argument("--parallel-builds", type=int, default=4, help="engine builds at a time (default: 4)")
+    p.add_argument("--build-only", action="store_true", help="build every configuration's engines, run none")
+    add_engine_arguments(p)
+    return run_command(PROG, lambda: ablate(p.parse_args(argv)))
+
+
+def select_configs(text: str | None) -> list[tuple[str, tuple[str, ...]]]:
+    if not text:
+        return list(CONFIGS)
+    known = dict(CONFIGS)
+    labels = [label.strip() for label in text.split(",") if label.strip()]
+    unknown = [label for label in labels if label not in known]
+    if unknown or not labels:
+        raise UsageError(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}")
+    return [(label, known[label]) for label in labels]
+
+
+def build_command(args, plugins: tuple[str, ...], folder: Path) -> list[str]:
+    command = [sys.executable, str(ROOT / "scripts" / "build_engines.py"), "--model", args.model, "--backend", "tensorrt",
+               "--stages", "clip,unet,vae", "--height", str(args.height), "--width", str(args.width),
+               "--build-static-batch", "--plugins", ",".join(plugins) or "none", "--onnx-dir", str(folder / "onnx"),
+               "--engine-dir", str(folder / "engine"), "--optimization-level", str(args.optimization_level)]
+    if args.disable_tactic_sources:
+        command += ["--disable-tactic-sources", args.disable_tactic_sources]
+    if args.timing_cache:
+        command += ["--timing-cache", str(folder / "timing.cache")]
+    return command
+
+
+def share_raw_export(source_dir: Path, target_dir: Path) -> None:
+    """Hard-link the plugin-free exports (and their manifests) into another configuration's folder:
+    the raw export does not depend on the plugin set, only the optimized ONNX does."""
+    target_dir.mkdir(parents=True, exist_ok=True)
+    for stage in ("clip", "unet", "vae"):
+        for name in (f"{stage}.onnx", f"{stage}.onnx.json", f"{stage}.onnx.data"):
+            if (source_dir / name).exists() and not (target_dir / name).exists():
+                os.link(source_dir / name, target_dir / name)
+
+
+def export_once(args, source, configs, work: Path) -> None:
+    """Export the raw ONNX once (in the first configuration's folder) and share it with the others."""
+    from demo.backends import device_and_dtype
+    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+
+    device, dtype = device_and_dtype("tensorrt")
+    first = work / slug(configs[0][0]) / "onnx"
+    for name in TEXT_TO_IMAGE_STAGES:
+        print(f"[ablation] exporting {name} ONNX ...", flush=True)
+        STAGE_MODELS[name](source).prepare_onnx(first, device, dtype, log=lambda *_: None, plugins=configs[0][1])
+    for label, _ in configs[1:]:
+        share_raw_export(first, work / slug(label) / "onnx")
+
+
+def build_all(args, configs, work: Path) -> dict[str, float]:
+    """Build every configuration's engines, --parallel-builds at a time; returns wall seconds per config."""
+    for label, _ in configs:
+        folder = work / slug(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        if args.timing_cache and Path(args.timing_cache).is_file() and not (folder / "timing.cache").exists():
+            (folder / "timing.cache").write_bytes(Path(args.timing_cache).read_bytes())
+    pending = list(configs)
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    times: dict[str, float] = {}
+    while pending or running:
+        if pending and len(running) < args.parallel_builds:
+            label, plugins = pending.pop(0)
+            folder = work / slug(label)
+            log = open(folder / "build.log", "w")
+            print(f"[ablation] building '{label}' ({', '.join(plugins) or 'no plugins'}) ...", flush=True)
+            running[label] = (subprocess.Popen(build_command(args, plugins, folder), stdout=log, stderr=subprocess.STDOUT),
+                              time.perf_counter())
+            continue
+        time.sleep(2)
+        for label, (process, started) in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[label]
+            times[label] = time.perf_counter() - started
+            if process.returncode != 0:
+                tail = (work / slug(label) / "build.log").read_text().strip().splitlines()[-3:]
+                raise UsageError(f"building '{label}' failed (exit {process.returncode}): {' | '.join(tail)}")
+            print(f"[ablation] built '{label}' in {times[label]:.0f} s", flush=True)
+    return times
+
+
+def run_config(args, source, label, plugins, folder: Path) -> dict:
+    import torch
+
+    from demo.arguments import engine_settings
+    from demo.backends import create_stages, device_and_dtype
+    from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
+    from demo.report import StageTimer
+    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+    from models.plugin_passes import read_pass_report
+
+    args.onnx_dir, args.engine_dir = str(folder / "onnx"), str(folder / "engine")
+    args.plugins = ",".join(plugins) or "none"
+    settings = engine_settings(args, source, "tensorrt", 1, args.height, args.width, guided=True)
+    device, dtype = device_and_dtype("tensorrt")
+    models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
+    stages = create_stages("tensorrt", models, device, dtype, settings, log=lambda *_: None)
+    pipeline = Text2ImagePipeline(source, stages, args.scheduler, device, dtype)
+    request = GenerationRequest([args.prompt], [""], args.height, args.width, args.denoising_steps, 7.5, args.seed)
+    for _ in range(2):
+        pipeline(request, StageTimer(device))
+    timings = []
+    for _ in range(args.runs):
+        timer = StageTimer(device)
+        images = pipeline(request, timer)
+        timings.append(timer.milliseconds())
+    layers = {}
+    for model in models:
+        found = stages[model.name].engine.plugin_layers()
+        reported = {k: v["replaced"] for k, v in read_pass_report(model.optimized_onnx_path(folder / "onnx")).items()
+                    if v["replaced"]}
+        layers[model.name] = {"engine": dict(found), "passes": reported, "match": dict(found) == reported}
+    for stage in stages.values():
+        stage.close()
+    del stages, pipeline
+    torch.cuda.empty_cache()
+    return {
+        "label": label, "plugins": list(plugins),
+        "latency_ms": {s: statistics.median(t[s] for t in timings) for s in STAGES},
+        "latency_ms_runs": timings, "unet_calls": len(pipeline_timesteps(source, args)),
+        "plugin_layers": layers, "image": to_uint8(images)[0],
+    }
+
+
+def pipeline_timesteps(source, args):
+    from demo.pipeline import make_scheduler
+
+    scheduler = make_scheduler(args.scheduler, source)
+    scheduler.set_timesteps(args.denoising_steps)
+    return scheduler.timesteps
+
+
+def psnr(a, b) -> float:
+    import numpy as np
+
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def faster_than_none(rows: list[dict]) -> list[str]:
+    """Plugins whose configuration alone ran the pipeline faster than no plugins (median against median)."""
+    by_label = {row["label"]: row for row in rows}
+    if "none" not in by_label:
+        return []
+    baseline = by_label["none"]["latency_ms"]["pipeline"]
+    chosen = []
+    for label, plugins in ALONE.items():
+        if label in by_label and by_label[label]["latency_ms"]["pipeline"] < baseline:
+            chosen += plugins
+    return sorted(chosen)
+
+
+def markdown_table(rows: list[dict], gpu: str, trt_version: str) -> str:
+    lines = [f"Plugin ablation on {gpu}, TensorRT {trt_version}: sd1.5-arch engines, medians (ms); "
+             "A100 column: NVIDIA's published demoDiffusion 8.5 UNet x 50 (TensorRT 8.5.2).", "",
+             "| configuration | CLIP | UNet x N | VAE | pipeline | vs none | plugin layers (engine = passes) | PSNR vs none | A100 UNet x 50 (published) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    base = rows[0]["latency_ms"]["pipeline"] if rows and rows[0]["label"] == "none" else None
+    for row in rows:
+        ms = row["latency_ms"]
+        counts = sum(sum(stage["engine"].values()) for stage in row["plugin_layers"].values())
+        match = all(stage["match"] for stage in row["plugin_layers"].values())
+        ratio = f"{base / ms['pipeline']:.3f}x" if base else "—"
+        psnr_text = "—" if row["label"] == "none" or row["psnr_vs_none"] is None else f"{row['psnr_vs_none']:.1f} dB"
+        published = PUBLISHED_A100_UNET.get(row["label"])
+        lines.append(f"| {row['label']} | {ms['clip']:.2f} | {ms['unet']:.2f} | {ms['vae']:.2f} | {ms['pipeline']:.2f} | "
+                     f"{ratio} | {counts} ({'yes' if match else 'NO'}) | {psnr_text} | "
+                     f"{published if published else '—'} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [row["label"] for row in rows][::-1]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    left = [0.0] * len(rows)
+    for stage, color in (("clip", "#8c9fca"), ("unet", "#4c72b0"), ("vae", "#dd8452")):
+        values = [row["latency_ms"][stage] for row in rows][::-1]
+        ax.barh(labels, values, left=left, color=color, label=stage.upper() if stage != "unet" else "UNet x N")
+        left = [a + b for a, b in zip(left, values)]
+    for y, row in enumerate(rows[::-1]):
+        ax.text(row["latency_ms"]["pipeline"], y, f" {row['latency_ms']['pipeline']:.1f} ms", va="center", fontsize=8)
+    ax.set_xlabel("ms per 512x512 image (median)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlim(0, max(row["latency_ms"]["pipeline"] for row in rows) * 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ablate(args) -> int:
+    import torch
+    from PIL import Image
+
+    from core.atomic import atomic_write_bytes
+    from demo.logs import configure_library_logging
+    from demo.trt_flavour import version
+    from models.plugin_set import AUTO_TABLE
+    from models.source import resolve_model
+
+    configs = select_configs(args.configs)
+    if args.runs < 1:
+        raise UsageError(f"--runs must be at least 1, got {args.runs}")
+    if args.parallel_builds < 1:
+        raise UsageError(f"--parallel-builds must be at least 1, got {args.parallel_builds}")
+    configure_library_logging(args.verbose)
+    source = resolve_model(args.model)
+    work = Path(args.work_dir)
+    start = time.perf_counter()
+    export_once(args, source, configs, work)
+    build_s = build_all(args, configs, work)
+    print(f"[ablation] engines of {len(configs)} configurations ready in {time.perf_counter() - start:.0f} s", flush=True)
+    if args.build_only:
+        return 0
+    gpu = torch.cuda.get_device_name()
+    trt_version = version("tensorrt")
+    rows, images = [], {}
+    for label, plugins in configs:
+        print(f"[ablation] running '{label}' ...", flush=True)
+        row = run_config(args, source, label, plugins, work / slug(label))
+        row["build_s"] = build_s.get(label)
+        images[label] = row.pop("image")
+        Image.fromarray(images[label]).save(work / slug(label) / "image.png")
+        rows.append(row)
+        (work / "rows.json").write_text(json.dumps(rows, indent=1))  # what is done so far, for long runs
+        print(f"[ablation] '{label}': pipeline {row['latency_ms']['pipeline']:.2f} ms, UNet {row['latency_ms']['unet']:.2f} ms",
+              flush=True)
+    reference = images.get("none")
+    for row in rows:
+        image = images[row["label"]]
+        row["psnr_vs_none"] = psnr(image, reference) if reference is not None else None
+        row["max_pixel_diff_vs_none"] = (int(abs(image.astype(int) - reference.astype(int)).max())
+                                         if reference is not None else None)
+
+    major, minor = torch.cuda.get_device_capability()
+    name = f"ablation-{slug(gpu)}"
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": gpu, "compute_capability": f"{major}.{minor}", "tensorrt": trt_version, "model": source.name,
+            "height": args.height, "width": args.width, "steps": args.denoising_steps, "scheduler": args.scheduler,
+            "seed": args.seed, "runs": args.runs, "optimization_level": args.optimization_level,
+            "date": datetime.date.today().isoformat(), "parallel_builds": args.parallel_builds}
+    table = markdown_table(rows, gpu, trt_version)
+    atomic_write_bytes(results / f"{name}.json", json.dumps({**meta, "rows": rows}, indent=1).encode())
+    atomic_write_bytes(results / f"{name}.md", table.encode())
+    chart(rows, f"Plugin ablation, {source.name} {args.height}x{args.width}, {args.denoising_steps} steps — {gpu}, "
+                f"TensorRT {trt_version}", results / f"{name}.png")
+    if any(row["label"] == "none" for row in rows):
+        entries = json.loads(AUTO_TABLE.read_text()) if AUTO_TABLE.is_file() else {}
+        entries[meta["compute_capability"]] = {
+            "plugins": faster_than_none(rows), "gpu": gpu, "date": meta["date"], "tensorrt": trt_version,
+            "source": f"scripts/ablation.py, {results.name}/{name}.json"}
+        atomic_write_bytes(AUTO_TABLE, (json.dumps(entries, indent=1) + "\n").encode())
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""A stand-in for the `tensorrt` module that runs on a CPU, for testing the engine layer end to end.
+
+It speaks the Python API of TensorRT 8.6 or 10.x (chosen by version) closely enough for demo/engine.py
+and demo/engine_runtime.py: the builder parses the ONNX file and serializes an "engine" that names it;
+the execution context reads its inputs from, and writes its outputs to, the raw addresses it was given,
+computing them with ONNX Runtime on that ONNX; and each run scribbles over the device memory it was
+handed, as TensorRT's scratch use does. Wrong bindings, freed memory, aliased buffers and unchecked
+shapes therefore show up as wrong numbers, as they would on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import json
+import types
+
+import numpy as np
+
+DEVICE_MEMORY_BYTES = 1 << 20
+SCRATCH_BYTE = 0xAB
+
+
+class DataType(enum.Enum):
+    FLOAT = np.float32
+    HALF = np.float16
+    INT32 = np.int32
+    INT64 = np.int64
+
+
+_ONNX_TYPES = {1: DataType.FLOAT, 10: DataType.HALF, 6: DataType.INT32, 7: DataType.INT64}
+
+
+class TensorIOMode(enum.Enum):
+    NONE = 0
+    INPUT = 1
+    OUTPUT = 2
+
+
+class Logger:
+    WARNING = 2
+
+    def __init__(self, severity=WARNING):
+        self.severity = severity
+
+
+# ---- building --------------------------------------------------------------------------------------
+
+class _Tensor:
+    def __init__(self, name, dtype):
+        self.name, self.dtype = name, dtype
+
+
+class _Network:
+    def __init__(self, flags):
+        self.flags = flags
+        self.inputs: list[_Tensor] = []
+        self.outputs: list[_Tensor] = []
+        self.onnx_path = None
+
+    @property
+    def num_inputs(self):
+        return len(self.inputs)
+
+    @property
+    def num_outputs(self):
+        return len(self.outputs)
+
+    def get_input(self, i):
+        return self.inputs[i]
+
+    def get_output(self, i):
+        return self.outputs[i]
+
+
+class _ParserError:
+    def __init__(self, node, op, desc):
+        self._node, self._op, self._desc = node, op, desc
+
+    def node_name(self):
+        return self._node
+
+    def node_operator(self):
+        return self._op
+
+    def desc(self):
+        return self._desc
+
+
+class OnnxParser:
+    def __init__(self, network, logger):
+        self.network = network
+        self.errors: list[_ParserError] = []
+
+    @property
+    def num_errors(self):
+        return len(self.errors)
+
+    def get_error(self, i):
+        return self.errors[i]
+
+    def parse_from_file(self, path):
+        import onnx
+
+        model = onnx.load(path, load_external_data=False)
+        for node in model.graph.node:
+            if not onnx.defs.has(node.op_type, node.domain):  # as TensorRT: no importer, no plugin
+                self.errors.append(_ParserError(node.name, node.op_type, f"No importer registered for op: {node.op_type}"))
+                return False
+        initializers = {i.name for i in model.graph.initializer}
+        for value in model.graph.input:
+            if value.name not in initializers:
+                self.network.inputs.append(_Tensor(value.name, _ONNX_TYPES[value.type.tensor_type.elem_type]))
+        for value in model.graph.output:
+            self.network.outputs.append(_Tensor(value.name, _ONNX_TYPES[value.type.tensor_type.elem_type]))
+        self.network.onnx_path = str(path)
+        return True
+
+
+class _Profile:
+    def __init__(self):
+        self.shapes = {}
+
+    def set_shape(self, name, low, opt, high):
+        self.shapes[name] = [list(low), list(opt), list(high)]
+
+
+class _TimingCache:
+    def __init__(self, blob):
+        self.blob = bytes(blob) or b"fake-timing-cache"
+
+    def serialize(self):
+        return self.blob
+
+
+class _Config:
+    def __init__(self, api):
+        self.api = api
+        self.flags = set()
+        self.profiles = []
+        self.builder_optimization_level = 3
+        self.profiling_verbosity = None
+        self.tactic_sources = (1 << len(api.TacticSource)) - 1
+        self.timing_cache = None
+        self.progress_monitor = None
+
+    def set_flag(self, flag):
+        self.flags.add(flag)
+
+    def get_tactic_sources(self):
+        return self.tactic_sources
+
+    def set_tactic_sources(self, mask):
+        self.tactic_sources = mask
+
+    def add_optimization_profile(self, profile):
+        self.profiles.append(profile)
+
+    def create_timing_cache(self, blob):
+        return _TimingCache(blob)
+
+    def set_timing_cache(self, cache, ignore_mismatch):
+        self.timing_cache = cache
+
+
+class Builder:
+    api: types.ModuleType  # set per module by make_module
+
+    def __init__(self, logger):
+        pass
+
+    def create_network(self, flags):
+        return _Network(flags)
+
+    def create_builder_config(self):
+        return _Config(self.api)
+
+    def create_optimization_profile(self):
+        return _Profile()
+
+    def build_serialized_network(self, network, config):
+        self.api.last_build = {"flags": network.flags, "config_flags": sorted(f.name for f in config.flags),
+                               "tactic_sources": config.tactic_sources}
+        (profile,) = config.profiles
+        io = [{"name": t.name, "mode": "INPUT", "dtype": t.dtype.name, "profile": profile.shapes[t.name]}
+              for t in network.inputs]
+        io += [{"name": t.name, "mode": "OUTPUT", "dtype": t.dtype.name} for t in network.outputs]
+        return json.dumps({"fake_engine": 1, "onnx": network.onnx_path, "io": io}).encode()
+
+
+# ---- running ----------------------------------------------------------------------------------------
+
+def _view(address: int, shape, dtype: DataType) -> np.ndarray:
+    count = int(np.prod(shape))
+    nbytes = count * np.dtype(dtype.value).itemsize
+    buffer = (ctypes.c_char * nbytes).from_address(address)
+    return np.frombuffer(buffer, dtype=dtype.value, count=count).reshape(shape)
+
+
+class _Engine:
+    def __init__(self, api, spec):
+        self.api = api
+        self.spec = spec
+        self.io = {t["name"]: t for t in spec["io"]}
+        self.names = [t["name"] for t in spec["io"]]
+        self.device_memory_size = DEVICE_MEMORY_BYTES
+        self.session = None
+
+    @property
+    def num_io_tensors(self):
+        return len(self.names)
+
+    def get_tensor_name(self, i):
+        return self.names[i]
+
+    def get_tensor_mode(self, name):
+        return TensorIOMode[self.io[name]["mode"]]
+
+    def get_tensor_dtype(self, name):
+        return DataType[self.io[name]["dtype"]]
+
+    def get_tensor_profile_shape(self, name, profile_index):
+        assert profile_index == 0
+        return [tuple(s) for s in self.io[name]["profile"]]
+
+    def run_onnx(self, feeds):
+        if self.session is None:
+            import onnxruntime
+
+            self.session = onnxruntime.InferenceSession(self.spec["onnx"], providers=["CPUExecutionProvider"])
+        return dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feeds)))
+
+
+
+class _Context:
+    def __init__(self, engine):
+        self.engine = engine
+        self.shapes = {}
+        self.addresses = {}
+        self.scratch = None  # (address, size)
+        self._output_shapes = None
+        self.runs = 0
+
+    def set_input_shape(self, name, shape):
+        low, _, high = self.engine.io[name]["profile"]
+        if len(shape) != len(low) or any(not lo <= s <= hi for s, lo, hi in zip(shape, low, high)):
+            return False
+        self.shapes[name] = tuple(shape)
+        self._output_shapes = None
+        return True
+
+    def set_tensor_address(self, name, address):
+        self.addresses[name] = address
+
+    def _inputs(self, from_memory: bool):
+        feeds = {}
+        for name, meta in self.engine.io.items():
+            if meta["mode"] == "INPUT":
+                dtype = DataType[meta["dtype"]]
+                feeds[name] = (_view(self.addresses[name], self.shapes[name], dtype).copy() if from_memory
+                               else np.zeros(self.shapes[name], dtype=dtype.value))
+        return feeds
+
+    def get_tensor_shape(self, name):
+        if self.engine.io[name]["mode"] == "INPUT":
+            return self.shapes.get(name, (-1,))
+        if self._output_shapes is None:
+            self._output_shapes = {n: v.shape for n, v in self.engine.run_onnx(self._inputs(False)).items()}
+        return self._output_shapes[name]
+
+    def execute_async_v3(self, stream):
+        if self.scratch is None:
+            return False
+        outputs = self.engine.run_onnx(self._inputs(True))
+        ctypes.memset(self.scratch[0], SCRATCH_BYTE, self.scratch[1])
+        for name, value in outputs.items():
+            target = _view(self.addresses[name], value.shape, self.engine.get_tensor_dtype(name))
+            target[...] = value
+        self.runs += 1
+        return True
+
+
+class _Engine8(_Engine):
+    """TensorRT 8.6: the context gets device memory through a property."""
+
+    def create_execution_context_without_device_memory(self):
+        return _Context8(self)
+
+
+class _Context8(_Context):
+    def _set_device_memory(self, address):
+        self.scratch = (address, self.engine.device_memory_size)
+
+    device_memory = property(None, _set_device_memory)
+
+
+class _Engine10(_Engine):
+    """TensorRT 10.1+: user-managed device memory with an explicit size."""
+
+    @property
+    def device_memory_size_v2(self):
+        return self.device_memory_size
+
+    def create_execution_context(self, strategy):
+        assert strategy.name == "USER_MANAGED"
+        return _Context10(self)
+
+
+class _Context10(_Context):
+    def set_device_memory(self, address, size):
+        assert size >= self.engine.device_memory_size
+        self.scratch = (address, size)
+
+
+class Runtime:
+    engine_class = _Engine
+
+    def __init__(self, logger):
+        pass
+
+    def deserialize_cuda_engine(self, blob):
+        try:
+            spec = json.loads(bytes(blob))
+        except ValueError:
+            return None
+        if not isinstance(spec, dict) or spec.get("fake_engine") != 1:
+            return None
+        return self.engine_class(None, spec)
+
+
+def make_module(version: str) -> types.ModuleType:
+    """A `tensorrt` module of this version: 8.x has the older memory and network API, 10.x the newer."""
+    module = types.ModuleType("tensorrt")
+    module.__version__ = version
+    newer = int(version.split(".")[0]) >= 10
+    module.last_build = None
+    module.Logger, module.DataType, module.TensorIOMode, module.OnnxParser = Logger, DataType, TensorIOMode, OnnxParser
+    module.float32, module.float16, module.int32 = DataType.FLOAT, DataType.HALF, DataType.INT32
+    module.TacticSource = enum.IntEnum("TacticSource", ["CUBLAS", "CUBLAS_LT", "CUDNN", "EDGE_MASK_CONVOLUTIONS"],
+                                       start=0)
+    module.BuilderFlag = enum.Enum("BuilderFlag", ["FP16", "INT8"])
+    module.ProfilingVerbosity = enum.Enum("ProfilingVerbosity", ["LAYER_NAMES_ONLY", "DETAILED"])
+    flags = ["EXPLICIT_BATCH"] + (["STRONGLY_TYPED"] if newer else [])
+    module.NetworkDefinitionCreationFlag = enum.IntEnum("NetworkDefinitionCreationFlag", flags, start=0)
+    module.Builder = type("Builder", (Builder,), {"api": module})
+    module.Runtime = type("Runtime", (Runtime,), {"engine_class": _Engine10 if newer else _Engine8})
+    if newer:
+        module.ExecutionContextAllocationStrategy = enum.Enum("ExecutionContextAllocationStrategy",
+                                                              ["STATIC", "ON_PROFILE_CHANGE", "USER_MANAGED"])
+    return module

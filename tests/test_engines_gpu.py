@@ -1,0 +1,114 @@
+"""Real TensorRT engines on a GPU: the tiny model's CLIP, UNet and VAE built with the TensorRT found here
+(8.6 on the H100/H200 box), run against the torch modules on identical fresh inputs, with and without
+CUDA graphs, and the whole pipeline on engines against the torch pipeline."""
+
+import numpy as np
+import pytest
+import torch
+
+from demo.trt_flavour import why_cannot_run
+
+REASON = why_cannot_run("tensorrt", torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"needs a GPU and TensorRT: {REASON}")
+
+QUIET = lambda *_: None  # noqa: E731
+HEIGHT, WIDTH = 64, 48
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def engines(tiny, tmp_path_factory):
+    from demo.engine import BuildOptions, EngineSettings, ImageProfile, prepare_stage_engines
+    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+
+    root = tmp_path_factory.mktemp("gpu-engines")
+    profile = ImageProfile.for_request(tiny, 1, HEIGHT, WIDTH, static_batch=True, dynamic_shape=False)
+    # cuDNN tactics are not what is tested here, and the box's cuDNN 8 is a stub.
+    options = BuildOptions("tensorrt", 0, disabled_tactic_sources=("CUDNN",))
+    settings = EngineSettings(root / "onnx", root / "engine", profile, options)
+    models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
+    return models, prepare_stage_engines(models, settings, CUDA, torch.float16, QUIET, QUIET)
+
+
+def stages(engines, use_cuda_graph):
+    from demo.engine_runtime import create_engine_stages
+    from demo.trt_flavour import TensorRTAPI
+
+    models, paths = engines
+    return create_engine_stages(models, paths, TensorRTAPI("tensorrt"), torch.float16, use_cuda_graph, CUDA, QUIET)
+
+
+@pytest.mark.parametrize("use_cuda_graph", [False, True], ids=["stream", "cuda-graph"])
+def test_each_engine_matches_its_torch_module(engines, use_cuda_graph):
+    from demo.stages import TorchStage
+    from models import stage_batch
+
+    generator = torch.Generator().manual_seed(7)
+    for name, stage in stages(engines, use_cuda_graph).items():
+        batch = stage_batch(name, 1, guided=True)
+        stage.prepare(batch, HEIGHT, WIDTH)
+        assert stage.engine.has_graph == use_cuda_graph  # captured while preparing, not inside a run
+        reference = TorchStage(stage.model, CUDA, torch.float32)
+        for _ in range(2):  # a second feed: replays must read the new inputs
+            feed = stage.model.sample_inputs(batch, HEIGHT, WIDTH, CUDA, torch.float16, generator)
+            for buffer in stage.engine.buffers.values():
+                if buffer.is_floating_point():
+                    buffer.fill_(float("nan"))  # poisoned: every output element must be written
+            (output,) = stage(feed).values()
+            expected = next(iter(reference({k: v.float() if v.is_floating_point() and k != "timestep" else v
+                                            for k, v in feed.items()}).values()))
+            assert torch.isfinite(output).all()
+            error = (output.float() - expected).abs().max().item()
+            scale = expected.abs().max().item()
+            assert error <= 2e-2 * max(scale, 1.0), f"{name}: max |engine - torch| {error} (scale {scale})"
+        stage.close()
+
+
+def test_pipeline_on_engines_matches_torch(tiny, engines):
+    from demo.backends import create_stages
+    from demo.pipeline import GenerationRequest, Text2ImagePipeline
+    from demo.report import StageTimer
+
+    request = GenerationRequest(["a castle on a hill"], [""], HEIGHT, WIDTH, steps=12, guidance_scale=7.5, seed=5)
+    torch_stages = create_stages("torch", engines[0], CUDA, torch.float16)
+    images = [Text2ImagePipeline(tiny, used, "DDIM", CUDA, torch.float16)(request, StageTimer(CUDA))
+              for used in (stages(engines, True), torch_stages)]
+    mse = float(np.mean((images[0] - images[1]) ** 2))
+    psnr = 10 * np.log10(1.0 / max(mse, 1e-12))
+    assert psnr > 35, f"PSNR {psnr:.1f} dB"
+    assert images[1].std() > 0.01
+
+
+def test_plugin_engines_contain_our_layers_and_match_plain_engines(tiny, tmp_path):
+    """--plugins all on the tiny model: every replacement the passes report is a plugin layer of the built
+    engine, and the image matches the plugin-free engines'."""
+    from demo.backends import create_stages
+    from demo.engine import BuildOptions, EngineSettings, ImageProfile
+    from demo.pipeline import GenerationRequest, Text2ImagePipeline
+    from demo.report import StageTimer
+    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+    from models.plugin_passes import read_pass_report
+    from models.plugin_set import PLUGIN_KEYS
+    from plugins import trt_plugins
+
+    if trt_plugins.status() != "built":
+        pytest.skip(trt_plugins.status())
+    profile = ImageProfile.for_request(tiny, 1, HEIGHT, WIDTH, static_batch=True, dynamic_shape=False)
+    request = GenerationRequest(["a bowl of fruit"], [""], HEIGHT, WIDTH, steps=8, guidance_scale=7.5, seed=11)
+    images = {}
+    for name, plugins in (("none", ()), ("all", tuple(sorted(PLUGIN_KEYS)))):
+        settings = EngineSettings(tmp_path / name / "onnx", tmp_path / name / "engine", profile,
+                                  BuildOptions("tensorrt", 0, disabled_tactic_sources=("CUDNN",)), plugins=plugins)
+        models = [STAGE_MODELS[stage](tiny) for stage in TEXT_TO_IMAGE_STAGES]
+        stages = create_stages("tensorrt", models, CUDA, torch.float16, settings, log=QUIET, progress=QUIET)
+        images[name] = Text2ImagePipeline(tiny, stages, "DDIM", CUDA, torch.float16)(request, StageTimer(CUDA))
+        for model in models:
+            found = dict(stages[model.name].engine.plugin_layers())
+            reported = {k: v["replaced"] for k, v in read_pass_report(model.optimized_onnx_path(settings.onnx_dir)).items()
+                        if v["replaced"]}
+            assert found == reported, f"{model.name}: engine {found}, passes {reported}"
+            if plugins:
+                assert reported, f"{model.name}: no plugin replaced"
+            stages[model.name].close()
+    mse = float(np.mean((images["all"] - images["none"]) ** 2))
+    assert 10 * np.log10(1.0 / max(mse, 1e-12)) > 30
