@@ -57,6 +57,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timing-cache", help="timing cache file, read and updated by builds")
     g.add_argument("--use-cuda-graph", action="store_true", help="replay each engine from a CUDA graph (static shapes)")
     g.add_argument("--plugins", default="auto", help=PLUGINS_HELP)
+    g.add_argument("--plugin-convention", default="sdplugins", choices=("sdplugins", "tensorrt"),
+                   help="whose plugin nodes the passes emit: ours (sdplugins, default) or TensorRT 8.5/8.6's own "
+                        "Stable Diffusion plugins in libnvinfer_plugin (tensorrt), for comparison")
     g.add_argument("--disable-tactic-sources", metavar="NAMES",
                    help="TensorRT tactic sources the builder must not use, e.g. CUDNN where cuDNN is missing")
     g.add_argument("--target-cc", help="target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 "
@@ -101,10 +104,11 @@ def engine_settings(args, source, flavour: str, batch_size: int, height: int, wi
     return EngineSettings(Path(args.onnx_dir), Path(args.engine_dir), profile, options, guided=guided,
                           use_cuda_graph=args.use_cuda_graph, force_onnx_export=args.force_onnx_export,
                           force_onnx_optimize=args.force_onnx_optimize, force_engine_build=args.force_engine_build,
-                          plugins=engine_plugins(args.plugins, flavour))
+                          plugins=engine_plugins(args.plugins, flavour, args.plugin_convention),
+                          plugin_convention=args.plugin_convention)
 
 
-def engine_plugins(text: str, flavour: str) -> tuple[str, ...]:
+def engine_plugins(text: str, flavour: str, convention: str = "sdplugins") -> tuple[str, ...]:
     """The plugin set engines of `flavour` get for a --plugins value, or a UsageError saying why not."""
     from models.plugin_set import parse_plugin_set
     from plugins import trt_plugins
@@ -114,7 +118,7 @@ def engine_plugins(text: str, flavour: str) -> tuple[str, ...]:
         if text == "auto":  # TensorRT for RTX cannot load plugin libraries like ours: auto means none there
             return ()
         raise UsageError("TensorRT for RTX cannot load our plugin library; use --plugins none, or --backend tensorrt")
-    if plugins and trt_plugins.status() != "built":
+    if plugins and convention == "sdplugins" and trt_plugins.status() != "built":
         raise UsageError(trt_plugins.status())
     return plugins
 

@@ -60,4 +60,4 @@ def create_stages(backend: str, models: list[StageModel], device: torch.device, 
 
     engines = prepare_stage_engines(models, engine_settings, device, dtype, log, progress)
     return create_engine_stages(models, engines, TensorRTAPI(backend), dtype, engine_settings.use_cuda_graph,
-                                device, log, engine_settings.plugins)
+                                device, log, engine_settings.plugins, engine_settings.plugin_convention)

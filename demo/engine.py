@@ -24,6 +24,14 @@ from models.base import Range, StageModel
 from models.source import ModelSource
 from plugins.trt_plugins import load_plugin_library
 
+
+def register_plugins(api: TensorRTAPI, convention: str) -> None:
+    """Put the creators of a plugin convention into TensorRT's registry: our library, or TensorRT's own."""
+    if convention == "sdplugins":
+        load_plugin_library(api.trt)
+    elif not api.trt.init_libnvinfer_plugins(api.logger(), ""):
+        raise UsageError(f"{api.label} could not register its own plugins (libnvinfer_plugin)")
+
 DEFAULT_MAX_BATCH = 4
 # What TensorRT for RTX builds for on a machine with no GPU when no --target-cc is given:
 # A100 (8.0), A10 / RTX 30 (8.6), L40 / RTX 40 (8.9).
@@ -193,16 +201,16 @@ class BuildProgress:
 
 
 def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: dict, options: BuildOptions,
-                      progress: Callable[[str], None], with_plugins: bool = False) -> None:
+                      progress: Callable[[str], None], plugin_convention: str | None = None) -> None:
     """Parse `onnx_path` and write the serialized engine to `path`.
 
     fp16 I/O means an fp16 engine: strongly typed where TensorRT has it, else with the FP16 flag.
-    `with_plugins`: the ONNX holds our plugin nodes, so our plugin library must be in TensorRT's
-    registry before parsing (the parser maps those nodes to its creators)."""
+    `plugin_convention`: the ONNX holds plugin nodes of that convention, whose creators must be in
+    TensorRT's registry before parsing (the parser maps those nodes to them)."""
     api = TensorRTAPI(options.flavour)
     trt = api.trt
-    if with_plugins:
-        load_plugin_library(trt)
+    if plugin_convention:
+        register_plugins(api, plugin_convention)
     logger = api.logger()
     builder = trt.Builder(logger)
     network = api.create_network(builder)
@@ -265,7 +273,8 @@ def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], Co
 
     def build(path: Path) -> None:
         with make_onnx() as onnx_path:
-            build_engine_file(path, onnx_path, model, shapes, options, progress, bool(onnx_key["plugins"]))
+            convention = onnx_key["plugin_convention"] if onnx_key["plugins"] else None
+            build_engine_file(path, onnx_path, model, shapes, options, progress, convention)
 
     return cached_build(artifact, key, build, force, log, verify_content=True)
 
@@ -283,7 +292,8 @@ class EngineSettings:
     force_onnx_export: bool = False
     force_onnx_optimize: bool = False
     force_engine_build: bool = False
-    plugins: tuple[str, ...] = ()  # models.plugin_set keys whose passes put our plugins into the graphs
+    plugins: tuple[str, ...] = ()  # models.plugin_set keys whose passes put plugins into the graphs
+    plugin_convention: str = "sdplugins"  # ours, or TensorRT's own plugins (models.plugin_passes.CONVENTIONS)
     stats: dict = field(default_factory=dict)
 
 
@@ -304,13 +314,14 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
             start = time.perf_counter()
             progress(f"[build] {model.name}: exporting and optimizing ONNX ({dtype}) ...")
             with model.optimized_onnx(settings.onnx_dir, device, dtype, settings.force_onnx_export,
-                                      settings.force_onnx_optimize, log, settings.plugins) as path:
+                                      settings.force_onnx_optimize, log, settings.plugins,
+                                      settings.plugin_convention) as path:
                 stat.update(onnx_bytes=artifact_bytes(path), onnx_s=time.perf_counter() - start)
                 yield path
 
         start = time.perf_counter()
         shapes = settings.profile.stage_shapes(model, settings.guided)
-        onnx_key = model.optimized_onnx_key(dtype, settings.plugins)
+        onnx_key = model.optimized_onnx_key(dtype, settings.plugins, settings.plugin_convention)
         engines[model.name] = prepare_engine(model, onnx_key, make_onnx, settings.engine_dir, shapes, settings.options,
                                              settings.force_engine_build, log, progress)
         stat["engine_s"] = time.perf_counter() - start - (stat["onnx_s"] or 0.0)

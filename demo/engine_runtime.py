@@ -17,10 +17,10 @@ from typing import Callable
 import torch
 
 from core.errors import UsageError
+from demo.engine import register_plugins
 from demo.stages import Stage
 from demo.trt_flavour import TensorRTAPI
 from models.base import StageModel
-from plugins.trt_plugins import load_plugin_library
 
 
 class EngineMismatchError(RuntimeError):
@@ -93,16 +93,16 @@ class Engine:
                                       "rebuild with --force-engine-build")
 
     def plugin_layers(self) -> Counter:
-        """Our plugin layers in the built engine, per plugin ("fMHA", ...), from TensorRT's engine
+        """Plugin layers in the built engine, per plugin key ("fMHA", ...), from TensorRT's engine
         inspector (engines are built with detailed profiling verbosity, so layer types are listed).
-        The ONNX passes name each plugin node '<tensor>/SDP<plugin>', and the parser keeps the name."""
+        The ONNX passes name each plugin node '<tensor>/<plugin op>', and the parser keeps the name."""
         inspector = self.engine.create_engine_inspector()
         info = json.loads(inspector.get_engine_information(self.api.trt.LayerInformationFormat.JSON))
         counts: Counter = Counter()
         for layer in info.get("Layers", []):
             if isinstance(layer, dict) and layer.get("LayerType") == "PluginV2":
-                found = re.search(r"SDP(\w+)", layer.get("Name", ""))
-                counts[found.group(1) if found else "other"] += 1
+                found = re.search(r"/(\w+)$", layer.get("Name", ""))
+                counts[_PLUGIN_KEYS.get(found.group(1), "other") if found else "other"] += 1
         return counts
 
     def profile(self, name: str) -> tuple[tuple[int, ...], ...]:
@@ -231,6 +231,10 @@ class Engine:
                 pass
 
 
+# Plugin op types (ours and TensorRT's own) -> the plugin keys the ONNX passes report.
+_PLUGIN_KEYS = {**{f"SDP{key}": key for key in ("fMHA", "fMHCA", "GroupNorm", "LayerNorm", "SplitGeLU", "Seq2Spatial")},
+                "fMHA_V2": "fMHA", "fMHCA": "fMHCA", "GroupNorm": "GroupNorm", "LayerNorm": "LayerNorm",
+                "SplitGeLU": "SplitGeLU", "SeqLen2Spatial": "Seq2Spatial"}
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
                  "INT64": torch.int64, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
 
@@ -254,11 +258,12 @@ class EngineStage(Stage):
 
 def create_engine_stages(models: list[StageModel], engines: dict[str, Path], api: TensorRTAPI, dtype: torch.dtype,
                          use_cuda_graph: bool, device: torch.device | str = "cuda",
-                         log: Callable[[str], None] = print, plugins: tuple[str, ...] = ()) -> dict[str, EngineStage]:
+                         log: Callable[[str], None] = print, plugins: tuple[str, ...] = (),
+                         plugin_convention: str = "sdplugins") -> dict[str, EngineStage]:
     """Load each model's engine, check it against its model class, and share one device-memory block.
-    Engines with our plugins in them (`plugins`) need our plugin library in TensorRT's registry first."""
+    Engines with plugins in them need their creators in TensorRT's registry first."""
     if plugins:
-        load_plugin_library(api.trt)
+        register_plugins(api, plugin_convention)
     loaded = {}
     for model in models:
         engine = Engine(api, engines[model.name], model.name, torch.device(device), use_cuda_graph)

@@ -247,26 +247,15 @@ def shape_elements(tensor: gs.Tensor) -> list[int | DimOf | None] | None:
         parts = [shape_elements(t) for t in producer.inputs]
         return None if any(p is None for p in parts) else [e for p in parts for e in p]
     if producer.op == "Unsqueeze":
-        # A scalar made one element: whatever that scalar is.
-        return _scalar_element(producer.inputs[0])
+        # A scalar made one element: whatever the scalar is, unknown when computed (e.g. H * W).
+        elements = shape_elements(producer.inputs[0])
+        return [None] if elements is None else elements
     if producer.op == "Gather" and producer.attrs.get("axis", 0) == 0:
-        indices = constant_values(producer.inputs[1])
-        source = shape_elements(producer.inputs[0])
-        if indices is None or source is None or indices.ndim != 1:
+        indices, source = constant_values(producer.inputs[1]), shape_elements(producer.inputs[0])
+        if indices is None or source is None or indices.ndim > 1:
             return None
-        return [source[int(i)] for i in indices]
+        try:
+            return [source[int(i)] for i in indices.reshape(-1)]
+        except IndexError:
+            return None
     return None
-
-
-def _scalar_element(tensor: gs.Tensor) -> list[int | DimOf | None] | None:
-    values = constant_values(tensor)
-    if values is not None:
-        return [int(v) for v in values.reshape(-1)] if values.size == 1 else None
-    producer = tensor.inputs[0] if tensor.inputs else None
-    if producer is not None and producer.op == "Gather" and producer.attrs.get("axis", 0) == 0:
-        index = constant_values(producer.inputs[1])
-        source = shape_elements(producer.inputs[0])
-        if index is not None and index.size == 1 and source is not None:
-            return [source[int(index.reshape(-1)[0])]]
-    return [None]
-

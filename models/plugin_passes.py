@@ -105,6 +105,8 @@ class PluginPass:
     rewrite: Callable[[gs.Graph, Match, str], None]
 
     def apply(self, graph: gs.Graph, convention: str = OURS) -> PassResult:
+        if convention not in CONVENTIONS:
+            raise ValueError(f"unknown plugin convention {convention!r}; one of {', '.join(CONVENTIONS)}")
         result = PassResult()
         skipped_nodes: set[int] = set()  # a skipped match is not reported again by a later, smaller variant
         for pattern in self.patterns:
@@ -211,10 +213,17 @@ def _attention_heads(match: Match) -> tuple[int, int]:
         found.add((heads, size))
     if len(found) != 1:
         raise Skip(f"q, k and v disagree on heads and head size: {sorted(found)}")
-    heads, size = found.pop()
-    if size % HEAD_SIZE_MULTIPLE or size > MAX_HEAD_SIZE:
+    return found.pop()
+
+
+def _check_head_size(size: int, convention: str, cross: bool) -> None:
+    """Ours take any multiple of 8 up to 256, and so (padding it to 64, 128 or 256) does TensorRT's
+    fMHCA; TensorRT's fMHA_V2 has kernels for a few head sizes only."""
+    if convention == TENSORRT and not cross:
+        if size not in TENSORRT_FMHA_HEAD_SIZES:
+            raise Skip(f"TensorRT's fMHA_V2 has no kernel for head size {size}")
+    elif size % HEAD_SIZE_MULTIPLE or size > MAX_HEAD_SIZE:
         raise Skip(f"head size {size} is not a multiple of {HEAD_SIZE_MULTIPLE} up to {MAX_HEAD_SIZE}")
-    return heads, size
 
 
 def _check_tensorrt_scale(scale: float, size: int) -> None:
@@ -282,10 +291,9 @@ def _rewrite_self_attention(graph: gs.Graph, match: Match, convention: str) -> N
     x = match.tensor("x")
     _require_sequence(x, "the attention input")
     heads, size = _attention_heads(match)
+    _check_head_size(size, convention, cross=False)
     scale = _attention_scale(match)
     if convention == TENSORRT:
-        if size not in TENSORRT_FMHA_HEAD_SIZES:
-            raise Skip(f"TensorRT's fMHA_V2 has no kernel for head size {size}")
         _check_tensorrt_scale(scale, size)
     projections = [_projection(match, p, heads, size) for p in "qkv"]
     b = _Builder(match, _dtype(x, projections[0][0]), convention)
@@ -303,6 +311,7 @@ def _rewrite_cross_attention(graph: gs.Graph, match: Match, convention: str) -> 
     _require_sequence(x, "the attention input")
     _require_sequence(context, "the attention context")
     heads, size = _attention_heads(match)
+    _check_head_size(size, convention, cross=True)
     scale = _attention_scale(match)
     if convention == TENSORRT:
         keys = _dim(context, 1)

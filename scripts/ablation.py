@@ -30,18 +30,23 @@ from core.errors import UsageError  # noqa: E402
 PROG = "ablation"
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION = ("fMHA", "fMHCA")
-# (label, plugins): demoDiffusion 8.5's order, then each family alone.
+ALL = ATTENTION + ("LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial")
+OURS, TENSORRT = "sdplugins", "tensorrt"
+# (label, plugins, convention): demoDiffusion 8.5's order, each family alone, then the peer: TensorRT
+# 8.6's own Stable Diffusion plugins (libnvinfer_plugin) emitted by the same passes.
 CONFIGS = (
-    ("none", ()),
-    ("+fMHA/fMHCA", ATTENTION),
-    ("+LayerNorm", ATTENTION + ("LayerNorm",)),
-    ("+GroupNorm", ATTENTION + ("LayerNorm", "GroupNorm")),
-    ("+SplitGeLU", ATTENTION + ("LayerNorm", "GroupNorm", "SplitGeLU")),
-    ("+Seq2Spatial", ATTENTION + ("LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial")),
-    ("LayerNorm alone", ("LayerNorm",)),
-    ("GroupNorm alone", ("GroupNorm",)),
-    ("SplitGeLU alone", ("SplitGeLU",)),
-    ("Seq2Spatial alone", ("Seq2Spatial",)),
+    ("none", (), OURS),
+    ("+fMHA/fMHCA", ATTENTION, OURS),
+    ("+LayerNorm", ATTENTION + ("LayerNorm",), OURS),
+    ("+GroupNorm", ATTENTION + ("LayerNorm", "GroupNorm"), OURS),
+    ("+SplitGeLU", ATTENTION + ("LayerNorm", "GroupNorm", "SplitGeLU"), OURS),
+    ("+Seq2Spatial", ALL, OURS),
+    ("LayerNorm alone", ("LayerNorm",), OURS),
+    ("GroupNorm alone", ("GroupNorm",), OURS),
+    ("SplitGeLU alone", ("SplitGeLU",), OURS),
+    ("Seq2Spatial alone", ("Seq2Spatial",), OURS),
+    ("TensorRT's fMHA_V2/fMHCA", ATTENTION, TENSORRT),
+    ("TensorRT's plugins, all", ALL, TENSORRT),
 )
 # What each configuration shows alone (for --plugins auto): the attention pair is measured as a pair.
 ALONE = {"+fMHA/fMHCA": ATTENTION, "LayerNorm alone": ("LayerNorm",), "GroupNorm alone": ("GroupNorm",),
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="a photo of an astronaut riding a horse on mars")
     p.add_argument("--runs", type=int, default=5, help="timed runs per configuration; medians reported (default: 5)")
-    p.add_argument("--configs", help=f"comma list of configuration labels (default: all of {', '.join(c for c, _ in CONFIGS)})")
+    p.add_argument("--configs", help=f"comma list of configuration labels (default: all of {', '.join(c[0] for c in CONFIGS)})")
     p.add_argument("--work-dir", default="ablation", help="per-configuration ONNX and engines (default: ablation)")
     p.add_argument("--results-dir", default=str(ROOT / "results"), help="where JSON, markdown and PNG go")
     p.add_argument("--parallel-builds", type=int, default=4, help="engine builds at a time (default: 4)")
@@ -77,21 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, lambda: ablate(p.parse_args(argv)))
 
 
-def select_configs(text: str | None) -> list[tuple[str, tuple[str, ...]]]:
+def select_configs(text: str | None) -> list[tuple[str, tuple[str, ...], str]]:
     if not text:
         return list(CONFIGS)
-    known = dict(CONFIGS)
+    known = {config[0]: config for config in CONFIGS}
     labels = [label.strip() for label in text.split(",") if label.strip()]
     unknown = [label for label in labels if label not in known]
     if unknown or not labels:
         raise UsageError(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}")
-    return [(label, known[label]) for label in labels]
+    return [known[label] for label in labels]
 
 
-def build_command(args, plugins: tuple[str, ...], folder: Path) -> list[str]:
+def build_command(args, plugins: tuple[str, ...], convention: str, folder: Path) -> list[str]:
     command = [sys.executable, str(ROOT / "scripts" / "build_engines.py"), "--model", args.model, "--backend", "tensorrt",
                "--stages", "clip,unet,vae", "--height", str(args.height), "--width", str(args.width),
-               "--build-static-batch", "--plugins", ",".join(plugins) or "none", "--onnx-dir", str(folder / "onnx"),
+               "--build-static-batch", "--plugins", ",".join(plugins) or "none", "--plugin-convention", convention,
+               "--onnx-dir", str(folder / "onnx"),
                "--engine-dir", str(folder / "engine"), "--optimization-level", str(args.optimization_level)]
     if args.disable_tactic_sources:
         command += ["--disable-tactic-sources", args.disable_tactic_sources]
@@ -119,14 +125,17 @@ def export_once(args, source, configs, work: Path) -> None:
     first = work / slug(configs[0][0]) / "onnx"
     for name in TEXT_TO_IMAGE_STAGES:
         print(f"[ablation] exporting {name} ONNX ...", flush=True)
-        STAGE_MODELS[name](source).prepare_onnx(first, device, dtype, log=lambda *_: None, plugins=configs[0][1])
-    for label, _ in configs[1:]:
+        STAGE_MODELS[name](source).prepare_onnx(first, device, dtype, log=lambda *_: None, plugins=configs[0][1],
+                                                plugin_convention=configs[0][2])
+    for label, _, _ in configs[1:]:
         share_raw_export(first, work / slug(label) / "onnx")
 
 
-def build_all(args, configs, work: Path) -> dict[str, float]:
-    """Build every configuration's engines, --parallel-builds at a time; returns wall seconds per config."""
-    for label, _ in configs:
+def build_all(args, configs, work: Path) -> tuple[dict[str, float], dict[str, str]]:
+    """Build every configuration's engines, --parallel-builds at a time. Returns wall seconds per
+    configuration, and for those that failed to build the end of their log (e.g. TensorRT's own
+    plugins where they have no kernels for this GPU): they are reported, not run."""
+    for label, _, _ in configs:
         folder = work / slug(label)
         folder.mkdir(parents=True, exist_ok=True)
         if args.timing_cache and Path(args.timing_cache).is_file() and not (folder / "timing.cache").exists():
@@ -134,14 +143,15 @@ def build_all(args, configs, work: Path) -> dict[str, float]:
     pending = list(configs)
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     times: dict[str, float] = {}
+    failed: dict[str, str] = {}
     while pending or running:
         if pending and len(running) < args.parallel_builds:
-            label, plugins = pending.pop(0)
+            label, plugins, convention = pending.pop(0)
             folder = work / slug(label)
             log = open(folder / "build.log", "w")
             print(f"[ablation] building '{label}' ({', '.join(plugins) or 'no plugins'}) ...", flush=True)
-            running[label] = (subprocess.Popen(build_command(args, plugins, folder), stdout=log, stderr=subprocess.STDOUT),
-                              time.perf_counter())
+            running[label] = (subprocess.Popen(build_command(args, plugins, convention, folder), stdout=log,
+                                               stderr=subprocess.STDOUT), time.perf_counter())
             continue
         time.sleep(2)
         for label, (process, started) in list(running.items()):
@@ -151,12 +161,14 @@ def build_all(args, configs, work: Path) -> dict[str, float]:
             times[label] = time.perf_counter() - started
             if process.returncode != 0:
                 tail = (work / slug(label) / "build.log").read_text().strip().splitlines()[-3:]
-                raise UsageError(f"building '{label}' failed (exit {process.returncode}): {' | '.join(tail)}")
+                failed[label] = f"build failed (exit {process.returncode}): {' | '.join(tail)}"
+                print(f"[ablation] '{label}': {failed[label]}", flush=True)
+                continue
             print(f"[ablation] built '{label}' in {times[label]:.0f} s", flush=True)
-    return times
+    return times, failed
 
 
-def run_config(args, source, label, plugins, folder: Path) -> dict:
+def run_config(args, source, label, plugins, convention, folder: Path) -> dict:
     import torch
 
     from demo.arguments import engine_settings
@@ -167,7 +179,7 @@ def run_config(args, source, label, plugins, folder: Path) -> dict:
     from models.plugin_passes import read_pass_report
 
     args.onnx_dir, args.engine_dir = str(folder / "onnx"), str(folder / "engine")
-    args.plugins = ",".join(plugins) or "none"
+    args.plugins, args.plugin_convention = ",".join(plugins) or "none", convention
     settings = engine_settings(args, source, "tensorrt", 1, args.height, args.width, guided=True)
     device, dtype = device_and_dtype("tensorrt")
     models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
@@ -192,7 +204,7 @@ def run_config(args, source, label, plugins, folder: Path) -> dict:
     del stages, pipeline
     torch.cuda.empty_cache()
     return {
-        "label": label, "plugins": list(plugins),
+        "label": label, "plugins": list(plugins), "convention": convention,
         "latency_ms": {s: statistics.median(t[s] for t in timings) for s in STAGES},
         "latency_ms_runs": timings, "unet_calls": len(pipeline_timesteps(source, args)),
         "plugin_layers": layers, "image": to_uint8(images)[0],
@@ -290,16 +302,18 @@ def ablate(args) -> int:
     work = Path(args.work_dir)
     start = time.perf_counter()
     export_once(args, source, configs, work)
-    build_s = build_all(args, configs, work)
+    build_s, failed = build_all(args, configs, work)
     print(f"[ablation] engines of {len(configs)} configurations ready in {time.perf_counter() - start:.0f} s", flush=True)
     if args.build_only:
         return 0
     gpu = torch.cuda.get_device_name()
     trt_version = version("tensorrt")
     rows, images = [], {}
-    for label, plugins in configs:
+    for label, plugins, convention in configs:
+        if label in failed:
+            continue
         print(f"[ablation] running '{label}' ...", flush=True)
-        row = run_config(args, source, label, plugins, work / slug(label))
+        row = run_config(args, source, label, plugins, convention, work / slug(label))
         row["build_s"] = build_s.get(label)
         images[label] = row.pop("image")
         Image.fromarray(images[label]).save(work / slug(label) / "image.png")
@@ -322,8 +336,8 @@ def ablate(args) -> int:
             "height": args.height, "width": args.width, "steps": args.denoising_steps, "scheduler": args.scheduler,
             "seed": args.seed, "runs": args.runs, "optimization_level": args.optimization_level,
             "date": datetime.date.today().isoformat(), "parallel_builds": args.parallel_builds}
-    table = markdown_table(rows, gpu, trt_version)
-    atomic_write_bytes(results / f"{name}.json", json.dumps({**meta, "rows": rows}, indent=1).encode())
+    table = markdown_table(rows, gpu, trt_version) + "".join(f"\n'{label}' not run: {why}\n" for label, why in failed.items())
+    atomic_write_bytes(results / f"{name}.json", json.dumps({**meta, "rows": rows, "failed": failed}, indent=1).encode())
     atomic_write_bytes(results / f"{name}.md", table.encode())
     chart(rows, f"Plugin ablation, {source.name} {args.height}x{args.width}, {args.denoising_steps} steps — {gpu}, "
                 f"TensorRT {trt_version}", results / f"{name}.png")

@@ -13,13 +13,17 @@ def row(label, pipeline, plugins=(), match=True):
 
 
 def test_configurations_follow_demodiffusion_then_each_family_alone():
-    labels = [label for label, _ in CONFIGS]
+    labels = [label for label, _, _ in CONFIGS]
     assert labels[:6] == ["none", "+fMHA/fMHCA", "+LayerNorm", "+GroupNorm", "+SplitGeLU", "+Seq2Spatial"]
-    cumulative = [set(plugins) for _, plugins in CONFIGS[:6]]
+    cumulative = [set(plugins) for _, plugins, _ in CONFIGS[:6]]
     assert all(a < b for a, b in zip(cumulative, cumulative[1:]))  # each row adds a family
     assert cumulative[-1] == {"fMHA", "fMHCA", "LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial"}
-    assert [len(plugins) for _, plugins in CONFIGS[6:]] == [1, 1, 1, 1]
-    assert select_configs("none,GroupNorm alone") == [("none", ()), ("GroupNorm alone", ("GroupNorm",))]
+    assert [len(plugins) for _, plugins, _ in CONFIGS[6:10]] == [1, 1, 1, 1]
+    assert {convention for _, _, convention in CONFIGS[:10]} == {"sdplugins"}
+    # The peer: TensorRT's own plugins, for the attention pair and for everything
+    assert [(set(p), c) for _, p, c in CONFIGS[10:]] == [(cumulative[1], "tensorrt"), (cumulative[-1], "tensorrt")]
+    assert select_configs("none,GroupNorm alone") == [("none", (), "sdplugins"),
+                                                      ("GroupNorm alone", ("GroupNorm",), "sdplugins")]
     with pytest.raises(UsageError, match="unknown configuration.*Bogus"):
         select_configs("none,Bogus")
 

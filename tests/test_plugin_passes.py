@@ -434,16 +434,19 @@ def test_other_exported_forms(opset, tmp_path):
     assert np.abs(run_onnx(optimized, {"x": x}) - expected).max() <= 1e-4 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("opset, affine_size", ((18, 4), (21, 16)))
-def test_native_group_normalization(opset, affine_size, tmp_path):
-    """GroupNormalization: scale and bias per group before opset 21, per channel from it."""
+@pytest.mark.parametrize("opset, affine_size, normalized_is_output", ((18, 4, False), (21, 16, False), (21, 16, True)))
+def test_native_group_normalization(opset, affine_size, normalized_is_output, tmp_path):
+    """GroupNormalization: scale and bias per group before opset 21, per channel from it. The SiLU is
+    fused only where nothing else reads the normalized tensor."""
     rng = np.random.default_rng(4)
     nodes = [helper.make_node("GroupNormalization", ["x", "scale", "bias"], ["normalized"], num_groups=4, epsilon=1e-2),
              helper.make_node("Sigmoid", ["normalized"], ["sigmoid"]),
              helper.make_node("Mul", ["normalized", "sigmoid"], ["y"])]
+    outputs = ["y", "normalized"] if normalized_is_output else ["y"]
     graph = helper.make_graph(nodes, "native",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16, "H", "W"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 16, "H", "W"])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["B", 16, "H", "W"])
+                               for name in outputs],
                               [numpy_helper.from_array(rng.standard_normal(affine_size).astype(np.float32), name)
                                for name in ("scale", "bias")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
@@ -452,8 +455,9 @@ def test_native_group_normalization(opset, affine_size, tmp_path):
     optimized = tmp_path / "native.opt.onnx"
     optimize_onnx_file(raw, optimized, "native", lambda *_: None, ("GroupNorm",))
     (node,) = plugin_nodes(optimized)["GroupNorm"]
-    assert (attribute(node, "num_groups"), attribute(node, "silu")) == (4, 1)
+    assert (attribute(node, "num_groups"), attribute(node, "silu")) == (4, int(not normalized_is_output))
     assert attribute(node, "epsilon") == pytest.approx(1e-2)
+    assert ("Sigmoid" in {n.op_type for n in onnx.load(str(optimized)).graph.node}) == normalized_is_output
     x = {"x": rng.standard_normal((2, 16, 3, 5)).astype(np.float32)}
     expected = run_onnx(model, x)
     assert np.abs(run_onnx(optimized, x) - expected).max() <= 1e-5 * np.abs(expected).max()
