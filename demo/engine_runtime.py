@@ -97,7 +97,8 @@ class Engine:
         inspector (engines are built with detailed profiling verbosity, so layer types are listed).
         The ONNX passes name each plugin node '<tensor>/<plugin op>', and the parser keeps the name."""
         inspector = self.engine.create_engine_inspector()
-        info = json.loads(inspector.get_engine_information(self.api.trt.LayerInformationFormat.JSON))
+        # strict=False: TensorRT 8.6 writes raw control characters into some of the JSON's strings.
+        info = json.loads(inspector.get_engine_information(self.api.trt.LayerInformationFormat.JSON), strict=False)
         counts: Counter = Counter()
         for layer in info.get("Layers", []):
             if isinstance(layer, dict) and layer.get("LayerType") == "PluginV2":

@@ -59,7 +59,7 @@ def test_optimizer_reports_and_shrinks(tiny, onnx_dir, capsys):
     assert names == ["exported", "cleanup", "fold-constants", "infer-shapes", "cleanup"]
     counts = dict(optimizer.history)
     assert counts["fold-constants"] < counts["exported"]
-    assert len(optimized.graph.node) == optimizer.history[-1][1]
+    assert counts["exported"] == len(onnx.load(str(onnx_dir / "unet.onnx")).graph.node)  # read independently
     assert optimizer.report().startswith("[optimize] unet: nodes exported")
     # Shape inference annotated intermediate tensors.
     assert len(optimized.graph.value_info) > 0
