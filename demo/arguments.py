@@ -86,7 +86,9 @@ def engine_flags_set(parser: argparse.ArgumentParser, args) -> list[str]:
 
 
 def engine_settings(args, source, flavour: str, batch_size: int, height: int, width: int, guided: bool):
-    from demo.engine import BuildOptions, EngineSettings, ImageProfile, parse_tactic_sources, parse_target_ccs
+    from demo.engine import (BuildOptions, EngineSettings, ImageProfile, build_targets, parse_tactic_sources,
+                             parse_target_ccs)
+    from demo.trt_flavour import TensorRTAPI
 
     if not 0 <= args.optimization_level <= 5:
         raise UsageError(f"--optimization-level must be 0..5, got {args.optimization_level}")
@@ -101,6 +103,7 @@ def engine_settings(args, source, flavour: str, batch_size: int, height: int, wi
         check_writable_file("timing cache", Path(args.timing_cache))
     options = BuildOptions(flavour, args.optimization_level, Path(args.timing_cache) if args.timing_cache else None,
                            parse_target_ccs(args.target_cc), parse_tactic_sources(args.disable_tactic_sources))
+    build_targets(options, TensorRTAPI(flavour))  # a target the flavour cannot build for fails before any export
     return EngineSettings(Path(args.onnx_dir), Path(args.engine_dir), profile, options, guided=guided,
                           use_cuda_graph=args.use_cuda_graph, force_onnx_export=args.force_onnx_export,
                           force_onnx_optimize=args.force_onnx_optimize, force_engine_build=args.force_engine_build,

@@ -200,6 +200,22 @@ class BuildProgress:
         return Monitor()
 
 
+def build_targets(options: BuildOptions, api: TensorRTAPI) -> list:
+    """The flavour's compute-capability targets for these options (empty where TensorRT builds only for
+    the GPU it runs on), or a UsageError for a target it cannot build for. Checked before any export."""
+    if not api.compute_capability_targets:
+        if options.target_ccs and options.target_ccs != (current_cc(),):
+            raise UsageError(f"{options.flavour} builds for the GPU it runs on; --target-cc is for --backend tensorrt-rtx")
+        return []
+    targets = []
+    for major, minor in options.resolved_targets():
+        cc = getattr(api.trt.ComputeCapability, f"SM{major}{minor}", None)
+        if cc is None:
+            raise UsageError(f"{options.flavour} cannot target compute capability {major}.{minor}")
+        targets.append(cc)
+    return targets
+
+
 def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: dict, options: BuildOptions,
                       progress: Callable[[str], None], plugin_convention: str | None = None) -> None:
     """Parse `onnx_path` and write the serialized engine to `path`.
@@ -235,15 +251,10 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     for name, (low, opt, high) in shapes.items():
         profile.set_shape(name, low, opt, high)
     config.add_optimization_profile(profile)
-    if options.flavour == "tensorrt" and options.target_ccs and options.target_ccs != (current_cc(),):
-        raise UsageError("tensorrt builds for the GPU it runs on; --target-cc is for --backend tensorrt-rtx")
-    if api.compute_capability_targets:
-        targets = options.resolved_targets()
+    targets = build_targets(options, api)
+    if targets:
         config.num_compute_capabilities = len(targets)
-        for index, (major, minor) in enumerate(targets):
-            cc = getattr(trt.ComputeCapability, f"SM{major}{minor}", None)
-            if cc is None:
-                raise UsageError(f"{options.flavour} cannot target compute capability {major}.{minor}")
+        for index, cc in enumerate(targets):
             config.set_compute_capability(cc, index)
     cache = None
     if options.timing_cache is not None:
