@@ -24,14 +24,6 @@ from models.base import Range, StageModel
 from models.source import ModelSource
 from plugins.trt_plugins import load_plugin_library
 
-
-def register_plugins(api: TensorRTAPI, convention: str) -> None:
-    """Put the creators of a plugin convention into TensorRT's registry: our library, or TensorRT's own."""
-    if convention == "sdplugins":
-        load_plugin_library(api.trt)
-    elif not api.trt.init_libnvinfer_plugins(api.logger(), ""):
-        raise UsageError(f"{api.label} could not register its own plugins (libnvinfer_plugin)")
-
 DEFAULT_MAX_BATCH = 4
 # What TensorRT for RTX builds for on a machine with no GPU when no --target-cc is given:
 # A100 (8.0), A10 / RTX 30 (8.6), L40 / RTX 40 (8.9).
@@ -44,10 +36,6 @@ HEARTBEAT_S = 30.0
 
 class EngineBuildError(RuntimeError):
     """ONNX that TensorRT cannot parse or build; the message names the stage, node and cause."""
-
-
-_TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
-                 "INT64": torch.int64, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -137,11 +125,13 @@ def reusable_key(artifact: Path, key: dict, options: BuildOptions) -> dict:
     builds on a CPU for 8.0, 8.6 and 8.9), when it matches in everything else; else `key`."""
     if options.target_ccs or options.flavour != "tensorrt-rtx":
         return key
-    manifest = read_manifest(artifact)
-    recorded = manifest.get("key") if isinstance(manifest, dict) else None
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("target_cc"), list):
+    manifest = read_manifest(artifact)  # None, or a manifest whose key is a dict
+    if manifest is None:
         return key
-    if {**recorded, "target_cc": key["target_cc"]} == key and set(key["target_cc"]) <= set(recorded["target_cc"]):
+    recorded = manifest["key"]
+    targets = recorded.get("target_cc")
+    if isinstance(targets, list) and {**recorded, "target_cc": key["target_cc"]} == key \
+            and set(key["target_cc"]) <= set(targets):
         return recorded
     return key
 
@@ -198,6 +188,14 @@ class BuildProgress:
                     progress(f"[build] {stage}: {phase_name} done in {elapsed:.0f} s")
 
         return Monitor()
+
+
+def register_plugins(api: TensorRTAPI, convention: str) -> None:
+    """Put the creators of a plugin convention into TensorRT's registry: our library, or TensorRT's own."""
+    if convention == "sdplugins":
+        load_plugin_library(api.trt)
+    elif not api.trt.init_libnvinfer_plugins(api.logger(), ""):
+        raise UsageError(f"{api.label} could not register its own plugins (libnvinfer_plugin)")
 
 
 def build_targets(options: BuildOptions, api: TensorRTAPI) -> list:

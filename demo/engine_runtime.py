@@ -21,6 +21,7 @@ from demo.engine import register_plugins
 from demo.stages import Stage
 from demo.trt_flavour import TensorRTAPI
 from models.base import StageModel
+from models.plugin_passes import PLUGIN_OP_KEYS
 
 
 class EngineMismatchError(RuntimeError):
@@ -103,7 +104,7 @@ class Engine:
         for layer in info.get("Layers", []):
             if isinstance(layer, dict) and layer.get("LayerType") == "PluginV2":
                 found = re.search(r"/(\w+)$", layer.get("Name", ""))
-                counts[_PLUGIN_KEYS.get(found.group(1), "other") if found else "other"] += 1
+                counts[PLUGIN_OP_KEYS.get(found.group(1), "other") if found else "other"] += 1
         return counts
 
     def profile(self, name: str) -> tuple[tuple[int, ...], ...]:
@@ -232,10 +233,6 @@ class Engine:
                 pass
 
 
-# Plugin op types (ours and TensorRT's own) -> the plugin keys the ONNX passes report.
-_PLUGIN_KEYS = {**{f"SDP{key}": key for key in ("fMHA", "fMHCA", "GroupNorm", "LayerNorm", "SplitGeLU", "Seq2Spatial")},
-                "fMHA_V2": "fMHA", "fMHCA": "fMHCA", "GroupNorm": "GroupNorm", "LayerNorm": "LayerNorm",
-                "SplitGeLU": "SplitGeLU", "SeqLen2Spatial": "Seq2Spatial"}
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
                  "INT64": torch.int64, "BOOL": torch.bool, "INT8": torch.int8, "UINT8": torch.uint8}
 

@@ -155,3 +155,9 @@ class Text2ImagePipeline:
 def to_uint8(images: np.ndarray) -> np.ndarray:
     """[0, 1] floats to 8-bit pixels, rounding as diffusers' numpy_to_pil does."""
     return (images * 255).round().astype(np.uint8)
+
+
+def image_psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """PSNR in dB between two 8-bit images (inf where they are equal)."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)

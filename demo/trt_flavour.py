@@ -73,14 +73,6 @@ def import_flavour(name: str) -> ModuleType:
     return module
 
 
-def installed(name: str) -> bool:
-    try:
-        import_flavour(name)
-        return True
-    except UsageError:
-        return False
-
-
 def current_cc() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 

@@ -52,6 +52,11 @@ TENSORRT_SPLIT_GELU_WIDTHS = (1280, 2560, 5120)
 TENSORRT_GROUP_NORM_GROUPS = 32
 TENSORRT_GROUP_NORM_TILES = {960: 480, 1920: 480, 512: 256, 256: 256, 128: 128}
 REPORT_SUFFIX = ".passes.json"
+# The op type of each plugin node the passes emit, in either convention -> the plugin key they report it
+# under (engines keep the node names, '<tensor>/<op type>', so their plugin layers can be counted back).
+PLUGIN_OP_KEYS = {**{f"SDP{key}": key for key in PLUGIN_KEYS},
+                  "fMHA_V2": "fMHA", "fMHCA": "fMHCA", "GroupNorm": "GroupNorm", "LayerNorm": "LayerNorm",
+                  "SplitGeLU": "SplitGeLU", "SeqLen2Spatial": "Seq2Spatial"}
 
 
 class Skip(Exception):

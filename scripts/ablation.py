@@ -197,6 +197,7 @@ def run_config(args, source, label, plugins, convention, folder: Path) -> dict:
         timer = StageTimer(device)
         images = pipeline(request, timer)
         timings.append(timer.milliseconds())
+    unet_calls = pipeline.unet_calls(args.denoising_steps)
     layers = {}
     for model in models:
         found = stages[model.name].engine.plugin_layers()
@@ -210,24 +211,10 @@ def run_config(args, source, label, plugins, convention, folder: Path) -> dict:
     return {
         "label": label, "plugins": list(plugins), "convention": convention,
         "latency_ms": {s: statistics.median(t[s] for t in timings) for s in STAGES},
-        "latency_ms_runs": timings, "unet_calls": len(pipeline_timesteps(source, args)),
+        "latency_ms_runs": timings, "unet_calls": unet_calls,
         "plugin_layers": layers, "image": to_uint8(images)[0],
     }
 
-
-def pipeline_timesteps(source, args):
-    from demo.pipeline import make_scheduler
-
-    scheduler = make_scheduler(args.scheduler, source)
-    scheduler.set_timesteps(args.denoising_steps)
-    return scheduler.timesteps
-
-
-def psnr(a, b) -> float:
-    import numpy as np
-
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def faster_than_none(rows: list[dict]) -> list[str]:
@@ -292,6 +279,7 @@ def ablate(args) -> int:
 
     from core.atomic import atomic_write_bytes
     from demo.logs import configure_library_logging
+    from demo.pipeline import image_psnr
     from demo.trt_flavour import version
     from models.plugin_set import AUTO_TABLE
     from models.source import resolve_model
@@ -328,7 +316,7 @@ def ablate(args) -> int:
     reference = images.get("none")
     for row in rows:
         image = images[row["label"]]
-        row["psnr_vs_none"] = psnr(image, reference) if reference is not None else None
+        row["psnr_vs_none"] = image_psnr(image, reference) if reference is not None else None
         row["max_pixel_diff_vs_none"] = (int(abs(image.astype(int) - reference.astype(int)).max())
                                          if reference is not None else None)
 

@@ -39,13 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, lambda: compare(p.parse_args(argv)))
 
 
-def psnr(a, b) -> float:
-    import numpy as np
-
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
-
-
 def compare(args) -> int:
     import numpy as np
     import torch
@@ -53,7 +46,7 @@ def compare(args) -> int:
     from demo.arguments import check_image_size, engine_settings
     from demo.backends import create_stages, device_and_dtype, select_backend
     from demo.logs import configure_library_logging
-    from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
+    from demo.pipeline import GenerationRequest, Text2ImagePipeline, image_psnr, to_uint8
     from demo.report import StageTimer
     from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES, stage_batch
     from models.source import resolve_model
@@ -95,7 +88,7 @@ def compare(args) -> int:
     images = {name: to_uint8(Text2ImagePipeline(source, used, args.scheduler, device, dtype)(request, StageTimer(device)))
               for name, used in stages.items()}
     difference = np.abs(images[backend].astype(np.int16) - images["torch"].astype(np.int16))
-    results["image"] = {"psnr_db": psnr(images[backend], images["torch"]), "max_pixel_diff": int(difference.max()),
+    results["image"] = {"psnr_db": image_psnr(images[backend], images["torch"]), "max_pixel_diff": int(difference.max()),
                         "mean_pixel_diff": float(difference.mean())}
 
     print(f"{backend} vs torch on {results['device']}, {source.name} {height}x{width}, {args.scheduler} "
