@@ -46,7 +46,7 @@ CONFIGS = (
     ("SplitGeLU alone", ("SplitGeLU",), OURS),
     ("Seq2Spatial alone", ("Seq2Spatial",), OURS),
     ("TensorRT's fMHA_V2/fMHCA", ATTENTION, TENSORRT),
-    ("TensorRT's plugins, all", ALL, TENSORRT),
+    ("TensorRT's plugins (all six)", ALL, TENSORRT),
 )
 # What each configuration shows alone (for --plugins auto): the attention pair is measured as a pair.
 ALONE = {"+fMHA/fMHCA": ATTENTION, "LayerNorm alone": ("LayerNorm",), "GroupNorm alone": ("GroupNorm",),
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", default=str(ROOT / "results"), help="where JSON, markdown and PNG go")
     p.add_argument("--parallel-builds", type=int, default=4, help="engine builds at a time (default: 4)")
     p.add_argument("--build-only", action="store_true", help="build every configuration's engines, run none")
+    p.add_argument("--build-budget-s", type=float,
+                   help="stop building after this many seconds: builds still running are stopped, and their "
+                        "configurations reported as not built (default: no limit). --configs gives the order")
     add_engine_arguments(p)
     return run_command(PROG, lambda: ablate(p.parse_args(argv)))
 
@@ -144,7 +147,16 @@ def build_all(args, configs, work: Path) -> tuple[dict[str, float], dict[str, st
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     times: dict[str, float] = {}
     failed: dict[str, str] = {}
+    deadline = time.perf_counter() + args.build_budget_s if args.build_budget_s else float("inf")
     while pending or running:
+        if time.perf_counter() > deadline:
+            for label, (process, _) in running.items():
+                process.kill()
+                process.wait()
+            for label in [*running, *(config[0] for config in pending)]:
+                failed[label] = f"not built within --build-budget-s {args.build_budget_s:.0f}"
+                print(f"[ablation] '{label}': {failed[label]}", flush=True)
+            break
         if pending and len(running) < args.parallel_builds:
             label, plugins, convention = pending.pop(0)
             folder = work / slug(label)
@@ -169,6 +181,13 @@ def build_all(args, configs, work: Path) -> tuple[dict[str, float], dict[str, st
             # takes (1.7 GB for an SD 1.5 UNet, times a dozen configurations).
             for optimized in (work / slug(label) / "onnx").glob("*.opt.onnx"):
                 optimized.unlink()
+    if args.timing_cache:
+        from demo.engine import merge_timing_caches
+
+        caches = [work / slug(label) / "timing.cache" for label, _, _ in configs]
+        refused = merge_timing_caches("tensorrt", Path(args.timing_cache), [c for c in caches if c.is_file()])
+        print(f"[ablation] timing caches merged into {args.timing_cache}"
+              + (f" (refused: {', '.join(map(str, refused))})" if refused else ""), flush=True)
     return times, failed
 
 
@@ -289,6 +308,8 @@ def ablate(args) -> int:
         raise UsageError(f"--runs must be at least 1, got {args.runs}")
     if args.parallel_builds < 1:
         raise UsageError(f"--parallel-builds must be at least 1, got {args.parallel_builds}")
+    if args.build_budget_s is not None and args.build_budget_s <= 0:
+        raise UsageError(f"--build-budget-s must be positive, got {args.build_budget_s}")
     configure_library_logging(args.verbose)
     source = resolve_model(args.model)
     work = Path(args.work_dir)
@@ -327,7 +348,8 @@ def ablate(args) -> int:
     meta = {"gpu": gpu, "compute_capability": f"{major}.{minor}", "tensorrt": trt_version, "model": source.name,
             "height": args.height, "width": args.width, "steps": args.denoising_steps, "scheduler": args.scheduler,
             "seed": args.seed, "runs": args.runs, "optimization_level": args.optimization_level,
-            "date": datetime.date.today().isoformat(), "parallel_builds": args.parallel_builds}
+            "date": datetime.date.today().isoformat(), "parallel_builds": args.parallel_builds,
+            "build_budget_s": args.build_budget_s}
     table = markdown_table(rows, gpu, trt_version) + "".join(f"\n'{label}' not run: {why}\n" for label, why in failed.items())
     atomic_write_bytes(results / f"{name}.json", json.dumps({**meta, "rows": rows, "failed": failed}, indent=1).encode())
     atomic_write_bytes(results / f"{name}.md", table.encode())

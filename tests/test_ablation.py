@@ -24,6 +24,7 @@ def test_configurations_follow_demodiffusion_then_each_family_alone():
     assert [(set(p), c) for _, p, c in CONFIGS[10:]] == [(cumulative[1], "tensorrt"), (cumulative[-1], "tensorrt")]
     assert select_configs("none,GroupNorm alone") == [("none", (), "sdplugins"),
                                                       ("GroupNorm alone", ("GroupNorm",), "sdplugins")]
+    assert select_configs(",".join(labels)) == list(CONFIGS)  # every label can be named in --configs
     with pytest.raises(UsageError, match="unknown configuration.*Bogus"):
         select_configs("none,Bogus")
 
