@@ -271,19 +271,6 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
         atomic_write_bytes(options.timing_cache, bytes(cache.serialize()))
 
 
-def merge_timing_caches(flavour: str, target: Path, sources: list[Path]) -> list[Path]:
-    """Fold the timing caches of builds that ran side by side (each on its own copy, since a cache file
-    is rewritten whole after a build) into `target`. Returns the sources TensorRT refused to combine
-    (another TensorRT version or GPU); they are left out, not fatal."""
-    api = TensorRTAPI(flavour)
-    config = api.trt.Builder(api.logger()).create_builder_config()
-    merged = config.create_timing_cache(target.read_bytes() if target.is_file() else b"")
-    refused = [source for source in sources
-               if not merged.combine(config.create_timing_cache(source.read_bytes()), False)]
-    atomic_write_bytes(target, bytes(merged.serialize()))
-    return refused
-
-
 def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], ContextManager[Path]], engine_dir: Path,
                    shapes: dict, options: BuildOptions, force: bool = False, log: Callable[[str], None] = print,
                    progress: Callable[[str], None] = print) -> Path:

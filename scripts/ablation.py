@@ -1,10 +1,11 @@
 """Plugin ablation on one GPU in one run: engines with none of our plugins, then adding them one family at a
 time, then each family alone; CLIP, UNet x N, VAE and pipeline latency per configuration.
 
-    python scripts/ablation.py --model sd1.5-arch --disable-tactic-sources CUDNN --timing-cache timing.cache
+    python scripts/ablation.py --model sd1.5-arch --disable-tactic-sources CUDNN
 
-Each configuration gets its own ONNX and engine folders under --work-dir (sharing one raw export), and
-its engines are built by scripts/build_engines.py, several at a time (--parallel-builds). Then each
+Every engine is built once, by scripts/build_engines.py in a folder of its own under --work-dir, several at
+a time (--parallel-builds): each stage gets only the plugin families the passes find in it, so the text
+encoder and the VAE engines are shared by the configurations that differ elsewhere. Then each
 configuration runs the same request (same seed, scheduler and prompt) --runs times after warm-up; the
 medians are reported. For every engine the plugin layers TensorRT's engine inspector lists are counted
 against what the ONNX passes reported replacing, and every image is compared with the no-plugin one.
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,6 +57,7 @@ ALONE = {"+fMHA/fMHCA": ATTENTION, "LayerNorm alone": ("LayerNorm",), "GroupNorm
 PUBLISHED_A100_UNET = {"none": 1282.32, "+fMHA/fMHCA": 1047.26, "+LayerNorm": 979.72, "+GroupNorm": 874.51,
                        "+SplitGeLU": 856.47, "+Seq2Spatial": 805.97}
 STAGES = ("clip", "unet", "vae", "pipeline")
+BUILT_STAGES = ("unet", "clip", "vae")
 
 
 def slug(label: str) -> str:
@@ -96,117 +99,159 @@ def select_configs(text: str | None) -> list[tuple[str, tuple[str, ...], str]]:
     return [known[label] for label in labels]
 
 
-def build_command(args, plugins: tuple[str, ...], convention: str, folder: Path) -> list[str]:
-    command = [sys.executable, str(ROOT / "scripts" / "build_engines.py"), "--model", args.model, "--backend", "tensorrt",
-               "--stages", "clip,unet,vae", "--height", str(args.height), "--width", str(args.width),
-               "--build-static-batch", "--plugins", ",".join(plugins) or "none", "--plugin-convention", convention,
-               "--onnx-dir", str(folder / "onnx"),
-               "--engine-dir", str(folder / "engine"), "--optimization-level", str(args.optimization_level)]
+@dataclass(frozen=True)
+class Job:
+    """One engine to build: a stage with the plugins it gets. A stage gets only the families the passes
+    find in it, so configurations that differ elsewhere share its engine (the text encoder has no
+    GroupNorm; the VAE no LayerNorm, and its attention is too wide for the kernels)."""
+    stage: str
+    plugins: tuple[str, ...]
+    convention: str
+
+    @property
+    def folder(self) -> str:
+        return slug(f"{self.stage} {' '.join(self.plugins) or 'none'} {self.convention if self.plugins else ''}")
+
+
+def job_for(stage: str, plugins: tuple[str, ...], convention: str, families: dict) -> Job:
+    kept = tuple(p for p in plugins if p in families.get((stage, convention), ALL))
+    return Job(stage, kept, convention if kept else OURS)
+
+
+def job_argv(args, job: Job, work: Path) -> list[str]:
+    """scripts/build_engines.py's arguments for a job; the run parses the same ones, so it finds exactly
+    the engines the build made."""
+    folder = work / job.folder
+    argv = ["--model", args.model, "--backend", "tensorrt", "--stages", job.stage, "--height", str(args.height),
+            "--width", str(args.width), "--build-static-batch", "--plugins", ",".join(job.plugins) or "none",
+            "--plugin-convention", job.convention, "--onnx-dir", str(folder / "onnx"),
+            "--engine-dir", str(folder / "engine"), "--optimization-level", str(args.optimization_level)]
     if args.disable_tactic_sources:
-        command += ["--disable-tactic-sources", args.disable_tactic_sources]
-    if args.timing_cache:
-        command += ["--timing-cache", str(folder / "timing.cache")]
-    return command
+        argv += ["--disable-tactic-sources", args.disable_tactic_sources]
+    return argv
 
 
-def share_raw_export(source_dir: Path, target_dir: Path) -> None:
-    """Hard-link the plugin-free exports (and their manifests) into another configuration's folder:
-    the raw export does not depend on the plugin set, only the optimized ONNX does."""
+def job_settings(args, source, job: Job, work: Path):
+    from demo.arguments import engine_settings
+    from scripts.build_engines import make_parser
+
+    built = make_parser().parse_args(job_argv(args, job, work))
+    return engine_settings(built, source, "tensorrt", 1, args.height, args.width, guided=True)
+
+
+def share_raw_export(source_dir: Path, target_dir: Path, stage: str) -> None:
+    """Hard-link a plugin-free export (and its manifest) into another job's folder: the raw export does
+    not depend on the plugin set, only the optimized ONNX does."""
     target_dir.mkdir(parents=True, exist_ok=True)
-    for stage in ("clip", "unet", "vae"):
-        for name in (f"{stage}.onnx", f"{stage}.onnx.json", f"{stage}.onnx.data"):
-            if (source_dir / name).exists() and not (target_dir / name).exists():
-                os.link(source_dir / name, target_dir / name)
+    for name in (f"{stage}.onnx", f"{stage}.onnx.json", f"{stage}.onnx.data"):
+        if (source_dir / name).exists() and not (target_dir / name).exists():
+            os.link(source_dir / name, target_dir / name)
 
 
-def export_once(args, source, configs, work: Path) -> None:
-    """Export the raw ONNX once (in the first configuration's folder) and share it with the others."""
+def export_and_probe(args, source, configs, work: Path) -> dict:
+    """Export each stage's raw ONNX once, and run every pass on the text encoder and the VAE to learn
+    which families they contain (per convention). Returns {(stage, convention): families}; the UNet is
+    taken to contain all of them (its pass report is checked against the engine anyway)."""
     from demo.backends import device_and_dtype
-    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+    from models import STAGE_MODELS
+    from models.plugin_passes import read_pass_report
 
     device, dtype = device_and_dtype("tensorrt")
-    first = work / slug(configs[0][0]) / "onnx"
-    for name in TEXT_TO_IMAGE_STAGES:
-        print(f"[ablation] exporting {name} ONNX ...", flush=True)
-        STAGE_MODELS[name](source).prepare_onnx(first, device, dtype, log=lambda *_: None, plugins=configs[0][1],
-                                                plugin_convention=configs[0][2])
-    for label, _, _ in configs[1:]:
-        share_raw_export(first, work / slug(label) / "onnx")
+    families = {}
+    for stage in BUILT_STAGES:
+        print(f"[ablation] exporting {stage} ONNX ...", flush=True)
+        model = STAGE_MODELS[stage](source)
+        raw = work / Job(stage, (), OURS).folder / "onnx"
+        model.prepare_onnx(raw, device, dtype, log=lambda *_: None)
+        for convention in sorted({c for _, plugins, c in configs if plugins}):
+            if stage == "unet":
+                families[(stage, convention)] = set(ALL)
+                continue
+            probe = work / f"probe-{stage}-{convention}" / "onnx"
+            share_raw_export(raw, probe, stage)
+            model.prepare_onnx(probe, device, dtype, log=lambda *_: None, plugins=ALL, plugin_convention=convention)
+            report = read_pass_report(model.optimized_onnx_path(probe))
+            families[(stage, convention)] = {key for key, counts in report.items() if counts["replaced"]}
+            print(f"[ablation] {stage} ({convention}) has: {', '.join(sorted(families[(stage, convention)])) or 'none'}",
+                  flush=True)
+    return families
 
 
-def build_all(args, configs, work: Path) -> tuple[dict[str, float], dict[str, str]]:
-    """Build every configuration's engines, --parallel-builds at a time. Returns wall seconds per
-    configuration, and for those that failed to build the end of their log (e.g. TensorRT's own
-    plugins where they have no kernels for this GPU): they are reported, not run."""
-    for label, _, _ in configs:
-        folder = work / slug(label)
-        folder.mkdir(parents=True, exist_ok=True)
-        if args.timing_cache and Path(args.timing_cache).is_file() and not (folder / "timing.cache").exists():
-            (folder / "timing.cache").write_bytes(Path(args.timing_cache).read_bytes())
-    pending = list(configs)
-    running: dict[str, tuple[subprocess.Popen, float]] = {}
-    times: dict[str, float] = {}
-    failed: dict[str, str] = {}
+def config_jobs(configs, families) -> dict[str, dict[str, Job]]:
+    return {label: {stage: job_for(stage, plugins, convention, families) for stage in BUILT_STAGES}
+            for label, plugins, convention in configs}
+
+
+def build_all(args, jobs: list[Job], work: Path) -> tuple[dict[Job, float], dict[Job, str]]:
+    """Build the jobs, --parallel-builds at a time, in the order given. Returns wall seconds per job, and
+    for those that failed to build (e.g. TensorRT's own plugins where they have no kernels for this GPU)
+    or were stopped by --build-budget-s the reason: their configurations are reported, not run."""
+    raw = {stage: work / Job(stage, (), OURS).folder / "onnx" for stage in BUILT_STAGES}
+    for job in jobs:
+        share_raw_export(raw[job.stage], work / job.folder / "onnx", job.stage)
+    pending = list(jobs)
+    running: dict[Job, tuple[subprocess.Popen, float]] = {}
+    times: dict[Job, float] = {}
+    failed: dict[Job, str] = {}
     deadline = time.perf_counter() + args.build_budget_s if args.build_budget_s else float("inf")
     while pending or running:
         if time.perf_counter() > deadline:
-            for label, (process, _) in running.items():
+            for process, _ in running.values():
                 process.kill()
                 process.wait()
-            for label in [*running, *(config[0] for config in pending)]:
-                failed[label] = f"not built within --build-budget-s {args.build_budget_s:.0f}"
-                print(f"[ablation] '{label}': {failed[label]}", flush=True)
+            for job in [*running, *pending]:
+                failed[job] = f"{job.folder} not built within --build-budget-s {args.build_budget_s:.0f}"
+                print(f"[ablation] {failed[job]}", flush=True)
             break
         if pending and len(running) < args.parallel_builds:
-            label, plugins, convention = pending.pop(0)
-            folder = work / slug(label)
-            log = open(folder / "build.log", "w")
-            print(f"[ablation] building '{label}' ({', '.join(plugins) or 'no plugins'}) ...", flush=True)
-            running[label] = (subprocess.Popen(build_command(args, plugins, convention, folder), stdout=log,
-                                               stderr=subprocess.STDOUT), time.perf_counter())
+            job = pending.pop(0)
+            log = open(work / job.folder / "build.log", "w")
+            print(f"[ablation] building {job.folder} ...", flush=True)
+            command = [sys.executable, str(ROOT / "scripts" / "build_engines.py"), *job_argv(args, job, work)]
+            running[job] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
             continue
         time.sleep(2)
-        for label, (process, started) in list(running.items()):
+        for job, (process, started) in list(running.items()):
             if process.poll() is None:
                 continue
-            del running[label]
-            times[label] = time.perf_counter() - started
+            del running[job]
+            times[job] = time.perf_counter() - started
             if process.returncode != 0:
-                tail = (work / slug(label) / "build.log").read_text().strip().splitlines()[-3:]
-                failed[label] = f"build failed (exit {process.returncode}): {' | '.join(tail)}"
-                print(f"[ablation] '{label}': {failed[label]}", flush=True)
+                tail = (work / job.folder / "build.log").read_text().strip().splitlines()[-3:]
+                failed[job] = f"{job.folder} failed to build (exit {process.returncode}): {' | '.join(tail)}"
+                print(f"[ablation] {failed[job]}", flush=True)
                 continue
-            print(f"[ablation] built '{label}' in {times[label]:.0f} s", flush=True)
+            print(f"[ablation] built {job.folder} in {times[job]:.0f} s", flush=True)
             # Running needs only the engines and the pass reports: free the disk the optimized ONNX
             # takes (1.7 GB for an SD 1.5 UNet, times a dozen configurations).
-            for optimized in (work / slug(label) / "onnx").glob("*.opt.onnx"):
+            for optimized in (work / job.folder / "onnx").glob("*.opt.onnx"):
                 optimized.unlink()
-    if args.timing_cache:
-        from demo.engine import merge_timing_caches
-
-        caches = [work / slug(label) / "timing.cache" for label, _, _ in configs]
-        refused = merge_timing_caches("tensorrt", Path(args.timing_cache), [c for c in caches if c.is_file()])
-        print(f"[ablation] timing caches merged into {args.timing_cache}"
-              + (f" (refused: {', '.join(map(str, refused))})" if refused else ""), flush=True)
     return times, failed
 
 
-def run_config(args, source, label, plugins, convention, folder: Path) -> dict:
+def create_config_stages(args, source, jobs: dict[str, Job], work: Path, log=lambda *_: None):
+    """A configuration's stages from its jobs' engines, through the same settings the builds used."""
+    from demo.backends import create_stages, device_and_dtype
+    from models import STAGE_MODELS
+
+    device, dtype = device_and_dtype("tensorrt")
+    stages = {}
+    for stage, job in jobs.items():
+        settings = job_settings(args, source, job, work)
+        stages.update(create_stages("tensorrt", [STAGE_MODELS[stage](source)], device, dtype, settings, log=log))
+    return stages
+
+
+def run_config(args, source, label, plugins, convention, jobs: dict[str, Job], work: Path) -> dict:
     import torch
 
-    from demo.arguments import engine_settings
-    from demo.backends import create_stages, device_and_dtype
+    from demo.backends import device_and_dtype
     from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
     from demo.report import StageTimer
-    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
     from models.plugin_passes import read_pass_report
 
-    args.onnx_dir, args.engine_dir = str(folder / "onnx"), str(folder / "engine")
-    args.plugins, args.plugin_convention = ",".join(plugins) or "none", convention
-    settings = engine_settings(args, source, "tensorrt", 1, args.height, args.width, guided=True)
     device, dtype = device_and_dtype("tensorrt")
-    models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
-    stages = create_stages("tensorrt", models, device, dtype, settings, log=lambda *_: None)
+    stages = create_config_stages(args, source, jobs, work)
     pipeline = Text2ImagePipeline(source, stages, args.scheduler, device, dtype)
     request = GenerationRequest([args.prompt], [""], args.height, args.width, args.denoising_steps, 7.5, args.seed)
     for _ in range(2):
@@ -218,22 +263,22 @@ def run_config(args, source, label, plugins, convention, folder: Path) -> dict:
         timings.append(timer.milliseconds())
     unet_calls = pipeline.unet_calls(args.denoising_steps)
     layers = {}
-    for model in models:
-        found = stages[model.name].engine.plugin_layers()
-        reported = {k: v["replaced"] for k, v in read_pass_report(model.optimized_onnx_path(folder / "onnx")).items()
-                    if v["replaced"]}
-        layers[model.name] = {"engine": dict(found), "passes": reported, "match": dict(found) == reported}
+    for stage, job in jobs.items():
+        found = stages[stage].engine.plugin_layers()
+        report = read_pass_report(stages[stage].model.optimized_onnx_path(work / job.folder / "onnx"))
+        reported = {k: v["replaced"] for k, v in report.items() if v["replaced"]}
+        layers[stage] = {"engine": dict(found), "passes": reported, "match": dict(found) == reported}
     for stage in stages.values():
         stage.close()
     del stages, pipeline
     torch.cuda.empty_cache()
     return {
         "label": label, "plugins": list(plugins), "convention": convention,
+        "engines": {stage: job.folder for stage, job in jobs.items()},
         "latency_ms": {s: statistics.median(t[s] for t in timings) for s in STAGES},
         "latency_ms_runs": timings, "unet_calls": unet_calls,
         "plugin_layers": layers, "image": to_uint8(images)[0],
     }
-
 
 
 def faster_than_none(rows: list[dict]) -> list[str]:
@@ -310,13 +355,22 @@ def ablate(args) -> int:
         raise UsageError(f"--parallel-builds must be at least 1, got {args.parallel_builds}")
     if args.build_budget_s is not None and args.build_budget_s <= 0:
         raise UsageError(f"--build-budget-s must be positive, got {args.build_budget_s}")
+    if args.timing_cache:
+        raise UsageError("--timing-cache is not used by the ablation: builds run side by side and each would "
+                         "rewrite the file, and TensorRT 8.6.0 refuses caches with Myelin entries")
     configure_library_logging(args.verbose)
     source = resolve_model(args.model)
     work = Path(args.work_dir)
     start = time.perf_counter()
-    export_once(args, source, configs, work)
-    build_s, failed = build_all(args, configs, work)
-    print(f"[ablation] engines of {len(configs)} configurations ready in {time.perf_counter() - start:.0f} s", flush=True)
+    families = export_and_probe(args, source, configs, work)
+    jobs = config_jobs(configs, families)
+    # UNets first (the long builds), each family of configurations in --configs order
+    order = list(dict.fromkeys(job for stage in BUILT_STAGES for label, _, _ in configs for job in [jobs[label][stage]]))
+    build_s, failed_jobs = build_all(args, order, work)
+    failed = {label: "; ".join(failed_jobs[job] for job in jobs[label].values() if job in failed_jobs)
+              for label, _, _ in configs if any(job in failed_jobs for job in jobs[label].values())}
+    print(f"[ablation] {len(order)} engines of {len(configs)} configurations ready in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
     if args.build_only:
         return 0
     gpu = torch.cuda.get_device_name()
@@ -326,10 +380,10 @@ def ablate(args) -> int:
         if label in failed:
             continue
         print(f"[ablation] running '{label}' ...", flush=True)
-        row = run_config(args, source, label, plugins, convention, work / slug(label))
-        row["build_s"] = build_s.get(label)
+        row = run_config(args, source, label, plugins, convention, jobs[label], work)
+        row["build_s"] = {stage: build_s.get(job) for stage, job in jobs[label].items()}
         images[label] = row.pop("image")
-        Image.fromarray(images[label]).save(work / slug(label) / "image.png")
+        Image.fromarray(images[label]).save(work / f"{slug(label)}.png")
         rows.append(row)
         (work / "rows.json").write_text(json.dumps(rows, indent=1))  # what is done so far, for long runs
         print(f"[ablation] '{label}': pipeline {row['latency_ms']['pipeline']:.2f} ms, UNet {row['latency_ms']['unet']:.2f} ms",

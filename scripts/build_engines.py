@@ -22,7 +22,14 @@ PROG = "build_engines"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import Parser, add_engine_arguments, add_model_arguments, run_command
+    from demo.arguments import run_command
+
+    p = make_parser()
+    return run_command(PROG, lambda: build(p.parse_args(argv)))
+
+
+def make_parser():
+    from demo.arguments import Parser, add_engine_arguments, add_model_arguments
     from demo.trt_flavour import FLAVOURS
 
     p = Parser(prog=PROG, description=__doc__.splitlines()[0])
@@ -37,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="ONNX (and so engine) precision (default auto: fp16, what demo_diffusion runs)")
     p.add_argument("--report", help="write the per-stage table as JSON here too")
     add_engine_arguments(p)
-    return run_command(PROG, lambda: build(p.parse_args(argv)))
+    return p
 
 
 def build(args) -> int:

@@ -132,14 +132,6 @@ class _TimingCache:
     def serialize(self):
         return self.blob
 
-    def combine(self, other, ignore_mismatch):
-        """Entries are lines; another TensorRT's cache (first line differs) is refused like the real one."""
-        mine, theirs = self.blob.split(b"\n"), other.blob.split(b"\n")
-        if mine[0] != theirs[0] and not ignore_mismatch:
-            return False
-        self.blob = b"\n".join(mine + [entry for entry in theirs[1:] if entry not in mine])
-        return True
-
 
 class _Config:
     def __init__(self, api):

@@ -240,15 +240,3 @@ def test_latents_and_scheduler_stay_fp32_with_fp16_stages(tiny, monkeypatch):
     assert unet_inputs == [{"sample": torch.float16, "timestep": torch.float32,
                             "encoder_hidden_states": torch.float16}] * 3
     assert [dtypes for name, dtypes in seen if name == "vae"] == [{"latent": torch.float16}]
-
-
-def test_side_by_side_timing_caches_fold_into_one_and_foreign_ones_are_named(trt, tmp_path):
-    from demo.engine import merge_timing_caches
-
-    target, first, second, foreign = (tmp_path / name for name in ("merged", "a", "b", "foreign"))
-    target.write_bytes(b"trt-8.6\nconv1")
-    first.write_bytes(b"trt-8.6\nconv1\nattention")
-    second.write_bytes(b"trt-8.6\ngroupnorm")
-    foreign.write_bytes(b"trt-10\nconv9")
-    assert merge_timing_caches("tensorrt", target, [first, second, foreign]) == [foreign]
-    assert target.read_bytes().split(b"\n") == [b"trt-8.6", b"conv1", b"attention", b"groupnorm"]
