@@ -1,11 +1,19 @@
 """Benchmark every plugin op against the best PyTorch path on the same inputs, in one run.
 
-    python scripts/bench_plugins.py [--json bench_plugins.json] [--quick]
+    python scripts/bench_plugins.py [--json bench_plugins.json] [--quick] [--attention-only]
 
 Shapes: SD 1.5 / 2.1 / XL at 512^2 and 1024^2, batch 2. Each candidate is captured in a CUDA graph
 (several calls, cycling through enough input sets to defeat L2 reuse) and timed with CUDA events over
 graph replays; the median replay is reported per call. Ceilings measured in the same run: a large
-device-to-device copy (bytes read + written) and a large fp16 matmul.
+device-to-device copy (bytes read + written), a large fp16 matmul, and an fp16 matmul with K = 64 (the
+shape of an attention product).
+
+Attention runs on each of our paths the GPU has, forced with SDPLUGINS_ATTENTION: on compute capability
+9.0 "ours" is the wgmma/TMA kernel and "ours_mma" the mma.sync one beside it; elsewhere "ours" is mma.
+The peers are PyTorch's SDPA backends (flash, cuDNN, memory-efficient). Rows with a target (issue 10:
+B = 2, H = 8 at D = 40 / S = 4096, D = 80 / S = 1024, D = 160 / S = 256, D = 64 / S = 16384, and
+cross-attention over 77 tokens at every SD shape) say whether ours reached it against the best peer.
+--attention-only runs just the attention rows.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -62,7 +71,10 @@ def ceilings() -> dict[str, float]:
     copy_us = time_graph(lambda i: lambda: dst.copy_(src), 1, replays=20)
     a, b = torch.randn(8192, 8192, device="cuda").half(), torch.randn(8192, 8192, device="cuda").half()
     mm_us = time_graph(lambda i: lambda: a @ b, 1, replays=10)
-    return {"copy_GBps": 2 * n * 2 / copy_us / 1e3, "matmul_fp16_TFLOPs": 2 * 8192**3 / mm_us / 1e6}
+    a64, b64 = torch.randn(16, 4096, 64, device="cuda").half(), torch.randn(16, 64, 4096, device="cuda").half()
+    mm64_us = time_graph(lambda i: lambda: torch.bmm(a64, b64), 1, replays=10)
+    return {"copy_GBps": 2 * n * 2 / copy_us / 1e3, "matmul_fp16_TFLOPs": 2 * 8192**3 / mm_us / 1e6,
+            "matmul_fp16_k64_TFLOPs": 2 * 16 * 4096 * 4096 * 64 / mm64_us / 1e6}
 
 
 @dataclass
@@ -74,7 +86,14 @@ class Case:
     peers: dict[str, Callable[..., object]]
     flops: float = 0.0  # per call
     bytes: float = 0.0  # minimal bytes moved per call (each input read once, output written once)
+    target: float | None = None  # ratio (best peer / ours) asked for
     results: dict[str, float] = field(default_factory=dict)
+
+
+ATTENTION_OPS = ("fmha", "fmhca")
+CROSS_TARGET = 1.5  # cross-attention over 77 tokens, every SD shape
+# (head size, sequence length) -> target ratio, for B = 2, H = 8 self-attention
+SELF_TARGETS = {(40, 4096): 1.3, (80, 1024): 1.2, (160, 256): 1.2, (64, 16384): 1.1}
 
 
 def randn(*shape):
@@ -93,6 +112,14 @@ def _sdpa_peers(split: Callable) -> dict[str, Callable]:
     return peers
 
 
+def fmha_case(label: str, b: int, s: int, h: int, d: int, target: float | None = None) -> Case:
+    return Case(
+        "fmha", label, lambda: (randn(b, s, h, 3, d),),
+        lambda qkv: torch.ops.sdplugins.fmha(qkv, 1 / math.sqrt(qkv.shape[-1])),
+        _sdpa_peers(lambda qkv: tuple(qkv[:, :, :, i].transpose(1, 2) for i in range(3))),
+        flops=4 * b * h * s * s * d, bytes=2 * (b * s * h * 4 * d), target=target)
+
+
 def attention_cases(model: str, res: int, channels: tuple[int, ...], heads_of: Callable[[int], int]) -> list[Case]:
     cases = []
     for level, c in enumerate(channels):
@@ -100,17 +127,24 @@ def attention_cases(model: str, res: int, channels: tuple[int, ...], heads_of: C
         h = heads_of(c)
         d = c // h
         b = 2
-        cases.append(Case(
-            "fmha", f"{model} {res}^2 S={s} H={h} D={d}", lambda b=b, s=s, h=h, d=d: (randn(b, s, h, 3, d),),
-            lambda qkv: torch.ops.sdplugins.fmha(qkv, 1 / math.sqrt(qkv.shape[-1])),
-            _sdpa_peers(lambda qkv: tuple(qkv[:, :, :, i].transpose(1, 2) for i in range(3))),
-            flops=4 * b * h * s * s * d, bytes=2 * (b * s * h * 4 * d)))
+        target = SELF_TARGETS.get((d, s)) if h == 8 else None
+        cases.append(fmha_case(f"{model} {res}^2 S={s} H={h} D={d}", b, s, h, d, target))
         cases.append(Case(
             "fmhca", f"{model} {res}^2 Sq={s} Skv=77 H={h} D={d}",
             lambda b=b, s=s, h=h, d=d: (randn(b, s, h, d), randn(b, 77, h, 2, d)),
             lambda q, kv: torch.ops.sdplugins.fmhca(q, kv, 1 / math.sqrt(q.shape[-1])),
             _sdpa_peers(lambda q, kv: (q.transpose(1, 2), kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2))),
-            flops=4 * b * h * s * 77 * d, bytes=2 * (2 * b * s * h * d + b * 77 * h * 2 * d)))
+            flops=4 * b * h * s * 77 * d, bytes=2 * (2 * b * s * h * d + b * 77 * h * 2 * d), target=CROSS_TARGET))
+    return cases
+
+
+def target_cases(present: list[Case]) -> list[Case]:
+    """The issue's self-attention targets (B = 2, H = 8) that the SD shapes above do not already cover."""
+    have = {(c.op, c.label.split(" ", 2)[-1]) for c in present}
+    cases = []
+    for (d, s), target in SELF_TARGETS.items():
+        if ("fmha", f"S={s} H=8 D={d}") not in have:
+            cases.append(fmha_case(f"target S={s} H=8 D={d}", 2, s, 8, d, target))
     return cases
 
 
@@ -167,16 +201,31 @@ def vae_cases(res: int) -> list[Case]:
     return cases
 
 
-def all_cases(quick: bool) -> list[Case]:
+def all_cases(quick: bool, attention_only: bool = False) -> list[Case]:
     resolutions = (512,) if quick else (512, 1024)
     cases = []
     for res in resolutions:
         cases += attention_cases("SD1.5", res, (320, 640, 1280), lambda c: 8)
         cases += attention_cases("SD2.1", res, (320, 640, 1280), lambda c: c // 64)
         cases += attention_cases("SDXL", res, (640, 1280), lambda c: c // 64)
-        cases += norm_cases("SD1.5", res, (320, 640, 1280))
-        cases += vae_cases(res)
-    return cases
+        if not attention_only:
+            cases += norm_cases("SD1.5", res, (320, 640, 1280))
+            cases += vae_cases(res)
+    return cases + target_cases(cases)
+
+
+def attention_paths() -> dict[str, str]:
+    """Candidate name -> SDPLUGINS_ATTENTION value: both of our paths on compute capability 9.0."""
+    if torch.cuda.get_device_capability() == (9, 0):
+        return {"ours": "wgmma", "ours_mma": "mma"}
+    return {"ours": "mma"}
+
+
+def _on_path(fn: Callable, path: str) -> Callable:
+    def call(*inputs):
+        os.environ["SDPLUGINS_ATTENTION"] = path  # read by the library at every call, so also at capture
+        return fn(*inputs)
+    return call
 
 
 def run_case(case: Case) -> None:
@@ -184,12 +233,18 @@ def run_case(case: Case) -> None:
     per_set = sum(t.numel() * t.element_size() for t in probe)
     sets = max(1, min(16, math.ceil(L2_DEFEAT_BYTES / per_set)))
     inputs = [probe] + [case.make_inputs() for _ in range(sets - 1)]
-    for name, fn in {"ours": case.ours, **case.peers}.items():
-        try:
-            case.results[name] = time_graph(lambda i, fn=fn: (lambda: fn(*inputs[i])), sets)
-        except Exception as exc:  # a backend that does not support the shape is skipped, and said so
-            case.results[name] = float("nan")
-            print(f"  {case.op} {case.label}: {name} unavailable ({type(exc).__name__}: {str(exc)[:80]})", file=sys.stderr)
+    ours = ({name: _on_path(case.ours, path) for name, path in attention_paths().items()}
+            if case.op in ATTENTION_OPS else {"ours": case.ours})
+    try:
+        for name, fn in {**ours, **case.peers}.items():
+            try:
+                case.results[name] = time_graph(lambda i, fn=fn: (lambda: fn(*inputs[i])), sets)
+            except Exception as exc:  # a backend that does not support the shape is skipped, and said so
+                case.results[name] = float("nan")
+                print(f"  {case.op} {case.label}: {name} unavailable ({type(exc).__name__}: {str(exc)[:80]})",
+                      file=sys.stderr)
+    finally:
+        os.environ.pop("SDPLUGINS_ATTENTION", None)
 
 
 def main() -> int:
@@ -197,6 +252,8 @@ def main() -> int:
     parser.add_argument("--json", default="bench_plugins.json")
     parser.add_argument("--quick", action="store_true", help="512^2 shapes only")
     parser.add_argument("--ops", help="comma-separated subset of ops to run (default: all)")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="only fmha / fmhca (SD shapes and the target rows), both of our paths where the GPU has them")
     args = parser.parse_args()
     if not ops.available():
         print(f"plugins unavailable: {ops.status()}", file=sys.stderr)
@@ -204,29 +261,41 @@ def main() -> int:
     torch._dynamo.config.cache_size_limit = 256
     device = torch.cuda.get_device_name()
     ceiling = ceilings()
-    print(f"# {device}: copy {ceiling['copy_GBps']:.0f} GB/s, fp16 matmul {ceiling['matmul_fp16_TFLOPs']:.0f} TFLOP/s")
-    cases = all_cases(args.quick)
+    print(f"# {device}: copy {ceiling['copy_GBps']:.0f} GB/s, fp16 matmul {ceiling['matmul_fp16_TFLOPs']:.0f} TFLOP/s "
+          f"(K = 64: {ceiling['matmul_fp16_k64_TFLOPs']:.0f}); attention paths: {attention_paths()}")
+    cases = all_cases(args.quick, args.attention_only)
     if args.ops:
         cases = [c for c in cases if c.op in args.ops.split(",")]
     rows = []
-    header = f"{'op':<16} {'shape':<38} {'ours us':>9} {'best torch':>22} {'ratio':>6} {'achieved':>16}"
+    header = (f"{'op':<16} {'shape':<38} {'ours us':>9} {'mma us':>8} {'best torch':>22} {'ratio':>6} {'target':>8} "
+              f"{'achieved':>16}")
     print(header)
     print("-" * len(header))
+    met = missed = 0
     for case in cases:
         run_case(case)
-        peers = {k: v for k, v in case.results.items() if k != "ours" and not math.isnan(v)}
-        best = min(peers, key=peers.get)
+        peers = {k: v for k, v in case.results.items() if not k.startswith("ours") and not math.isnan(v)}
+        best = min(peers, key=peers.get) if peers else "none"
         ours = case.results["ours"]
-        ratio = peers[best] / ours
+        ratio = peers[best] / ours if peers else float("nan")
+        mma = f"{case.results['ours_mma']:8.1f}" if "ours_mma" in case.results else f"{'-':>8}"
+        if case.target is None or math.isnan(ratio):
+            verdict = "-"
+        else:
+            verdict = f"{case.target:.1f}x " + ("ok" if ratio >= case.target else "no")
+            met, missed = (met + 1, missed) if ratio >= case.target else (met, missed + 1)
         if case.flops:
             achieved = f"{case.flops / ours / 1e6:.0f} TFLOP/s {100 * case.flops / ours / 1e6 / ceiling['matmul_fp16_TFLOPs']:.0f}%"
         else:
             achieved = f"{case.bytes / ours / 1e3:.0f} GB/s {100 * case.bytes / ours / 1e3 / ceiling['copy_GBps']:.0f}%"
-        print(f"{case.op:<16} {case.label:<38} {ours:9.1f} {best + ' ' + format(peers[best], '.1f'):>22} {ratio:6.2f} {achieved:>16}")
+        best_text = best + " " + format(peers[best], ".1f") if peers else "none"
+        print(f"{case.op:<16} {case.label:<38} {ours:9.1f} {mma} {best_text:>22} {ratio:6.2f} {verdict:>8} {achieved:>16}")
         rows.append({"op": case.op, "shape": case.label, "us": case.results, "best_torch": best, "ratio": ratio,
-                     "flops": case.flops, "bytes": case.bytes})
+                     "target": case.target, "flops": case.flops, "bytes": case.bytes})
+    if met or missed:
+        print(f"# targets: {met} met, {missed} missed (ours = {attention_paths()['ours']})")
     Path(args.json).write_text(json.dumps({"device": device, "ceilings": ceiling, "torch": torch.__version__,
-                                           "results": rows}, indent=1))
+                                           "attention_paths": attention_paths(), "results": rows}, indent=1))
     print(f"wrote {args.json}")
     return 0
 

@@ -1,8 +1,12 @@
 """Run every plugin kernel once on small, odd shapes; meant for `compute-sanitizer --tool memcheck`.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/plugin_memcheck.py
+
+Attention runs on each path this GPU has (SDPLUGINS_ATTENTION): the mma.sync kernels everywhere, and on
+compute capability 9.0 the wgmma/TMA kernels too, every instantiation and scheduling mode.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,11 +25,22 @@ def main() -> int:
     if not ops.available():
         print(f"plugins unavailable: {ops.status()}")
         return 1
-    for d in (40, 64, 80, 160, 8, 72, 256):  # every attention instantiation
-        ops.fmha(randn(2, 77, 2, 3, d), 0.1)
-        ops.fmhca(randn(1, 65, 2, d), randn(1, 77, 2, 2, d), 0.1)
-    for d in (40, 64, 80, 24):  # the short-KV kernels take over from 65536 query rows
-        ops.fmhca(randn(1, 8195, 8, d), randn(1, 77, 8, 2, d), 0.1)
+    paths = ["mma"] + (["wgmma"] if torch.cuda.get_device_capability() == (9, 0) else [])
+    for path in paths:
+        os.environ["SDPLUGINS_ATTENTION"] = path
+        print(f"attention path: {path}")
+        for d in (40, 64, 80, 160, 8, 48, 72, 128, 176, 256):  # every instantiation of both paths
+            ops.fmha(randn(2, 77, 2, 3, d), 0.1)  # one K/V tile
+            ops.fmha(randn(1, 300, 2, 3, d), 0.1)  # K/V streamed, ragged last tile
+            ops.fmhca(randn(1, 65, 2, d), randn(1, 77, 2, 2, d), 0.1)
+            ops.fmhca(randn(1, 130, 3, d), randn(1, 300, 3, 2, d), 0.1)
+        for d in (40, 64, 80, 24):  # mma: the short-KV kernels take over from 65536 query rows
+            ops.fmhca(randn(1, 8195, 8, d), randn(1, 77, 8, 2, d), 0.1)
+        # wgmma: more work items than multiprocessors (persistent blocks, several items each): K/V kept
+        # across items of a head, and K/V streamed across items
+        ops.fmhca(randn(3, 4097, 7, 40), randn(3, 77, 7, 2, 40), 0.1)
+        ops.fmha(randn(2, 1100, 8, 3, 64), 0.1)
+    del os.environ["SDPLUGINS_ATTENTION"]
     for b, c, h, w, g in ((2, 320, 8, 8, 32), (1, 30, 5, 5, 3), (2, 960, 4, 4, 32)):
         for channels_last in (False, True):
             x = randn(b, h, w, c) if channels_last else randn(b, c, h, w)

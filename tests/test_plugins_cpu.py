@@ -3,6 +3,7 @@ validation and fake implementations, and the library-unavailable path."""
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,9 @@ from plugins import torch_ops as ops
 from tests.conftest import ROOT
 
 ARCHITECTURES = ("75", "80", "86", "89", "90")
+# The Hopper attention kernels (plugins/src/attention_sm90*.cu) are built for sm_90a alone.
+SM90A_OBJECTS = ("attention_sm90", "attention_sm90_generic")
+SM90A_KERNELS = 9  # instantiations: D = 40, 64, 80, 160 and padded 32, 96, 128, 192, 256
 
 
 @pytest.fixture(scope="session")
@@ -22,9 +26,12 @@ def built_library(tmp_path_factory):
     if not (shutil.which("cmake") and shutil.which("nvcc")):
         pytest.skip("cmake or nvcc not installed: cannot build the plugin library")
     build = tmp_path_factory.mktemp("plugin-build")
+    log = []
     for cmd in (["cmake", "-S", str(ROOT), "-B", str(build)], ["cmake", "--build", str(build), "-j", "2"]):
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        log.append(result.stdout + result.stderr)
+    (build / "build.log").write_text("\n".join(log))  # ptxas's register and spill report included
     return build
 
 
@@ -38,14 +45,87 @@ def cuobjdump() -> str | None:
 
 
 def test_library_has_code_for_every_architecture(built_library):
-    """The library itself carries machine code for every GPU generation (read back with cuobjdump)."""
+    """The library itself carries machine code for every GPU generation (read back with cuobjdump), plus
+    the Hopper-only sm_90a attention kernels, which no other architecture's code includes."""
     tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
     listing = subprocess.run([tool, "--list-elf", str(built_library / "libsdplugins.so")], capture_output=True,
                              text=True, check=True).stdout
     found = {line.rsplit(".", 2)[-2] for line in listing.splitlines() if ".sm_" in line}
-    assert found == {f"sm_{arch}" for arch in ARCHITECTURES}, listing
+    assert found == {f"sm_{arch}" for arch in ARCHITECTURES} | {"sm_90a"}, listing
+    sm90a = sorted(line.split()[-1] for line in listing.splitlines() if line.endswith(".sm_90a.cubin"))
+    assert sm90a == sorted(f"{name}.sm_90a.cubin" for name in SM90A_OBJECTS), listing
+
+
+@pytest.fixture(scope="session")
+def sm90a_sass(built_library, tmp_path_factory) -> dict[str, str]:
+    """SASS of each sm_90a attention kernel, by function name (cuobjdump -sass needs nvdisasm:
+    nvidia-cuda-nvdisasm in requirements-test.txt)."""
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
+    disassembler = Path(tool).with_name("nvdisasm")
+    if not disassembler.is_file() and shutil.which("nvdisasm") is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): cuobjdump -sass needs it")
+    env = dict(os.environ, PATH=f"{disassembler.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    work = tmp_path_factory.mktemp("sm90a-sass")
+    kernels = {}
+    for name in SM90A_OBJECTS:
+        cubin = f"{name}.sm_90a.cubin"
+        subprocess.run([tool, "-xelf", cubin, str(built_library / "libsdplugins.so")], cwd=work, check=True,
+                       capture_output=True, env=env)
+        sass = subprocess.run([tool, "-sass", str(work / cubin)], capture_output=True, text=True, check=True,
+                              env=env).stdout
+        for match in re.finditer(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S):
+            kernels[match.group(1)] = match.group(2)
+    return kernels
+
+
+def _instructions(sass: str) -> list[str]:
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+
+
+def test_sm90a_attention_kernels_use_tma_wgmma_and_mbarriers(sm90a_sass):
+    """Every Hopper attention kernel loads through TMA (UTMALDG) into mbarrier-tracked stages (SYNCS),
+    multiplies with wgmma (HGMMA: Q K^T from shared memory, P V with P from registers and V transposed),
+    rebalances registers (USETMAXREG), and never touches local memory."""
+    kernels = {name: body for name, body in sm90a_sass.items() if "attention_sm90_kernel" in name}
+    assert len(kernels) == SM90A_KERNELS, sorted(sm90a_sass)
+    for name, body in kernels.items():
+        instructions = _instructions(body)
+        text = "\n".join(instructions)
+        assert "UTMALDG" in text, name
+        assert "SYNCS.PHASECHK" in text and "SYNCS.ARRIVE" in text, name
+        assert re.search(r"HGMMA\.64x\d+x16\.F32 \S+, gdesc", text), f"{name}: no Q K^T wgmma from shared memory"
+        assert re.search(r"HGMMA\.64x\d+x16\.F32 \S+, R\d+, gdesc\[\w+\]\.tnspB", text), f"{name}: no P V wgmma"
+        assert "USETMAXREG.DEALLOC" in text and "USETMAXREG.TRY_ALLOC" in text, name
+        assert not [i for i in instructions if re.match(r"(@!?U?P\d+ )?(LDL|STL)\b", i)], f"{name}: local memory"
+
+
+def test_sm90a_softmax_overlaps_the_pv_product(sm90a_sass):
+    """In the main loop the softmax of tile j runs between the wait for S_j (wgmma wait_group 1) and the
+    wait for P_{j-1} V_{j-1} (wait_group 0): ptxas must not have moved the second wait above it."""
+    for name, body in sm90a_sass.items():
+        if "attention_sm90_kernel" not in name:
+            continue
+        keys = int(re.search(r"ConfigILi\d+ELi\d+ELi(\d+)E", name).group(1))
+        instructions = _instructions(body)
+        first = next(i for i, op in enumerate(instructions) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in op)
+        second = next(i for i in range(first, len(instructions)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in instructions[i])
+        exponentials = sum("MUFU.EX2" in op for op in instructions[first:second])
+        assert exponentials >= keys // 2, f"{name}: {exponentials} exp2 between the waits, want {keys // 2}"
+
+
+def test_sm90a_kernels_do_not_spill(built_library):
+    """ptxas's report (-Xptxas -v) for the sm_90a kernels: no spills, no stack, no serialized wgmma."""
+    log = (built_library / "build.log").read_text()
+    reports = re.findall(
+        r"Compiling entry function '(\S*attention_sm90_kernel\S*)' for 'sm_90a'\n(.*?Used \d+ registers)", log, re.S)
+    assert len({name for name, _ in reports}) == SM90A_KERNELS, log[-3000:]
+    for name, report in reports:
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, f"{name}: {report}"
+    assert "wgmma.mma_async instructions are serialized" not in log
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +157,19 @@ FAKE = ctypes.c_void_p(16)  # never dereferenced: validation rejects the call fi
 ])
 def test_abi_rejects_bad_arguments_with_a_message(abi, call, message):
     assert call(abi) == 1  # SDP_INVALID_ARGUMENT, before any CUDA call
+    assert message in abi.sdp_last_error().decode()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("fastest", "SDPLUGINS_ATTENTION must be auto, mma or wgmma, got 'fastest'"),
+    ("wgmma", "needs a GPU of compute capability 9.0"),
+])
+def test_attention_path_variable_is_validated(abi, monkeypatch, value, message):
+    """SDPLUGINS_ATTENTION (read at every call) rejects unknown values, and wgmma where it cannot run."""
+    if value == "wgmma" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("wgmma runs on this GPU (tests/test_plugins_gpu.py covers it)")
+    monkeypatch.setenv("SDPLUGINS_ATTENTION", value)
+    assert abi.sdp_fmha(FAKE, FAKE, 1, 8, 1, 64, 1.0, None) == 1  # rejected before any CUDA launch
     assert message in abi.sdp_last_error().decode()
 
 

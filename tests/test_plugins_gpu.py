@@ -2,6 +2,9 @@
 
 Inputs are fresh random values; outputs are poisoned with NaN before each run, so an element the
 kernel fails to write fails the test. Error is ||out - ref|| / ||ref||.
+
+Attention runs on each of its paths, forced through SDPLUGINS_ATTENTION: the mma.sync kernels (any
+GPU) and the wgmma/TMA kernels (compute capability 9.0 only; skipped elsewhere).
 """
 
 import shutil
@@ -35,6 +38,20 @@ def poisoned(*shape):
     return torch.full(shape, float("nan"), dtype=torch.float16, device="cuda")
 
 
+def is_hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(params=["mma", "wgmma"])
+def attention_path(request, monkeypatch):
+    """Forces one attention path for the test (the library reads SDPLUGINS_ATTENTION at every call)."""
+    if request.param == "wgmma" and not is_hopper():
+        pytest.skip("the wgmma/TMA attention kernels need compute capability 9.0, not "
+                    + ".".join(map(str, torch.cuda.get_device_capability())))
+    monkeypatch.setenv("SDPLUGINS_ATTENTION", request.param)
+    return request.param
+
+
 # (batch, seq, heads, head_dim): SD 1.5 (D 40/80/160, 8 heads), SD 2.1 and SDXL (D 64), 512^2 and 1024^2,
 # then odd sizes.
 SELF_ATTENTION = [
@@ -51,10 +68,19 @@ CROSS_ATTENTION = [
     (1, 1, 77, 8, 40), (2, 100, 1, 4, 64), (1, 4097, 77, 2, 80), (8, 64, 77, 8, 40), (2, 70, 300, 2, 256),
     (2, 33, 5, 3, 8), (1, 40, 129, 2, 72),
 ]
+# Every head-size class of the wgmma kernels (40, 64, 80, 160 exact; 8, 24 -> 32; 48 -> 64; 72 -> 96; 128;
+# 176 -> 192; 200, 256 -> 256) at ragged lengths: one row / key, 77 (a partial tile), 4097 (a partial
+# 33rd query block); for cross-attention also 300 keys (three tiles, the last partial).
+HEAD_SIZES = (8, 24, 40, 48, 64, 72, 80, 128, 160, 176, 200, 256)
+SELF_ATTENTION_ODD = [(1, s, 2, d) for d in HEAD_SIZES for s in (1, 77, 4097)]
+CROSS_ATTENTION_ODD = [(1, 333, skv, 2, d) for d in HEAD_SIZES for skv in (1, 77, 300)] + [
+    # more work items than multiprocessors, so that each block runs several: one K/V tile kept across the
+    # items of a head, runs of items that cross head and batch boundaries; and K/V streamed across items
+    (3, 4097, 77, 7, 40), (2, 2900, 50, 9, 64), (2, 3000, 200, 6, 80),
+]
 
 
-@pytest.mark.parametrize("b, s, h, d", SELF_ATTENTION)
-def test_fmha(b, s, h, d):
+def check_fmha(b, s, h, d):
     qkv = randn(b, s, h, 3, d)
     out = poisoned(b, s, h, d)
     scale = ops.default_scale(d)
@@ -64,14 +90,78 @@ def test_fmha(b, s, h, d):
     assert rel_error(out, ref) < ATTENTION_BOUND
 
 
-@pytest.mark.parametrize("b, sq, skv, h, d", CROSS_ATTENTION)
-def test_fmhca(b, sq, skv, h, d):
+def check_fmhca(b, sq, skv, h, d):
     q, kv = randn(b, sq, h, d), randn(b, skv, h, 2, d)
     out = poisoned(b, sq, h, d)
     ops.fmhca_into(q, kv, out, 0.3)
     k, v = (kv[:, :, :, i].float().transpose(1, 2) for i in range(2))
     ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, scale=0.3).transpose(1, 2)
     assert rel_error(out, ref) < ATTENTION_BOUND
+
+
+@pytest.mark.parametrize("b, s, h, d", SELF_ATTENTION + SELF_ATTENTION_ODD)
+def test_fmha(b, s, h, d, attention_path):
+    check_fmha(b, s, h, d)
+
+
+@pytest.mark.parametrize("b, sq, skv, h, d", CROSS_ATTENTION + CROSS_ATTENTION_ODD)
+def test_fmhca(b, sq, skv, h, d, attention_path):
+    check_fmhca(b, sq, skv, h, d)
+
+
+def test_attention_path_selection(monkeypatch):
+    """auto is the wgmma path on compute capability 9.0 (same bits as forcing it) and mma elsewhere; an
+    unknown value, or wgmma where it cannot run, is an error with a message."""
+    qkv = randn(2, 300, 4, 3, 64)
+    monkeypatch.setenv("SDPLUGINS_ATTENTION", "auto")
+    auto = ops.fmha_into(qkv, poisoned(2, 300, 4, 64), 0.125)
+    monkeypatch.setenv("SDPLUGINS_ATTENTION", "wgmma" if is_hopper() else "mma")
+    assert torch.equal(auto, ops.fmha_into(qkv, poisoned(2, 300, 4, 64), 0.125))
+    monkeypatch.setenv("SDPLUGINS_ATTENTION", "fastest")
+    with pytest.raises(RuntimeError, match="SDPLUGINS_ATTENTION must be auto, mma or wgmma, got 'fastest'"):
+        ops.fmha_into(qkv, poisoned(2, 300, 4, 64), 0.125)
+    if not is_hopper():
+        monkeypatch.setenv("SDPLUGINS_ATTENTION", "wgmma")
+        with pytest.raises(RuntimeError, match="compute capability 9.0"):
+            ops.fmha_into(qkv, poisoned(2, 300, 4, 64), 0.125)
+
+
+def test_attention_paths_agree(monkeypatch):
+    """On Hopper both paths run: on the same inputs they agree to within the fp16 rounding bound."""
+    if not is_hopper():
+        pytest.skip("only the mma path runs on this GPU")
+    qkv, q, kv = randn(2, 1000, 8, 3, 80), randn(2, 4096, 8, 40), randn(2, 77, 8, 2, 40)
+    outs = {}
+    for path in ("mma", "wgmma"):
+        monkeypatch.setenv("SDPLUGINS_ATTENTION", path)
+        outs[path] = (ops.fmha_into(qkv, poisoned(2, 1000, 8, 80), 0.1),
+                      ops.fmhca_into(q, kv, poisoned(2, 4096, 8, 40), 0.3))
+    for mma, wgmma in zip(outs["mma"], outs["wgmma"]):
+        assert rel_error(wgmma, mma.float()) < ATTENTION_BOUND
+
+
+def test_attention_graph_capture(attention_path):
+    """Self- and cross-attention captured in one CUDA graph on a side stream, replayed on new inputs into
+    poisoned outputs: the replay equals direct calls."""
+    qkv, q, kv = randn(2, 1000, 8, 3, 40), randn(2, 4096, 8, 40), randn(2, 77, 8, 2, 40)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.sdplugins.fmha(qkv, 0.2)  # warm up on the capture stream
+        torch.ops.sdplugins.fmhca(q, kv, 0.3)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self_out = torch.ops.sdplugins.fmha(qkv, 0.2)
+            cross_out = torch.ops.sdplugins.fmhca(q, kv, 0.3)
+    torch.cuda.synchronize()
+    for t in (qkv, q, kv):
+        t.copy_(torch.randn(t.shape, device="cuda").half())
+    self_out.fill_(float("nan"))
+    cross_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(self_out, ops.fmha_into(qkv, poisoned(2, 1000, 8, 40), 0.2))
+    assert torch.equal(cross_out, ops.fmhca_into(q, kv, poisoned(2, 4096, 8, 40), 0.3))
 
 
 def test_attention_op_and_graph_capture():

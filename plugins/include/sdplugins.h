@@ -24,7 +24,14 @@ const char* sdp_last_error(void);
 int sdp_version(void);
 
 /* Self-attention. qkv [B, S, H, 3, D] -> out [B, S, H, D]; out = softmax(scale * Q K^T) V.
- * D a multiple of 8 in [8, 256]; fast paths for D = 40, 64, 80, 160. */
+ * D a multiple of 8 in [8, 256]; fast paths for D = 40, 64, 80, 160.
+ *
+ * Attention kernels (sdp_fmha and sdp_fmhca): on compute capability 9.0 (H100, H200) warp-specialized
+ * wgmma + TMA kernels built for sm_90a; on 7.5-8.9, or where the library was built without them
+ * (CMake -DSDPLUGINS_SM90A=OFF), mma.sync kernels. The environment variable SDPLUGINS_ATTENTION, read
+ * at every call, picks: "auto" (or unset, the default) as above; "mma" the mma.sync kernels on any GPU;
+ * "wgmma" the Hopper kernels, SDP_INVALID_ARGUMENT where they cannot run. Any other value is
+ * SDP_INVALID_ARGUMENT. Both paths are graph-capture safe (no allocation, no synchronization). */
 int sdp_fmha(const void* qkv, void* out, int batch, int seq, int heads, int head_dim, float scale,
              sdp_stream_t stream);
 

@@ -9,9 +9,17 @@
 // Head sizes: the template's DK is the largest D it serves. D = 40, 64, 80 and 160 have their own
 // instantiations that round the Q K^T reduction only up to a multiple of 16 (48 for D = 40) and the
 // P V output to a multiple of 8 (exact), instead of padding to a power of two.
+//
+// sdp_fmha / sdp_fmhca pick the kernels at run time (run_attention): on compute capability 9.0 the
+// warp-specialized wgmma/TMA kernels of attention_sm90*.cu, elsewhere these; SDPLUGINS_ATTENTION=mma
+// or =wgmma forces one (see sdplugins.h).
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
+#include <cstdlib>
+#include <cstring>
 
+#include "attention_sm90.cuh"
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -461,6 +469,64 @@ int dispatch(const AttentionParams& p, int batch, int heads, cudaStream_t stream
   return launch<AttentionTile<256, 2, 32, false>>(p, batch, heads, stream);
 }
 
+// ---- Path: mma.sync kernels above (sm_75+), or the wgmma/TMA kernels (attention_sm90*.cu) -------
+enum class Path { automatic, mma, wgmma };
+
+// SDPLUGINS_ATTENTION=auto|mma|wgmma, read at every call so that tests and benchmarks can switch
+// paths inside one process.
+int requested_path(Path* path) {
+  const char* value = std::getenv("SDPLUGINS_ATTENTION");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) {
+    *path = Path::automatic;
+  } else if (std::strcmp(value, "mma") == 0) {
+    *path = Path::mma;
+  } else if (std::strcmp(value, "wgmma") == 0) {
+    *path = Path::wgmma;
+  } else {
+    return fail(SDP_INVALID_ARGUMENT,
+                std::string("SDPLUGINS_ATTENTION must be auto, mma or wgmma, got '") + value + "'");
+  }
+  return SDP_OK;
+}
+
+// Whether the current device has compute capability 9.0 (the sm_90a kernels run there and only
+// there); asked once per device.
+bool device_is_sm90() {
+  static std::atomic<int> known[64];  // 0: not asked yet, 1: yes, 2: no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  const bool cached = device >= 0 && device < 64;
+  if (cached) {
+    const int k = known[device].load(std::memory_order_relaxed);
+    if (k != 0) return k == 1;
+  }
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+    return false;
+  const bool yes = major == 9 && minor == 0;
+  if (cached) known[device].store(yes ? 1 : 2, std::memory_order_relaxed);
+  return yes;
+}
+
+int run_attention(const AttentionParams& p, const sm90::Problem& hopper, int batch, int heads, cudaStream_t stream) {
+  Path path;
+  if (const int err = requested_path(&path)) return err;
+  if (path == Path::mma) return dispatch(p, batch, heads, stream);
+  const bool on_hopper = sm90::available() && device_is_sm90();
+  if (path == Path::wgmma && !on_hopper)
+    return fail(SDP_INVALID_ARGUMENT, sm90::available()
+                                          ? "SDPLUGINS_ATTENTION=wgmma needs a GPU of compute capability 9.0 (H100, H200)"
+                                          : "SDPLUGINS_ATTENTION=wgmma: this library was built without its sm_90a "
+                                            "kernels (CMake option SDPLUGINS_SM90A)");
+  if (!on_hopper) return dispatch(p, batch, heads, stream);
+  bool not_launched = false;
+  const int err = sm90::run(hopper, stream, &not_launched);
+  // A driver that cannot encode tensor maps: in auto mode the mma kernels still serve the call.
+  if (err != SDP_OK && not_launched && path == Path::automatic) return dispatch(p, batch, heads, stream);
+  return err;
+}
+
 }  // namespace
 
 #define SDP_CHECK_ATTENTION_ARGS(batch, seq_q, seq_kv, heads, d)                                 \
@@ -484,7 +550,9 @@ extern "C" int sdp_fmha(const void* qkv, void* out, int batch, int seq, int head
                          seq * row, row, 3 * head_dim,
                          int64_t(seq) * heads * head_dim, int64_t(heads) * head_dim, head_dim,
                          seq, seq, head_dim, scale * 1.4426950408889634f};
-  return sdp::dispatch(p, batch, heads, reinterpret_cast<cudaStream_t>(stream));
+  const sdp::sm90::Problem hopper{qkv, 3 * heads, 3, qkv, 3 * heads, 3, 1, 2, out,
+                                  batch, seq, seq, heads, head_dim, p.scale_log2};
+  return sdp::run_attention(p, hopper, batch, heads, reinterpret_cast<cudaStream_t>(stream));
 }
 
 extern "C" int sdp_fmhca(const void* q, const void* kv, void* out, int batch, int seq_q, int seq_kv, int heads,
@@ -500,5 +568,7 @@ extern "C" int sdp_fmhca(const void* q, const void* kv, void* out, int batch, in
                          seq_kv * kv_row, kv_row, 2 * head_dim,
                          seq_q * q_row, q_row, head_dim,
                          seq_q, seq_kv, head_dim, scale * 1.4426950408889634f};
-  return sdp::dispatch(p, batch, heads, reinterpret_cast<cudaStream_t>(stream));
+  const sdp::sm90::Problem hopper{q, heads, 1, kv, 2 * heads, 2, 0, 1, out,
+                                  batch, seq_q, seq_kv, heads, head_dim, p.scale_log2};
+  return sdp::run_attention(p, hopper, batch, heads, reinterpret_cast<cudaStream_t>(stream));
 }
