@@ -55,8 +55,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="engines for any height/width in the model's range (default: exactly --height/--width)")
     g.add_argument("--optimization-level", type=int, default=3, help="TensorRT builder level 0-5 (default: 3)")
     g.add_argument("--timing-cache", help="timing cache file, read and updated by builds")
-    g.add_argument("--use-cuda-graph", action="store_true", help="replay each engine from a CUDA graph (static shapes)")
-    g.add_argument("--plugins", default="auto", help=PLUGINS_HELP)
+    g.add_argument("--use-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each engine from a CUDA graph (static shapes; default: off); with --backend torch, "
+                        "each stage from a graph captured per input shape (default: the torch defaults table)")
+    g.add_argument("--plugins", default="auto", help=PLUGINS_HELP + "; with --backend torch, the kernels substituted "
+                   "into the diffusers modules (auto: the torch defaults table)")
     g.add_argument("--plugin-convention", default="sdplugins", choices=("sdplugins", "tensorrt"),
                    help="whose plugin nodes the passes emit: ours (sdplugins, default) or TensorRT 8.5/8.6's own "
                         "Stable Diffusion plugins in libnvinfer_plugin (tensorrt), for comparison")
@@ -64,6 +67,40 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="TensorRT tactic sources the builder must not use, e.g. CUDNN where cuDNN is missing")
     g.add_argument("--target-cc", help="target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 "
                                        "(default: this machine's GPU)")
+
+
+def add_torch_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of the torch backend alone; --plugins and --use-cuda-graph (engine flags) apply to it too."""
+    from demo.torch_accel import COMPILE_MODES, TORCH_DEFAULTS_TABLE
+
+    table = f"{TORCH_DEFAULTS_TABLE.parent.name}/{TORCH_DEFAULTS_TABLE.name}"
+    g = p.add_argument_group("PyTorch backend", f"unset, each comes from {table}: the fastest combination "
+                                                "scripts/benchmark.py measured on this GPU's compute capability "
+                                                "(none there, or no GPU: plain diffusers modules)")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the modules in channels-last memory")
+    g.add_argument("--compile", default="auto", metavar="MODE",
+                   help=f"torch.compile mode: {', '.join(COMPILE_MODES)} (default: auto, from the table)")
+
+
+# Engine flags the torch backend uses as well.
+TORCH_USES_ENGINE_FLAGS = ("plugins", "use_cuda_graph")
+
+
+def torch_flags_set(parser: argparse.ArgumentParser, args) -> list[str]:
+    """Torch-only flags given a non-default value (reported as unused by the engine backends)."""
+    torch_only = argparse.ArgumentParser(add_help=False)
+    add_torch_arguments(torch_only)
+    return [action.option_strings[0] for action in torch_only._actions
+            if getattr(args, action.dest) != parser.get_default(action.dest)]
+
+
+def torch_settings(args, device):
+    """The torch backend's settings for these flags on `device`, and where they came from (a UsageError
+    for combinations that cannot run)."""
+    from demo.torch_accel import resolve_torch_settings
+
+    return resolve_torch_settings(args.plugins, args.channels_last, args.use_cuda_graph, args.compile, device)
 
 
 def parse_stages(text: str) -> list[str]:
@@ -82,7 +119,8 @@ def engine_flags_set(parser: argparse.ArgumentParser, args) -> list[str]:
     engine_only = argparse.ArgumentParser(add_help=False)
     add_engine_arguments(engine_only)
     return [action.option_strings[0] for action in engine_only._actions
-            if getattr(args, action.dest) != parser.get_default(action.dest)]
+            if action.dest not in TORCH_USES_ENGINE_FLAGS
+            and getattr(args, action.dest) != parser.get_default(action.dest)]
 
 
 def engine_settings(args, source, flavour: str, batch_size: int, height: int, width: int, guided: bool):
@@ -105,7 +143,7 @@ def engine_settings(args, source, flavour: str, batch_size: int, height: int, wi
                            parse_target_ccs(args.target_cc), parse_tactic_sources(args.disable_tactic_sources))
     build_targets(options, TensorRTAPI(flavour))  # a target the flavour cannot build for fails before any export
     return EngineSettings(Path(args.onnx_dir), Path(args.engine_dir), profile, options, guided=guided,
-                          use_cuda_graph=args.use_cuda_graph, force_onnx_export=args.force_onnx_export,
+                          use_cuda_graph=bool(args.use_cuda_graph), force_onnx_export=args.force_onnx_export,
                           force_onnx_optimize=args.force_onnx_optimize, force_engine_build=args.force_engine_build,
                           plugins=engine_plugins(args.plugins, flavour, args.plugin_convention),
                           plugin_convention=args.plugin_convention)

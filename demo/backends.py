@@ -9,6 +9,7 @@ import torch
 
 from core.errors import UsageError
 from demo.stages import Stage, TorchStage
+from demo.torch_accel import FALLBACK, TorchSettings
 from demo.trt_flavour import FLAVOURS, TensorRTAPI, current_cc, version, why_cannot_run
 from models.base import StageModel
 
@@ -52,9 +53,19 @@ def device_and_dtype(backend: str, precision: str = "auto") -> tuple[torch.devic
 
 def create_stages(backend: str, models: list[StageModel], device: torch.device, dtype: torch.dtype,
                   engine_settings=None, log: Callable[[str], None] = print,
-                  progress: Callable[[str], None] = print) -> dict[str, Stage]:
+                  progress: Callable[[str], None] = print, torch_settings: TorchSettings | None = None
+                  ) -> dict[str, Stage]:
+    """The pipeline's stages: the modules themselves (torch, as `torch_settings` say; default: unchanged)
+    or engines (built or found as `engine_settings` say)."""
     if backend == "torch":
-        return {m.name: TorchStage(m, device, dtype) for m in models}
+        stages = {m.name: TorchStage(m, device, dtype, torch_settings or FALLBACK) for m in models}
+        for stage in stages.values():
+            if stage.substitution is not None:
+                progress(stage.substitution.line(stage.name))
+                for family, reasons in stage.substitution.skipped.items():
+                    for reason in reasons:
+                        log(f"[plugins] {stage.name}: {family} skipped at {reason}")
+        return stages
     from demo.engine import prepare_stage_engines
     from demo.engine_runtime import create_engine_stages
 

@@ -21,7 +21,7 @@ PROG = "demo_diffusion"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from demo.arguments import Parser, add_engine_arguments, add_model_arguments
+    from demo.arguments import Parser, add_engine_arguments, add_model_arguments, add_torch_arguments
     from demo.backends import BACKENDS
     from demo.pipeline import SCHEDULERS
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="output", help="where images and the report go (default: output)")
     p.add_argument("--num-warmup-runs", type=int, default=1, help="untimed runs before the timed one (default: 1)")
     add_engine_arguments(p)
+    add_torch_arguments(p)
     return p
 
 
@@ -63,6 +64,13 @@ def validate(args, source) -> None:
         make_scheduler(args.scheduler, source)  # an unknown name is a UsageError
     check_image_size(source, args.height, args.width)
     check_writable_directory("output directory", Path(args.output_dir))  # made when the images are saved
+
+
+def accel_options(settings) -> list[str]:
+    """The torch backend's settings other than plugins, as the report lists them."""
+    options = [name for name, on in (("channels-last", settings.channels_last), ("CUDA graphs", settings.cuda_graph))
+               if on]
+    return options + ([f"compile {settings.compile}"] if settings.compile != "none" else [])
 
 
 def output_stem(model_name: str, seed: int) -> str:
@@ -100,7 +108,7 @@ def run(parser, args) -> int:
     import torch
     from tqdm import tqdm
 
-    from demo.arguments import engine_flags_set, engine_settings
+    from demo.arguments import engine_flags_set, engine_settings, torch_flags_set, torch_settings
     from demo.backends import create_stages, device_and_dtype, select_backend
     from demo.logs import configure_library_logging
     from demo.pipeline import GenerationRequest, Text2ImagePipeline, default_scheduler_name
@@ -121,20 +129,27 @@ def run(parser, args) -> int:
     validate(args, source)
     scheduler_name = args.scheduler or default_scheduler_name(source)
     output_dir = Path(args.output_dir)
-    settings = None
+    device, dtype = device_and_dtype(backend)
+    settings = accel = None
+    accel_reason = ""
     if backend == "torch":
+        accel, accel_reason = torch_settings(args, device)
         unused = engine_flags_set(parser, args)
         if unused:
             print(f"note: {', '.join(unused)} unused by the torch backend", file=sys.stderr)
     else:
         settings = engine_settings(args, source, backend, args.batch_size, args.height, args.width,
                                    guided=args.guidance_scale > 1.0)
+        unused = torch_flags_set(parser, args)
+        if unused:
+            print(f"note: {', '.join(unused)} unused by the {backend} backend", file=sys.stderr)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
 
-    device, dtype = device_and_dtype(backend)
     log(f"[{PROG}] model {source.name} ({source.path}), backend {backend} ({reason}), {device} {dtype}")
+    if accel is not None:
+        log(f"[{PROG}] torch backend: {accel.describe()} ({accel_reason})")
     models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
-    stages = create_stages(backend, models, device, dtype, settings, log=log, progress=progress)
+    stages = create_stages(backend, models, device, dtype, settings, log=log, progress=progress, torch_settings=accel)
     pipeline = Text2ImagePipeline(source, stages, scheduler_name, device, dtype)
     request = GenerationRequest(
         prompts=[args.prompt] * args.batch_size,
@@ -156,7 +171,9 @@ def run(parser, args) -> int:
         batch_size=args.batch_size, height=args.height, width=args.width,
         latent_shape=list(source.latent_shape(args.batch_size, args.height, args.width)),
         latency_ms=timer.milliseconds(), versions=library_versions(backend),
-        plugins=list(settings.plugins) if settings else [],
+        plugins=list(settings.plugins if settings else accel.plugins),
+        options=accel_options(accel) if accel is not None else (["CUDA graphs"] if settings.use_cuda_graph else []),
+        options_reason=accel_reason,
     )
     written = save_outputs(output_dir, output_stem(source.name, seed), images, report)
     print(report.table())

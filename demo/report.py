@@ -55,7 +55,9 @@ class LatencyReport:
     width: int
     latent_shape: list[int]
     latency_ms: dict[str, float]
-    plugins: list[str] = field(default_factory=list)  # our plugins inside the engines (none for torch)
+    plugins: list[str] = field(default_factory=list)  # our plugins: inside the engines, or substituted (torch)
+    options: list[str] = field(default_factory=list)  # e.g. channels-last, CUDA graphs, compile <mode>
+    options_reason: str = ""  # where the torch backend's settings came from
     images: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
 
@@ -76,7 +78,8 @@ class LatencyReport:
         out.append(f"Throughput: {self.throughput:.2f} image/s")
         ran = " ".join(filter(None, (self.backend, self.versions.get(self.backend))))
         plugins = f", plugins {','.join(self.plugins)}" if self.plugins else ""
-        out.append(f"Backend: {ran} on {self.device}, {self.precision}{plugins}")
+        options = "".join(f", {option}" for option in self.options)
+        out.append(f"Backend: {ran} on {self.device}, {self.precision}{plugins}{options}")
         return "\n".join(out)
 
     def to_json(self) -> str:

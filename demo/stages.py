@@ -7,9 +7,11 @@ interface, so the pipeline never knows which one runs.
 from __future__ import annotations
 
 import abc
+import time
 
 import torch
 
+from demo.torch_accel import FALLBACK, GRAPHING_COMPILE_MODES, GraphedCall, TorchSettings, computed_part, shape_key
 from models.base import StageModel
 
 
@@ -27,13 +29,79 @@ class Stage(abc.ABC):
 
 
 class TorchStage(Stage):
-    """Runs the diffusers/transformers module itself (the same module the ONNX export traces)."""
+    """Runs the diffusers/transformers module itself (the same module the ONNX export traces), with what
+    `settings` asks for (demo.torch_accel): our kernels substituted into it, channels-last memory,
+    torch.compile, a CUDA graph per input shape. Compiling and capturing happen in `prepare`, so a timed
+    run never includes them; `prepare_seconds` says how long they took."""
 
-    def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype,
+                 settings: TorchSettings = FALLBACK):
         super().__init__(model)
+        self.device, self.dtype, self.settings = torch.device(device), dtype, settings
         self.module = model.load_module().to(device=device, dtype=dtype).eval()
+        self.substitution = None
+        if settings.plugins:
+            from plugins.diffusers_modules import substitute
+
+            self.substitution = substitute(computed_part(model.name, self.module), settings.plugins,
+                                           channels_last=settings.channels_last)
+        if settings.channels_last:
+            self.module.to(memory_format=torch.channels_last)
+        self._forward = self.module
+        if settings.compile != "none":
+            mode = None if settings.compile == "default" else settings.compile
+            self._forward = torch.compile(self.module, mode=mode, dynamic=False)
+        self._graphs: dict[tuple, GraphedCall] = {}
+        self._prepared: set[tuple] = set()
+        self.prepare_seconds = {"first_calls": 0.0, "capture": 0.0}
+
+    def _run(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.settings.channels_last:
+            inputs = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs)
+        graphed_by_compile = self.settings.compile in GRAPHING_COMPILE_MODES
+        if graphed_by_compile:
+            torch.compiler.cudagraph_mark_step_begin()
+        output = self._forward(*inputs)
+        if graphed_by_compile:  # its graph's next replay overwrites this output
+            return output.clone(memory_format=torch.contiguous_format)
+        return output.contiguous() if self.settings.channels_last else output
+
+    def _inputs(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(feed[name] for name in self.model.input_names)
+
+    def _get_ready(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """First calls (compiling, with torch.compile; cudagraph trees record on the third) and capture."""
+        start = time.perf_counter()
+        for _ in range(3 if self.settings.compile in GRAPHING_COMPILE_MODES else 1):
+            self._run(*inputs)
+        self._add_seconds("first_calls", start)
+        if self.settings.cuda_graph:
+            start = time.perf_counter()
+            self._graphs[shape_key(inputs)] = GraphedCall(self._run, inputs)
+            self._add_seconds("capture", start)
+        self._prepared.add(shape_key(inputs))
+
+    def _add_seconds(self, kind: str, start: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prepare_seconds[kind] += time.perf_counter() - start
+
+    def prepare(self, batch, height, width):
+        if self.settings.compile == "none" and not self.settings.cuda_graph:
+            return
+        shapes, dtypes = self.model.input_shapes(batch, height, width), self.model.input_dtypes(self.dtype)
+        if tuple((tuple(shapes[n]), dtypes[n]) for n in self.model.input_names) in self._prepared:
+            return  # the pipeline prepares before every run
+        with torch.inference_mode():
+            self._get_ready(self._inputs(self.model.sample_inputs(batch, height, width, self.device, self.dtype)))
 
     def __call__(self, feed):
+        inputs = self._inputs(feed)
         with torch.inference_mode():
-            output = self.module(*(feed[name] for name in self.model.input_names))
+            if self.settings.cuda_graph:
+                if shape_key(inputs) not in self._graphs:  # a shape nobody prepared for
+                    self._get_ready(inputs)
+                output = self._graphs[shape_key(inputs)](*inputs)
+            else:
+                output = self._run(*inputs)
         return {self.model.output_names[0]: output}

@@ -18,6 +18,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_NCHW, LAYOUT_NHWC = 0, 1
+# The attention kernels take head sizes that are multiples of HEAD_SIZE_MULTIPLE up to MAX_HEAD_SIZE.
+MAX_HEAD_SIZE, HEAD_SIZE_MULTIPLE = 256, 8
 
 _c_void, _c_int, _c_float, _c_i64, _c_size = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64, ctypes.c_size_t
 _SIGNATURES = {

@@ -18,7 +18,6 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
-from scipy.special import erf
 
 from core.errors import UsageError
 from models import STAGE_MODELS
@@ -26,6 +25,7 @@ from models.optimizer import GraphOptimizer, optimize_onnx_file
 from models.plugin_passes import read_pass_report
 from models.plugin_set import PLUGIN_KEYS, parse_plugin_set
 from models.source import ModelSource
+from tests.plugin_references import fmha, fmhca, group_norm, layer_norm, seq2spatial, split_gelu
 
 ALL = tuple(sorted(PLUGIN_KEYS))
 PLUGIN_OPS = {"fMHA": "SDPfMHA", "fMHCA": "SDPfMHCA", "GroupNorm": "SDPGroupNorm", "LayerNorm": "SDPLayerNorm",
@@ -33,44 +33,7 @@ PLUGIN_OPS = {"fMHA": "SDPfMHA", "fMHCA": "SDPfMHCA", "GroupNorm": "SDPGroupNorm
 SKIP_REASON = "is not a multiple of 8 up to 256"
 
 
-# ---- float32 references of the plugin-node contract, run by ONNX Runtime ---------------------------
-
-def _attention(q, k, v, scale):
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    return np.einsum("bhqk,bkhd->bqhd", probs / probs.sum(-1, keepdims=True), v)
-
-
-def fmha(qkv, scale):
-    return _attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], scale)
-
-
-def fmhca(q, kv, scale):
-    return _attention(q, kv[..., 0, :], kv[..., 1, :], scale)
-
-
-def group_norm(x, gamma, beta, num_groups, epsilon, silu):
-    grouped = x.reshape(x.shape[0], num_groups, -1)
-    normalized = (grouped - grouped.mean(-1, keepdims=True)) / np.sqrt(grouped.var(-1, keepdims=True) + epsilon)
-    y = normalized.reshape(x.shape) * gamma.reshape(-1, 1, 1) + beta.reshape(-1, 1, 1)
-    return y / (1 + np.exp(-y)) if silu else y
-
-
-def layer_norm(x, gamma, beta, epsilon):
-    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + epsilon) * gamma + beta
-
-
-def split_gelu(x, bias):
-    value, gate = np.split(x + bias, 2, axis=-1)
-    return value * 0.5 * gate * (1 + erf(gate / np.sqrt(2)))
-
-
-def seq2spatial(x, bias, residual, spatial, residual_layout):
-    y = x + bias + (residual if residual_layout == 1 else 0)
-    height, width = spatial.shape[2:]
-    y = y.reshape(y.shape[0], height, width, y.shape[2]).transpose(0, 3, 1, 2)
-    return y + residual if residual_layout == 0 else y
-
+# ---- float32 references of the plugin-node contract (tests/plugin_references.py), run by ONNX Runtime ----
 
 def _register(op_type, reference, inputs, domain="sdplugins", **attrs):
     """Registers `reference` (float64 NumPy) as ORT's float32 kernel of domain::op_type."""

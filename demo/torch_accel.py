@@ -1,0 +1,170 @@
+"""What the torch backend does to the diffusers modules it runs, and where its defaults come from.
+
+Four settings, each a flag of the CLI:
+
+- `--plugins`: our CUDA kernels substituted into the modules (plugins.diffusers_modules);
+- `--channels-last`: modules and 4-D inputs in channels-last memory;
+- `--use-cuda-graph`: each stage captured in a CUDA graph once per input shape (while preparing) and
+  replayed, from static input buffers, its outputs cloned out;
+- `--compile MODE`: torch.compile with that mode (none, default, max-autotune-no-cudagraphs,
+  reduce-overhead, max-autotune).
+
+Unset, each comes from TORCH_DEFAULTS_TABLE, results/torch_defaults.json, which scripts/benchmark.py
+writes with the fastest combination it measured on a GPU of that compute capability:
+{"<major>.<minor>": {"plugins": [...], "channels_last": bool, "cuda_graph": bool, "compile": "...",
+"gpu": "...", "date": "...", "source": "..."}}. Where it has no entry (or there is no GPU), FALLBACK:
+the plain diffusers modules, nothing changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from core.errors import UsageError
+
+COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+# torch.compile modes that capture CUDA graphs of their own (cudagraph trees).
+GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+TORCH_DEFAULTS_TABLE = Path(__file__).resolve().parent.parent / "results" / "torch_defaults.json"
+
+
+@dataclass(frozen=True)
+class TorchSettings:
+    plugins: tuple[str, ...] = ()  # models.plugin_set keys, sorted
+    channels_last: bool = False
+    cuda_graph: bool = False
+    compile: str = "none"
+
+    def describe(self) -> str:
+        parts = [f"plugins {','.join(self.plugins)}" if self.plugins else "no plugins"]
+        parts += [name for name, on in (("channels-last", self.channels_last), ("CUDA graphs", self.cuda_graph)) if on]
+        parts.append(f"compile {self.compile}" if self.compile != "none" else "eager")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "plugins": list(self.plugins)}
+
+
+# The conservative default where the table has no entry: diffusers' modules as they are.
+FALLBACK = TorchSettings()
+
+
+def defaults_entry(compute_capability: str | None, table: Path = TORCH_DEFAULTS_TABLE) -> dict | None:
+    """The table's entry for a compute capability ("9.0"), checked; None without one (or without a GPU)."""
+    from models.plugin_set import PLUGIN_KEYS
+
+    if compute_capability is None:
+        return None
+    try:
+        entries = json.loads(table.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise UsageError(f"{table} is not valid JSON: {exc}") from exc
+    entry = entries.get(compute_capability) if isinstance(entries, dict) else None
+    if entry is None:
+        return None
+    valid = (isinstance(entry, dict) and isinstance(entry.get("plugins"), list)
+             and all(name in PLUGIN_KEYS for name in entry["plugins"])
+             and isinstance(entry.get("channels_last"), bool) and isinstance(entry.get("cuda_graph"), bool)
+             and entry.get("compile") in COMPILE_MODES)
+    if not valid:
+        raise UsageError(f"{table}: entry '{compute_capability}' needs \"plugins\" (a list of {', '.join(PLUGIN_KEYS)}), "
+                         f"\"channels_last\" and \"cuda_graph\" (true/false) and \"compile\" ({', '.join(COMPILE_MODES)})")
+    return entry
+
+
+def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = None, cuda_graph: bool | None = None,
+                           compile_mode: str = "auto", device: torch.device | None = None,
+                           table: Path = TORCH_DEFAULTS_TABLE) -> tuple[TorchSettings, str]:
+    """Flag values (None / "auto": from the defaults table) as checked settings, and where they came from.
+
+    `auto` plugins the table names but that cannot run here are left out (a default never fails); asked
+    for explicitly, they are a UsageError, as are combinations that cannot work on `device`."""
+    from models.plugin_set import local_compute_capability, parse_plugin_set
+    from plugins import torch_ops
+
+    device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if compile_mode != "auto" and compile_mode not in COMPILE_MODES:
+        raise UsageError(f"unknown --compile mode '{compile_mode}'; choose auto or one of {', '.join(COMPILE_MODES)}")
+    capability = local_compute_capability() if device.type == "cuda" else None
+    entry = defaults_entry(capability, table)
+    base = TorchSettings(tuple(sorted(entry["plugins"])), entry["channels_last"], entry["cuda_graph"],
+                         entry["compile"]) if entry else FALLBACK
+    source = (f"defaults for compute capability {capability} from {table.parent.name}/{table.name} "
+              f"({entry.get('gpu', '?')}, {entry.get('date', '?')})" if entry
+              else f"no entry for {'compute capability ' + capability if capability else 'a CPU'} in "
+                   f"{table.parent.name}/{table.name}: plain diffusers modules")
+    chosen_plugins = base.plugins if plugins == "auto" else parse_plugin_set(plugins)
+    if plugins == "auto" and chosen_plugins and not torch_ops.available():
+        source += f"; its plugins left out ({torch_ops.status()})"
+        chosen_plugins = ()
+    # Explicit flags win; a default that would clash with one of them gives way.
+    if cuda_graph is None:
+        cuda_graph = base.cuda_graph and compile_mode not in GRAPHING_COMPILE_MODES
+    if compile_mode == "auto":
+        compile_mode = "none" if cuda_graph and base.compile in GRAPHING_COMPILE_MODES else base.compile
+    settings = TorchSettings(chosen_plugins, base.channels_last if channels_last is None else channels_last,
+                             cuda_graph, compile_mode)
+    check_torch_settings(settings, device)
+    return settings, source
+
+
+def check_torch_settings(settings: TorchSettings, device: torch.device) -> None:
+    """A UsageError for what cannot run: CUDA-only features on a CPU, plugins that are not built, two CUDA
+    graph mechanisms at once."""
+    from plugins import torch_ops
+
+    if settings.compile not in COMPILE_MODES:
+        raise UsageError(f"unknown --compile mode '{settings.compile}'; choose one of {', '.join(COMPILE_MODES)}")
+    if device.type != "cuda":
+        wanted = [what for what, on in (("--use-cuda-graph", settings.cuda_graph),
+                                        (f"--compile {settings.compile}", settings.compile != "none"),
+                                        (f"--plugins {','.join(settings.plugins)}", bool(settings.plugins))) if on]
+        if wanted:
+            raise UsageError(f"{' and '.join(wanted)} need{'s' if len(wanted) == 1 else ''} a CUDA GPU, and the "
+                             "torch backend runs on the CPU here")
+    if settings.plugins and not torch_ops.available():
+        raise UsageError(f"--plugins {','.join(settings.plugins)}: {torch_ops.status()}")
+    if settings.cuda_graph and settings.compile in GRAPHING_COMPILE_MODES:
+        raise UsageError(f"--compile {settings.compile} captures CUDA graphs itself; drop --use-cuda-graph or use "
+                         "--compile default or max-autotune-no-cudagraphs")
+
+
+def computed_part(stage: str, module: torch.nn.Module) -> torch.nn.Module:
+    """The part of a stage's module that the stage runs (the VAE stages hold the whole autoencoder)."""
+    return {"vae": lambda m: m.vae.decoder, "vae_encoder": lambda m: m.vae.encoder}.get(stage, lambda m: m)(module)
+
+
+class GraphedCall:
+    """`fn(*inputs)` captured once in a CUDA graph over static input buffers, replayed per call.
+
+    Warm-up runs on a side stream first (cuBLAS/cuDNN workspaces, lazy initialisation), as PyTorch's
+    CUDA-graph guide asks. Each call copies its inputs into the static buffers, replays, and returns a
+    clone of the output, so a later replay never changes what an earlier call returned."""
+
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2):
+        self.inputs = tuple(t.clone() for t in inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = fn(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.output.clone()
+
+
+def shape_key(inputs: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in inputs)

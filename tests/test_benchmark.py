@@ -1,0 +1,197 @@
+"""scripts/benchmark.py on the CPU: the tiny model end to end with the contenders a CPU can run (the others
+reported as skipped with their reasons), its JSON merged by report_gpus.py, rows kept across runs, failures
+reported without stopping the rest, usage errors, and the torch defaults table it writes read back."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core.errors import UsageError
+from demo.report import device_name
+from demo.torch_accel import TorchSettings, resolve_torch_settings
+from plugins import torch_ops
+from scripts import benchmark
+from scripts.benchmark import DEFAULT_CONTENDERS, EAGER, main, select_contenders, write_defaults
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path; the GPU runs the real thing")
+
+COMMON = ["--model", "tiny", "--height", "64", "--width", "48", "--denoising-steps", "2", "--warmup-runs", "0"]
+WORKLOAD = "tiny, 48x64, batch 1, 2 steps"
+STEM = "benchmark-" + benchmark.gpu_slug(device_name(torch.device("cpu")))  # e.g. benchmark-cpu-x86-64
+
+
+def run(tmp_path, *args):
+    results, work = tmp_path / "results", tmp_path / "work"
+    status = main([*COMMON, "--results-dir", str(results), "--work-dir", str(work),
+                   "--defaults-table", str(tmp_path / "defaults.json"), *args])
+    data = json.loads((results / f"{STEM}.json").read_text()) if (results / f"{STEM}.json").is_file() else None
+    return status, data, results
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("bench")
+    status, data, results = run(tmp_path, "--runs", "2", "--contenders",
+                                "diffusers-channels-last,ours,diffusers-compile,tensorrt-plugins,diffusers-eager,"
+                                "ours-defaults")
+    return tmp_path, status, data, results
+
+
+def test_tiny_on_the_cpu_end_to_end(first_run, capfd):
+    tmp_path, status, data, results = first_run
+    assert status == 0
+    # the reference first; ours-defaults is the plain modules on a CPU (the defaults table has GPUs only)
+    assert [row["label"] for row in data["rows"]] == [EAGER, "diffusers-channels-last", "ours-defaults"]
+    for row in data["rows"]:
+        assert row["workload"] == WORKLOAD and row["device"] == data["gpu"] and row["precision"] == "fp32"
+        assert row["unet_calls"] == 2 and len(row["latency_ms_runs"]) == 2
+        for stage in ("clip", "unet", "vae", "pipeline"):
+            assert row["latency_ms"][stage] == pytest.approx(np.median([r[stage] for r in row["latency_ms_runs"]]))
+        assert row["latency_ms"]["pipeline"] > row["latency_ms"]["unet"] > 0
+        assert row["unet_ms_per_call"] == pytest.approx(row["latency_ms"]["unet"] / 2)
+        assert Image.open(row["image"]).size == (48, 64)
+    eager, channels_last, defaults = data["rows"]
+    assert defaults["settings"] == TorchSettings().as_dict() and "no entry for a CPU" in defaults["what"]
+    assert eager["max_pixel_diff_vs_eager"] == 0 and eager["psnr_vs_eager_db"] is None  # identical
+    assert channels_last["max_pixel_diff_vs_eager"] <= 1 and channels_last["settings"]["channels_last"] is True
+    skipped = {entry["label"]: entry["reason"] for entry in data["skipped"]}
+    assert set(skipped) == {"ours", "diffusers-compile", "tensorrt-plugins"} and not data["failed"]
+    assert "need a CUDA GPU" in skipped["ours"]
+    assert "--compile reduce-overhead needs a CUDA GPU" in skipped["diffusers-compile"]
+    assert "tensorrt" in skipped["tensorrt-plugins"]
+    table = (results / f"{STEM}.md").read_text()
+    assert "| diffusers-eager |" in table and "| diffusers-channels-last |" in table and "| 1.00x |" in table
+    assert f"ours ({WORKLOAD}) skipped: " in table
+    assert Image.open(results / f"{STEM}.png").size[0] > 500
+    assert not (tmp_path / "defaults.json").exists()  # no GPU, no defaults
+
+
+def test_report_gpus_merges_the_benchmark_json(first_run, capsys):
+    from scripts.report_gpus import main as report_gpus
+
+    _, status, _, results = first_run
+    assert status == 0
+    capsys.readouterr()
+    assert report_gpus([str(results), "--no-published"]) == 0  # the directory: the markdown and PNG are no JSON
+    table = capsys.readouterr().out
+    assert f"**{WORKLOAD}**" in table
+    lines = [line for line in table.splitlines() if line.startswith("| CPU")]
+    assert {line.split(" | ")[1] for line in lines} == {EAGER, "diffusers-channels-last", "ours-defaults"}
+
+
+def test_rows_of_earlier_runs_are_kept_and_replaced(tmp_path):
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,tensorrt")
+    assert status == 0 and [r["label"] for r in data["rows"]] == [EAGER]
+    first = data["rows"][0]["latency_ms_runs"]
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-channels-last")
+    assert status == 0 and [r["label"] for r in data["rows"]] == [EAGER, "diffusers-channels-last"]
+    assert data["rows"][0]["latency_ms_runs"] == first and [s["label"] for s in data["skipped"]] == ["tensorrt"]
+    # compared with the eager image the first run saved
+    assert data["rows"][1]["max_pixel_diff_vs_eager"] is not None
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager", "--fresh")
+    assert status == 0 and [r["label"] for r in data["rows"]] == [EAGER] and data["skipped"] == []
+    assert data["rows"][0]["latency_ms_runs"] != first
+
+
+def test_a_failing_contender_is_reported_and_the_others_run(tmp_path, monkeypatch):
+    real = benchmark.run_contender
+
+    def flaky(args, contender, *rest):
+        if contender.label == EAGER:
+            raise RuntimeError("CUDA out of memory.\nTried to allocate 2.00 GiB")
+        return real(args, contender, *rest)
+
+    monkeypatch.setattr(benchmark, "run_contender", flaky)
+    status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,diffusers-channels-last")
+    assert status == 0
+    assert data["failed"] == [{"label": EAGER, "workload": WORKLOAD, "what": data["failed"][0]["what"],
+                               "reason": "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"}]
+    assert [r["label"] for r in data["rows"]] == ["diffusers-channels-last"]
+    assert data["rows"][0]["psnr_vs_eager_db"] is None  # no reference image to compare with
+    assert f"diffusers-eager ({WORKLOAD}) failed: RuntimeError: CUDA out of memory." in (
+        results / f"{STEM}.md").read_text()
+
+
+def test_a_run_cut_short_leaves_the_rows_so_far(tmp_path, monkeypatch):
+    real = benchmark.run_contender
+
+    def interrupted(args, contender, *rest):
+        if contender.label != EAGER:
+            raise KeyboardInterrupt
+        return real(args, contender, *rest)
+
+    monkeypatch.setattr(benchmark, "run_contender", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,diffusers-channels-last")
+    data = json.loads((tmp_path / "results" / f"{STEM}.json").read_text())
+    assert [r["label"] for r in data["rows"]] == [EAGER]
+    assert "| diffusers-eager |" in (tmp_path / "results" / f"{STEM}.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--contenders", "ours,bogus"], "unknown contender(s) bogus"),
+    (["--contenders", "ours+GEGLU"], "unknown contender(s) ours+GEGLU"),
+    (["--contenders", "ours,ours"], "names a contender twice"),
+    (["--runs", "0"], "--runs must be at least 1"),
+    (["--denoising-steps", "0"], "--denoising-steps must be at least 1"),
+    (["--height", "60"], "--height must be a multiple of 8"),
+    (["--results-dir", "{file}/x"], "results directory '{file}/x' cannot be written"),
+])
+def test_usage_errors(args, message, tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    args = [a.format(file=a_file) for a in args]
+    status = main([*COMMON, "--work-dir", str(tmp_path / "work"), *(["--results-dir", str(tmp_path / "r")]
+                                                                    if "--results-dir" not in args else []), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("benchmark: error: ")
+    assert message.format(file=a_file) in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_contender_selection():
+    assert [c.label for c in select_contenders(None)] == list(DEFAULT_CONTENDERS)
+    everything = select_contenders("all")
+    assert everything[0].label == EAGER and len(everything) == len(benchmark.contenders())
+    chosen = select_contenders("ours+GroupNorm+LayerNorm,diffusers-eager,ours+none")
+    assert [c.label for c in chosen] == [EAGER, "ours+GroupNorm+LayerNorm", "ours+none"]
+    ours = benchmark.contenders()["ours"].settings
+    assert chosen[1].settings == TorchSettings(("GroupNorm", "LayerNorm"), ours.channels_last, ours.cuda_graph,
+                                               ours.compile)
+    assert chosen[2].settings.plugins == ()
+    toggles = {c.label: c.settings for c in everything if c.label.startswith("ours-no-")}
+    assert toggles["ours-no-plugins"].plugins == () and toggles["ours-no-compile"].compile == "none"
+    assert toggles["ours-no-cuda-graph"].cuda_graph is False and toggles["ours-no-channels-last"].channels_last is False
+    assert "fMHA" not in toggles["ours-no-attention"].plugins and "GroupNorm" in toggles["ours-no-attention"].plugins
+    with pytest.raises(UsageError):
+        select_contenders(",")
+
+
+def _row(label, backend, pipeline, settings, workload="sd1.5-arch, 512x512, batch 1, 50 steps"):
+    return {"label": label, "backend": backend, "workload": workload, "settings": settings,
+            "latency_ms": {"pipeline": pipeline}}
+
+
+def test_defaults_table_takes_the_fastest_torch_row_and_the_backend_reads_it(tmp_path, monkeypatch):
+    fast = TorchSettings(("GroupNorm",), True, True, "max-autotune-no-cudagraphs").as_dict()
+    rows = [_row("diffusers-eager", "torch", 1900.0, TorchSettings().as_dict()),
+            _row("ours+GroupNorm", "torch", 700.0, fast),
+            _row("tensorrt", "tensorrt", 500.0, {"plugins": [], "cuda_graph": True}),  # engines do not count
+            _row("ours", "torch", 650.0, TorchSettings().as_dict(), workload="sd1.5-arch, 768x768, batch 1, 50 steps")]
+    table = tmp_path / "torch_defaults.json"
+    table.write_text(json.dumps({"8.0": {"plugins": [], "channels_last": False, "cuda_graph": False, "compile": "none"}}))
+    write_defaults(table, {"rows": rows}, "sd1.5-arch, 512x512, batch 1, 50 steps", "NVIDIA H100 80GB HBM3", "9.0",
+                   tmp_path / "benchmark-nvidia-h100-80gb-hbm3.json")
+    entries = json.loads(table.read_text())
+    assert set(entries) == {"8.0", "9.0"}
+    assert entries["9.0"]["label"] == "ours+GroupNorm" and entries["9.0"]["pipeline_ms"] == 700.0
+    assert entries["9.0"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert "benchmark-nvidia-h100-80gb-hbm3.json" in entries["9.0"]["source"]
+    monkeypatch.setattr("models.plugin_set.local_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(torch_ops, "_STATUS", "available")
+    settings, source = resolve_torch_settings(device=torch.device("cuda"), table=table)
+    assert settings == TorchSettings(("GroupNorm",), True, True, "max-autotune-no-cudagraphs")
+    assert "NVIDIA H100 80GB HBM3" in source
