@@ -18,7 +18,6 @@ the plain diffusers modules, nothing changed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,17 +54,11 @@ FALLBACK = TorchSettings()
 
 def defaults_entry(compute_capability: str | None, table: Path = TORCH_DEFAULTS_TABLE) -> dict | None:
     """The table's entry for a compute capability ("9.0"), checked; None without one (or without a GPU)."""
-    from models.plugin_set import PLUGIN_KEYS
+    from models.plugin_set import PLUGIN_KEYS, measured_entry
 
     if compute_capability is None:
         return None
-    try:
-        entries = json.loads(table.read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError as exc:
-        raise UsageError(f"{table} is not valid JSON: {exc}") from exc
-    entry = entries.get(compute_capability) if isinstance(entries, dict) else None
+    entry = measured_entry(table, compute_capability)
     if entry is None:
         return None
     valid = (isinstance(entry, dict) and isinstance(entry.get("plugins"), list)

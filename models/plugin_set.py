@@ -48,15 +48,21 @@ def local_compute_capability() -> str | None:
     return f"{major}.{minor}"
 
 
-def auto_plugin_entry(compute_capability: str, table: Path = AUTO_TABLE) -> dict | None:
-    """The table's entry for a compute capability, or None when it has none (or there is no table)."""
+def measured_entry(table: Path, compute_capability: str):
+    """The entry for a compute capability ("9.0") in a table of measured choices (JSON keyed by compute
+    capability), or None when it has none (or there is no table)."""
     try:
         entries = json.loads(table.read_text())
     except FileNotFoundError:
         return None
     except ValueError as exc:
         raise UsageError(f"{table} is not valid JSON: {exc}") from exc
-    entry = entries.get(compute_capability) if isinstance(entries, dict) else None
+    return entries.get(compute_capability) if isinstance(entries, dict) else None
+
+
+def auto_plugin_entry(compute_capability: str, table: Path = AUTO_TABLE) -> dict | None:
+    """The table's entry for a compute capability, or None when it has none (or there is no table)."""
+    entry = measured_entry(table, compute_capability)
     if entry is None:
         return None
     plugins = entry.get("plugins") if isinstance(entry, dict) else None
