@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default="ablation", help="per-configuration ONNX and engines (default: ablation)")
     p.add_argument("--results-dir", default=str(ROOT / "results"), help="where JSON, markdown and PNG go")
     p.add_argument("--parallel-builds", type=int, default=4, help="engine builds at a time (default: 4)")
+    p.add_argument("--build-gpus", type=int, default=1,
+                   help="spread the builds over this many GPUs (CUDA_VISIBLE_DEVICES, in turn), so that their "
+                        "tactic timing does not share one; the runs use the first (default: 1)")
     p.add_argument("--build-only", action="store_true", help="build every configuration's engines, run none")
     p.add_argument("--build-budget-s", type=float,
                    help="stop building after this many seconds: builds still running are stopped, and their "
@@ -190,13 +193,13 @@ def build_all(args, jobs: list[Job], work: Path) -> tuple[dict[Job, float], dict
     for job in jobs:
         share_raw_export(raw[job.stage], work / job.folder / "onnx", job.stage)
     pending = list(jobs)
-    running: dict[Job, tuple[subprocess.Popen, float]] = {}
+    running: dict[Job, tuple[subprocess.Popen, float, int]] = {}
     times: dict[Job, float] = {}
     failed: dict[Job, str] = {}
     deadline = time.perf_counter() + args.build_budget_s if args.build_budget_s else float("inf")
     while pending or running:
         if time.perf_counter() > deadline:
-            for process, _ in running.values():
+            for process, _, _ in running.values():
                 process.kill()
                 process.wait()
             for job in [*running, *pending]:
@@ -205,13 +208,17 @@ def build_all(args, jobs: list[Job], work: Path) -> tuple[dict[Job, float], dict
             break
         if pending and len(running) < args.parallel_builds:
             job = pending.pop(0)
+            busy = [gpu for _, _, gpu in running.values()]
+            gpu = min(range(args.build_gpus), key=busy.count)  # the GPU with the fewest builds
             log = open(work / job.folder / "build.log", "w")
-            print(f"[ablation] building {job.folder} ...", flush=True)
+            print(f"[ablation] building {job.folder} on GPU {gpu} ...", flush=True)
             command = [sys.executable, str(ROOT / "scripts" / "build_engines.py"), *job_argv(args, job, work)]
-            running[job] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
+            environment = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if args.build_gpus > 1 else None
+            running[job] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment),
+                            time.perf_counter(), gpu)
             continue
         time.sleep(2)
-        for job, (process, started) in list(running.items()):
+        for job, (process, started, _) in list(running.items()):
             if process.poll() is None:
                 continue
             del running[job]
@@ -353,6 +360,8 @@ def ablate(args) -> int:
         raise UsageError(f"--runs must be at least 1, got {args.runs}")
     if args.parallel_builds < 1:
         raise UsageError(f"--parallel-builds must be at least 1, got {args.parallel_builds}")
+    if not 1 <= args.build_gpus <= max(torch.cuda.device_count(), 1):
+        raise UsageError(f"--build-gpus must be 1 to the {torch.cuda.device_count()} GPUs here, got {args.build_gpus}")
     if args.build_budget_s is not None and args.build_budget_s <= 0:
         raise UsageError(f"--build-budget-s must be positive, got {args.build_budget_s}")
     if args.timing_cache:
@@ -403,7 +412,7 @@ def ablate(args) -> int:
             "height": args.height, "width": args.width, "steps": args.denoising_steps, "scheduler": args.scheduler,
             "seed": args.seed, "runs": args.runs, "optimization_level": args.optimization_level,
             "date": datetime.date.today().isoformat(), "parallel_builds": args.parallel_builds,
-            "build_budget_s": args.build_budget_s}
+            "build_budget_s": args.build_budget_s, "build_gpus": args.build_gpus}
     table = markdown_table(rows, gpu, trt_version) + "".join(f"\n'{label}' not run: {why}\n" for label, why in failed.items())
     atomic_write_bytes(results / f"{name}.json", json.dumps({**meta, "rows": rows, "failed": failed}, indent=1).encode())
     atomic_write_bytes(results / f"{name}.md", table.encode())

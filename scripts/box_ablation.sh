@@ -1,7 +1,7 @@
 # The plugin ablation's lease on the GPU box, from a snapshot of the repository (so edits made here while
 # it runs do not reach its build processes). Run from the repository root after the ../shared/trt86 carry
 # parts are on the box (see README "Plugins in engines"), with .carry/snap (git archive HEAD) and .whl carried:
-#   bash scripts/box_ablation.sh start CONFIGS BUDGET_S PARALLEL  # builds the plugin library, starts the ablation detached
+#   bash scripts/box_ablation.sh start CONFIGS BUDGET_S PARALLEL [GPUS]  # builds the plugin library, starts the ablation detached
 #   bash scripts/box_ablation.sh wait                             # blocks up to ~9 min while it runs; prints progress
 #   bash scripts/box_ablation.sh collect                          # results and logs into $OUT
 export TRT86_SHA=1b00064f7adedb09
@@ -13,7 +13,7 @@ start)
   cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 -DTENSORRT_INCLUDE_DIR=/opt/k/misc/src/include >/dev/null \
     && cmake --build build -j 16 >/dev/null || exit 1
   setsid nohup python3 scripts/ablation.py --model sd1.5-arch --disable-tactic-sources CUDNN --work-dir $WORK \
-    --results-dir $SNAP/results --configs "$2" --build-budget-s "$3" --parallel-builds "$4" >$WORK.log 2>&1 </dev/null &
+    --results-dir $SNAP/results --configs "$2" --build-budget-s "$3" --parallel-builds "$4" --build-gpus "${5:-1}" >$WORK.log 2>&1 </dev/null &
   sleep 2; cat $WORK.log ;;
 wait)
   for _ in $(seq 1 105); do pgrep -f "scripts/ablatio[n].py" >/dev/null || break; sleep 5; done

@@ -87,3 +87,40 @@ def test_the_run_finds_exactly_the_engines_the_build_jobs_made(tiny, tmp_path, m
     monkeypatch.setattr("demo.engine.build_engine_file", no_build)
     stages = create_config_stages(args, tiny, jobs, tmp_path)
     assert set(stages) == {"clip", "unet", "vae"}
+
+
+def test_builds_spread_over_the_gpus_given_the_fewest_builds_first(tmp_path, monkeypatch):
+    import argparse
+    import itertools
+    from pathlib import Path
+
+    from scripts.ablation import Job, build_all
+
+    launched = []
+
+    class Finished:
+        def __init__(self, command, env=None, **_):
+            folder = Path(command[command.index("--engine-dir") + 1]).parent.name
+            launched.append((folder, (env or {}).get("CUDA_VISIBLE_DEVICES")))
+            self.polls, self.returncode = itertools.count(), 0
+            self.length = 1 if folder == "unet-none" else 5  # the first finishes first
+
+        def poll(self):
+            return 0 if next(self.polls) >= self.length else None
+
+    monkeypatch.setattr("scripts.ablation.subprocess.Popen", Finished)
+    monkeypatch.setattr("scripts.ablation.time.sleep", lambda _: None)
+    args = argparse.Namespace(model="tiny", height=64, width=64, optimization_level=0, disable_tactic_sources=None,
+                              parallel_builds=3, build_gpus=2, build_budget_s=None)
+    jobs = [Job("unet", (), "sdplugins"), Job("unet", ("GroupNorm",), "sdplugins"), Job("clip", (), "sdplugins"),
+            Job("vae", (), "sdplugins")]
+    for stage in ("unet", "clip", "vae"):
+        (tmp_path / Job(stage, (), "sdplugins").folder / "onnx").mkdir(parents=True)
+    times, failed = build_all(args, jobs, tmp_path)
+    assert failed == {} and set(times) == set(jobs)
+    # three at a time over two GPUs: 0, 1, 0; the first finishes first, so the fourth goes where it ran
+    # (not in turn, which would give GPU 1 a second build while GPU 0 has one)
+    assert [gpu for _, gpu in launched] == ["0", "1", "0", "0"]
+    args.build_gpus, launched[:] = 1, []
+    build_all(args, jobs, tmp_path)
+    assert [gpu for _, gpu in launched] == [None] * 4  # one GPU: the environment is left as it is
