@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -88,6 +89,21 @@ class Text2ImagePipeline:
         """How many times the UNet runs for `steps` (some schedulers take extra warm-up steps)."""
         self.scheduler.set_timesteps(steps)
         return len(self.scheduler.timesteps)
+
+    def timed_runs(self, request: "GenerationRequest", warmup_runs: int, runs: int,
+                   say: Callable[[str], None] = lambda _: None) -> tuple[np.ndarray, list[dict[str, float]]]:
+        """`warmup_runs` untimed runs, then `runs` timed ones: the last run's images and each run's stage
+        milliseconds, for benchmarks to take medians of. `say` hears of each run."""
+        for run in range(warmup_runs):
+            say(f"warm-up run {run + 1}/{warmup_runs}")
+            self(request, StageTimer(self.device))
+        timings = []
+        for run in range(runs):
+            timer = StageTimer(self.device)
+            images = self(request, timer)
+            timings.append(timer.milliseconds())
+            say(f"run {run + 1}/{runs}: pipeline {timings[-1]['pipeline']:.2f} ms, UNet {timings[-1]['unet']:.2f} ms")
+        return images, timings
 
     def _token_ids(self, texts: list[str]) -> torch.Tensor:
         ids = self.tokenizer(

@@ -254,20 +254,13 @@ def run_config(args, source, label, plugins, convention, jobs: dict[str, Job], w
 
     from demo.backends import device_and_dtype
     from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
-    from demo.report import StageTimer
     from models.plugin_passes import read_pass_report
 
     device, dtype = device_and_dtype("tensorrt")
     stages = create_config_stages(args, source, jobs, work)
     pipeline = Text2ImagePipeline(source, stages, args.scheduler, device, dtype)
     request = GenerationRequest([args.prompt], [""], args.height, args.width, args.denoising_steps, 7.5, args.seed)
-    for _ in range(2):
-        pipeline(request, StageTimer(device))
-    timings = []
-    for _ in range(args.runs):
-        timer = StageTimer(device)
-        images = pipeline(request, timer)
-        timings.append(timer.milliseconds())
+    images, timings = pipeline.timed_runs(request, warmup_runs=2, runs=args.runs)
     unet_calls = pipeline.unet_calls(args.denoising_steps)
     layers = {}
     for stage, job in jobs.items():
@@ -352,7 +345,7 @@ def ablate(args) -> int:
     from demo.logs import configure_library_logging
     from demo.pipeline import image_psnr
     from demo.trt_flavour import version
-    from models.plugin_set import AUTO_TABLE
+    from models.plugin_set import AUTO_TABLE, local_compute_capability
     from models.source import resolve_model
 
     configs = select_configs(args.configs)
@@ -404,11 +397,10 @@ def ablate(args) -> int:
         row["max_pixel_diff_vs_none"] = (int(abs(image.astype(int) - reference.astype(int)).max())
                                          if reference is not None else None)
 
-    major, minor = torch.cuda.get_device_capability()
     name = f"ablation-{slug(gpu)}"
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": gpu, "compute_capability": f"{major}.{minor}", "tensorrt": trt_version, "model": source.name,
+    meta = {"gpu": gpu, "compute_capability": local_compute_capability(), "tensorrt": trt_version, "model": source.name,
             "height": args.height, "width": args.width, "steps": args.denoising_steps, "scheduler": args.scheduler,
             "seed": args.seed, "runs": args.runs, "optimization_level": args.optimization_level,
             "date": datetime.date.today().isoformat(), "parallel_builds": args.parallel_builds,

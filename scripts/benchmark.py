@@ -314,7 +314,6 @@ def run_contender(args, contender, source, workload, first, device, dtype) -> tu
     import torch
 
     from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
-    from demo.report import StageTimer
     from models import stage_batch
 
     cuda = device.type == "cuda"
@@ -340,16 +339,8 @@ def run_contender(args, contender, source, workload, first, device, dtype) -> tu
             row["capture_s"] = captures if settings.cuda_graph else None
         else:
             row["capture_s"] = row["ready_s"]
-        for run in range(args.warmup_runs):
-            say(f"{contender.label}: warm-up run {run + 1}/{args.warmup_runs}")
-            pipeline(request, StageTimer(device))
-        timings = []
-        for run in range(args.runs):
-            timer = StageTimer(device)
-            images = pipeline(request, timer)
-            timings.append(timer.milliseconds())
-            say(f"{contender.label}: run {run + 1}/{args.runs}: pipeline {timings[-1]['pipeline']:.2f} ms, "
-                f"UNet {timings[-1]['unet']:.2f} ms")
+        images, timings = pipeline.timed_runs(request, args.warmup_runs, args.runs,
+                                              say=lambda line: say(f"{contender.label}: {line}"))
         row["unet_calls"] = pipeline.unet_calls(args.denoising_steps)
         row["latency_ms"] = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
         row["latency_ms_runs"] = timings
@@ -517,6 +508,7 @@ def benchmark(args) -> int:
     from demo.logs import configure_library_logging
     from demo.report import device_name, library_versions
     from demo.torch_accel import TORCH_DEFAULTS_TABLE
+    from models.plugin_set import local_compute_capability
     from models.source import resolve_model
 
     chosen = select_contenders(args.contenders)
@@ -526,10 +518,7 @@ def benchmark(args) -> int:
     configure_library_logging(args.verbose)
     device, dtype = device_and_dtype("torch")
     gpu = device_name(device)
-    capability = None
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        capability = f"{major}.{minor}"
+    capability = local_compute_capability() if device.type == "cuda" else None
     try:
         from demo.trt_flavour import version
 
