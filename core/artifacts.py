@@ -166,8 +166,10 @@ def cached_build(
     force: bool = False,
     log: Callable[[str], None] = print,
     verify_content: bool = False,
+    build_missing: bool = True,
 ) -> Path:
-    """Return `artifact`, building it with `build(staging_path)` unless a fresh copy exists.
+    """Return `artifact`, building it with `build(staging_path)` unless a fresh copy exists (with
+    `build_missing` False, raise ArtifactError instead, leaving what is there as it is).
 
     `build` writes the main file at `staging_path` and may write side files beside it; all files it
     leaves in that directory become part of the artifact. With `verify_content`, a reused artifact's
@@ -177,6 +179,8 @@ def cached_build(
         reason = "forced rebuild" if force else _staleness(artifact, key, verify_content)
         if reason is None:
             log(f"[cache] {artifact.name}: up to date")
+        elif not build_missing:
+            raise ArtifactError(f"{artifact}: {reason}, and building is off here")
         else:
             log(f"[cache] {artifact.name}: building ({reason})")
             _build_into_place(artifact, key, build)

@@ -273,9 +273,10 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
 
 def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], ContextManager[Path]], engine_dir: Path,
                    shapes: dict, options: BuildOptions, force: bool = False, log: Callable[[str], None] = print,
-                   progress: Callable[[str], None] = print) -> Path:
+                   progress: Callable[[str], None] = print, build_missing: bool = True) -> Path:
     """The engine for `model` through the cache: reused when its key and content check out; otherwise
-    `make_onnx()` provides the optimized ONNX (exporting only then), locked while the engine is built from it."""
+    `make_onnx()` provides the optimized ONNX (exporting only then), locked while the engine is built from it
+    (or, with build_missing False, an ArtifactError says why there is none to reuse)."""
     api = TensorRTAPI(options.flavour)
     artifact = engine_dir / f"{model.name}.engine"
     key = reusable_key(artifact, engine_key(model, onnx_key, shapes, options, api), options)
@@ -285,7 +286,7 @@ def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], Co
             convention = onnx_key["plugin_convention"] if onnx_key["plugins"] else None
             build_engine_file(path, onnx_path, model, shapes, options, progress, convention)
 
-    return cached_build(artifact, key, build, force, log, verify_content=True)
+    return cached_build(artifact, key, build, force, log, verify_content=True, build_missing=build_missing)
 
 
 @dataclass
@@ -303,6 +304,9 @@ class EngineSettings:
     force_engine_build: bool = False
     plugins: tuple[str, ...] = ()  # models.plugin_set keys whose passes put plugins into the graphs
     plugin_convention: str = "sdplugins"  # ours, or TensorRT's own plugins (models.plugin_passes.CONVENTIONS)
+    # False: a missing or stale engine is an error, not a build (runs of engines built elsewhere, e.g.
+    # by the ablation's build jobs, must not quietly spend minutes building on the GPU they time).
+    build_missing: bool = True
     stats: dict = field(default_factory=dict)
 
 
@@ -332,7 +336,7 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
         shapes = settings.profile.stage_shapes(model, settings.guided)
         onnx_key = model.optimized_onnx_key(dtype, settings.plugins, settings.plugin_convention)
         engines[model.name] = prepare_engine(model, onnx_key, make_onnx, settings.engine_dir, shapes, settings.options,
-                                             settings.force_engine_build, log, progress)
+                                             settings.force_engine_build, log, progress, settings.build_missing)
         stat["engine_s"] = time.perf_counter() - start - (stat["onnx_s"] or 0.0)
         stat["engine_bytes"] = engines[model.name].stat().st_size
         settings.stats[model.name] = stat

@@ -49,6 +49,9 @@ CONFIGS = (
     ("Seq2Spatial alone", ("Seq2Spatial",), OURS),
     ("TensorRT's fMHA_V2/fMHCA", ATTENTION, TENSORRT),
     ("TensorRT's plugins (all six)", ALL, TENSORRT),
+    # TensorRT 8.6's fMHA_V2 has no Hopper kernels: there the peer is the other four, against ours.
+    ("ours without attention", ALL[2:], OURS),
+    ("TensorRT's without attention", ALL[2:], TENSORRT),
 )
 # What each configuration shows alone (for --plugins auto): the attention pair is measured as a pair.
 ALONE = {"+fMHA/fMHCA": ATTENTION, "LayerNorm alone": ("LayerNorm",), "GroupNorm alone": ("GroupNorm",),
@@ -117,7 +120,7 @@ class Job:
 
 
 def job_for(stage: str, plugins: tuple[str, ...], convention: str, families: dict) -> Job:
-    kept = tuple(p for p in plugins if p in families.get((stage, convention), ALL))
+    kept = tuple(p for p in ALL if p in plugins and p in families.get((stage, convention), ALL))  # in one order
     return Job(stage, kept, convention if kept else OURS)
 
 
@@ -151,30 +154,32 @@ def share_raw_export(source_dir: Path, target_dir: Path, stage: str) -> None:
             os.link(source_dir / name, target_dir / name)
 
 
+def probe_dir(work: Path, stage: str, convention: str) -> Path:
+    return work / f"probe-{stage}-{convention}" / "onnx"
+
+
 def export_and_probe(args, source, configs, work: Path) -> dict:
     """Export each stage's raw ONNX once, and run every pass on the text encoder and the VAE to learn
     which families they contain (per convention). Returns {(stage, convention): families}; the UNet is
     taken to contain all of them (its pass report is checked against the engine anyway)."""
     from demo.backends import device_and_dtype
     from models import STAGE_MODELS
-    from models.plugin_passes import read_pass_report
 
     device, dtype = device_and_dtype("tensorrt")
-    families = {}
+    conventions = sorted({c for _, plugins, c in configs if plugins})
     for stage in BUILT_STAGES:
         print(f"[ablation] exporting {stage} ONNX ...", flush=True)
         model = STAGE_MODELS[stage](source)
         raw = work / Job(stage, (), OURS).folder / "onnx"
         model.prepare_onnx(raw, device, dtype, log=lambda *_: None)
-        for convention in sorted({c for _, plugins, c in configs if plugins}):
-            if stage == "unet":
-                families[(stage, convention)] = set(ALL)
-                continue
-            probe = work / f"probe-{stage}-{convention}" / "onnx"
+        for convention in conventions if stage != "unet" else ():
+            probe = probe_dir(work, stage, convention)
             share_raw_export(raw, probe, stage)
             model.prepare_onnx(probe, device, dtype, log=lambda *_: None, plugins=ALL, plugin_convention=convention)
-            report = read_pass_report(model.optimized_onnx_path(probe))
-            families[(stage, convention)] = {key for key, counts in report.items() if counts["replaced"]}
+    families = {}
+    for convention in conventions:
+        families.update(probed_families(source, work, convention))
+        for stage in ("clip", "vae"):
             print(f"[ablation] {stage} ({convention}) has: {', '.join(sorted(families[(stage, convention)])) or 'none'}",
                   flush=True)
     return families
@@ -236,17 +241,47 @@ def build_all(args, jobs: list[Job], work: Path) -> tuple[dict[Job, float], dict
     return times, failed
 
 
-def create_config_stages(args, source, jobs: dict[str, Job], work: Path, log=lambda *_: None):
-    """A configuration's stages from its jobs' engines, through the same settings the builds used."""
+def create_config_stages(args, source, jobs: dict[str, Job], work: Path, log=lambda *_: None,
+                         use_cuda_graph: bool = False):
+    """A configuration's stages from its jobs' engines, through the same settings the builds used; an
+    engine that is not there (or not for those settings) is an error, never a build on the GPU being timed."""
+    from dataclasses import replace
+
     from demo.backends import create_stages, device_and_dtype
     from models import STAGE_MODELS
 
     device, dtype = device_and_dtype("tensorrt")
     stages = {}
     for stage, job in jobs.items():
-        settings = job_settings(args, source, job, work)
+        settings = replace(job_settings(args, source, job, work), build_missing=False, use_cuda_graph=use_cuda_graph)
         stages.update(create_stages("tensorrt", [STAGE_MODELS[stage](source)], device, dtype, settings, log=log))
     return stages
+
+
+def probed_families(source, work: Path, convention: str) -> dict:
+    """{(stage, convention): families} from the probes export_and_probe left in `work`: the families the
+    text encoder's and the VAE's passes replaced; the UNet is taken to have all of them."""
+    from models import STAGE_MODELS
+    from models.plugin_passes import read_pass_report
+
+    families = {("unet", convention): set(ALL)}
+    for stage in ("clip", "vae"):
+        path = STAGE_MODELS[stage](source).optimized_onnx_path(probe_dir(work, stage, convention))
+        try:
+            report = read_pass_report(path)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"no ablation probe of {stage} ({convention}) in {work}: {exc}") from None
+        families[(stage, convention)] = {key for key, counts in report.items() if counts["replaced"]}
+    return families
+
+
+def ablation_engine_stages(args, source, plugins: tuple[str, ...], convention: str, work: Path,
+                           use_cuda_graph: bool = False) -> dict:
+    """The stages of the configuration with `plugins` (in `convention`) from the engines an ablation built in
+    `work` (args as the ablation's: model, height, width, optimization_level, disable_tactic_sources)."""
+    families = probed_families(source, work, convention) if plugins else {}
+    jobs = {stage: job_for(stage, plugins, convention, families) for stage in BUILT_STAGES}
+    return create_config_stages(args, source, jobs, work, use_cuda_graph=use_cuda_graph)
 
 
 def run_config(args, source, label, plugins, convention, jobs: dict[str, Job], work: Path) -> dict:
@@ -366,8 +401,8 @@ def ablate(args) -> int:
     start = time.perf_counter()
     families = export_and_probe(args, source, configs, work)
     jobs = config_jobs(configs, families)
-    # UNets first (the long builds), each family of configurations in --configs order
-    order = list(dict.fromkeys(job for stage in BUILT_STAGES for label, _, _ in configs for job in [jobs[label][stage]]))
+    # In --configs order, so that a --build-budget-s stops the last configurations, not parts of all of them
+    order = list(dict.fromkeys(jobs[label][stage] for label, _, _ in configs for stage in BUILT_STAGES))
     build_s, failed_jobs = build_all(args, order, work)
     failed = {label: "; ".join(failed_jobs[job] for job in jobs[label].values() if job in failed_jobs)
               for label, _, _ in configs if any(job in failed_jobs for job in jobs[label].values())}
@@ -397,6 +432,9 @@ def ablate(args) -> int:
         row["max_pixel_diff_vs_none"] = (int(abs(image.astype(int) - reference.astype(int)).max())
                                          if reference is not None else None)
 
+    if not rows:
+        print(f"{PROG}: error: no configuration was built, so none ran", file=sys.stderr)
+        return 1
     name = f"ablation-{slug(gpu)}"
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)

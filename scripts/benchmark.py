@@ -22,7 +22,8 @@ which the torch backend's flags default to on this compute capability (--no-defa
 Engines: plugin-free engines for the first workload live in --onnx-dir / --engine-dir (so engines that
 scripts/build_engines.py built with the same flags are reused); with plugins in <dir>-plugins, other
 workloads in <dir>[-plugins]-<W>x<H>-b<batch>. Build them ahead with build_engines.py (--build-static-batch and
-the same --disable-tactic-sources and --optimization-level) when a build would not fit a session.
+the same --disable-tactic-sources and --optimization-level) when a build would not fit a session, or run
+those scripts/ablation.py built (--engines-from-ablation).
 """
 
 from __future__ import annotations
@@ -184,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--timing-cache", help="timing cache file, read and updated by builds")
     g.add_argument("--disable-tactic-sources", metavar="NAMES", help="e.g. CUDNN where cuDNN is missing")
     g.add_argument("--optimization-level", type=int, default=3, help="TensorRT builder level 0-5 (default: 3)")
+    g.add_argument("--engines-from-ablation", metavar="DIR",
+                   help="run the TensorRT contenders on the engines scripts/ablation.py built in its --work-dir DIR "
+                        "(its 'none' and '+Seq2Spatial' configurations, with the same --optimization-level and "
+                        "--disable-tactic-sources) instead of building; a missing engine fails the contender")
     return run_command(PROG, lambda: benchmark(p.parse_args(argv)))
 
 
@@ -201,6 +206,8 @@ def check_arguments(args) -> None:
     check_writable_directory("work directory", Path(args.work_dir))
     if args.defaults_table:
         check_writable_file("defaults table", Path(args.defaults_table))
+    if args.engines_from_ablation and not Path(args.engines_from_ablation).is_dir():
+        raise UsageError(f"--engines-from-ablation: no such directory: {args.engines_from_ablation}")
 
 
 def workloads_of(args, source) -> list[Workload]:
@@ -285,6 +292,18 @@ def load_stages(args, contender, source, workload, first, device, dtype) -> tupl
         return stages, {"load_s": time.perf_counter() - start,
                         "substitution": {name: s.substitution.as_dict() for name, s in stages.items()
                                          if s.substitution is not None}}
+    if args.engines_from_ablation:
+        from scripts.ablation import ablation_engine_stages
+
+        built = argparse.Namespace(model=args.model, height=workload.height, width=workload.width,
+                                   optimization_level=args.optimization_level,
+                                   disable_tactic_sources=args.disable_tactic_sources)
+        say(f"{contender.label}: engines from the ablation in {args.engines_from_ablation}")
+        stages = ablation_engine_stages(built, source, contender.plugins, "sdplugins", Path(args.engines_from_ablation),
+                                        use_cuda_graph=True)
+        return stages, {"load_s": time.perf_counter() - start, "build_s": None, "engines_reused": True,
+                        "engine_device_memory_bytes": max(stage.engine.device_memory_size for stage in stages.values()),
+                        "engine_dir": args.engines_from_ablation}
     from demo.arguments import engine_settings
 
     onnx_dir, engine_dir = engine_dirs(args, contender, workload, first)

@@ -20,8 +20,12 @@ def test_configurations_follow_demodiffusion_then_each_family_alone():
     assert cumulative[-1] == {"fMHA", "fMHCA", "LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial"}
     assert [len(plugins) for _, plugins, _ in CONFIGS[6:10]] == [1, 1, 1, 1]
     assert {convention for _, _, convention in CONFIGS[:10]} == {"sdplugins"}
-    # The peer: TensorRT's own plugins, for the attention pair and for everything
-    assert [(set(p), c) for _, p, c in CONFIGS[10:]] == [(cumulative[1], "tensorrt"), (cumulative[-1], "tensorrt")]
+    # The peer: TensorRT's own plugins, for the attention pair and for everything; and, for Hopper, where
+    # TensorRT 8.6's fMHA_V2 has no kernels, the other four of theirs against the same four of ours
+    without_attention = cumulative[-1] - cumulative[1]
+    assert [(set(p), c) for _, p, c in CONFIGS[10:]] == [
+        (cumulative[1], "tensorrt"), (cumulative[-1], "tensorrt"), (without_attention, "sdplugins"),
+        (without_attention, "tensorrt")]
     assert select_configs("none,GroupNorm alone") == [("none", (), "sdplugins"),
                                                       ("GroupNorm alone", ("GroupNorm",), "sdplugins")]
     assert select_configs(",".join(labels)) == list(CONFIGS)  # every label can be named in --configs
@@ -60,7 +64,7 @@ def test_text_encoder_and_vae_engines_are_shared_where_their_families_are_absent
     assert len({job.folder for config in jobs.values() for job in config.values()}) == len(set(
         job for config in jobs.values() for job in config.values()))  # one folder per distinct engine
     engines = {stage: {config[stage] for config in jobs.values()} for stage in ("clip", "unet", "vae")}
-    assert [len(engines[stage]) for stage in ("clip", "unet", "vae")] == [3, 12, 3]
+    assert [len(engines[stage]) for stage in ("clip", "unet", "vae")] == [3, 14, 3]
 
 
 def test_the_run_finds_exactly_the_engines_the_build_jobs_made(tiny, tmp_path, monkeypatch):
@@ -87,6 +91,17 @@ def test_the_run_finds_exactly_the_engines_the_build_jobs_made(tiny, tmp_path, m
     monkeypatch.setattr("demo.engine.build_engine_file", no_build)
     stages = create_config_stages(args, tiny, jobs, tmp_path)
     assert set(stages) == {"clip", "unet", "vae"}
+    # scripts/benchmark.py --engines-from-ablation: the same engines, for the contender with no plugins
+    from scripts.ablation import ablation_engine_stages
+
+    assert set(ablation_engine_stages(args, tiny, (), "sdplugins", tmp_path, use_cuda_graph=True)) == {"clip", "unet", "vae"}
+    # Other build settings than the ablation's: an error naming what differs, not a build
+    from core.artifacts import ArtifactError
+
+    with pytest.raises(ArtifactError, match="optimization_level changed.*building is off"):
+        create_config_stages(argparse.Namespace(**{**vars(args), "optimization_level": 2}), tiny, jobs, tmp_path)
+    with pytest.raises(UsageError, match="no ablation probe of clip"):  # plugins, but no probes there
+        ablation_engine_stages(args, tiny, ("LayerNorm",), "sdplugins", tmp_path)
 
 
 def test_builds_spread_over_the_gpus_given_the_fewest_builds_first(tmp_path, monkeypatch):

@@ -47,6 +47,20 @@ def test_reuse_rebuild_and_recovery(tmp_path):
     assert len(calls) == 5 and "content hash differs" in messages[0]
 
 
+def test_with_building_off_a_stale_artifact_is_an_error_and_stays_as_it_was(tmp_path):
+    from core.artifacts import ArtifactError
+
+    calls, art, quiet = [], tmp_path / "unet.engine", lambda *_: None
+    cached_build(art, {"level": 3}, _builder(calls), log=quiet)
+    assert cached_build(art, {"level": 3}, _builder(calls), log=quiet, build_missing=False) == art
+    with pytest.raises(ArtifactError, match="stale \\(level changed\\), and building is off"):
+        cached_build(art, {"level": 2}, _builder(calls), log=quiet, build_missing=False)
+    with pytest.raises(ArtifactError, match="not built yet, and building is off"):
+        cached_build(tmp_path / "vae.engine", {"level": 3}, _builder(calls), log=quiet, build_missing=False)
+    assert len(calls) == 1 and read_manifest(art)["key"] == {"level": 3}  # still reusable where it was made for
+    assert not (tmp_path / "vae.engine").exists()
+
+
 def test_failed_build_leaves_nothing(tmp_path):
     art = tmp_path / "clip.onnx"
 

@@ -139,6 +139,7 @@ def test_a_run_cut_short_leaves_the_rows_so_far(tmp_path, monkeypatch):
     (["--denoising-steps", "0"], "--denoising-steps must be at least 1"),
     (["--height", "60"], "--height must be a multiple of 8"),
     (["--results-dir", "{file}/x"], "results directory '{file}/x' cannot be written"),
+    (["--engines-from-ablation", "{file}/ablation"], "--engines-from-ablation: no such directory"),
 ])
 def test_usage_errors(args, message, tmp_path, capsys):
     a_file = tmp_path / "a-file"
