@@ -445,7 +445,7 @@ def markdown(results: dict) -> str:
                          f"| {_gib(row.get('device_used_bytes'))} | {psnr_text} "
                          f"| {'—' if row.get('max_pixel_diff_vs_eager') is None else row['max_pixel_diff_vs_eager']} |")
         parts.append("\n".join(lines))
-    for kind in ("skipped", "failed"):
+    for kind in Results.KINDS[1:]:
         for entry in results.get(kind, []):
             parts.append(f"{entry['label']} ({entry['workload']}) {kind}: {entry['reason']}")
     parts.append("Contenders: " + "; ".join(f"{row['label']}: {row['what']}" for row in
@@ -461,13 +461,17 @@ def chart(json_path: Path) -> bytes | None:
 
 
 class Results:
-    """The results JSON, markdown and chart of one GPU, rewritten after every contender."""
+    """The results JSON, markdown and chart of one GPU, rewritten after every contender. Besides rows, skips
+    and failures it keeps "discarded" entries: rows found invalid after the run (the reason says why), until
+    their contender is measured again."""
+
+    KINDS = ("rows", "skipped", "failed", "discarded")
 
     def __init__(self, args, gpu: str, meta: dict):
         self.directory = Path(args.results_dir)
         self.stem = f"benchmark-{gpu_slug(gpu)}"
         self.json_path = self.directory / f"{self.stem}.json"
-        self.data = {**meta, "rows": [], "skipped": [], "failed": []}
+        self.data = {**meta, **{kind: [] for kind in self.KINDS}}
         if not args.fresh and self.json_path.is_file():
             try:
                 earlier = json.loads(self.json_path.read_text())
@@ -475,7 +479,7 @@ class Results:
                 say(f"{self.json_path} is not JSON: starting afresh")
                 earlier = {}
             if earlier.get("gpu") == gpu:
-                for kind in ("rows", "skipped", "failed"):
+                for kind in self.KINDS:
                     self.data[kind] = list(earlier.get(kind, []))
 
     @staticmethod
@@ -484,7 +488,7 @@ class Results:
 
     def record(self, kind: str, entry: dict) -> None:
         """Put a row (or a skip or failure) in, replacing what an earlier run left for its contender and workload."""
-        for other in ("rows", "skipped", "failed"):
+        for other in self.KINDS:
             self.data[other] = [e for e in self.data[other] if self._key(e) != self._key(entry)]
         self.data[kind].append(entry)
         self.write()

@@ -96,6 +96,17 @@ def test_rows_of_earlier_runs_are_kept_and_replaced(tmp_path):
     assert data["rows"][0]["latency_ms_runs"] != first
 
 
+def test_a_discarded_row_stays_discarded_until_its_contender_is_measured_again(tmp_path):
+    status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager")
+    data["discarded"] = [{"label": "tensorrt", "workload": WORKLOAD, "reason": "a build shared the GPU"}]
+    (results / f"{STEM}.json").write_text(json.dumps(data))
+    status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-channels-last")
+    assert status == 0 and [e["label"] for e in data["discarded"]] == ["tensorrt"]
+    assert f"tensorrt ({WORKLOAD}) discarded: a build shared the GPU" in (results / f"{STEM}.md").read_text()
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "tensorrt")  # measured again (here: skipped)
+    assert data["discarded"] == [] and [e["label"] for e in data["skipped"]] == ["tensorrt"]
+
+
 def test_a_failing_contender_is_reported_and_the_others_run(tmp_path, monkeypatch):
     real = benchmark.run_contender
 
