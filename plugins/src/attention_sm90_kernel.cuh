@@ -311,18 +311,17 @@ __global__ void __launch_bounds__(C::THREADS, 1) attention_sm90_kernel(const __g
         const uint32_t idx = it.kv_first + j;
         const int st = idx % C::KVST;
         const uint32_t free_parity = ((idx / C::KVST) & 1) ^ 1;
-        mbarrier_wait(k_empty(st), free_parity);
-        mbarrier_arrive_expect_tx(k_full(st), C::KV_STAGE_BYTES);
+        // K's stage, then V's (separate barriers, so QK^T can start before V lands)
+        const auto load = [&](uint32_t tiles, uint32_t empty, uint32_t full, int slot) {
+          mbarrier_wait(empty, free_parity);
+          mbarrier_arrive_expect_tx(full, C::KV_STAGE_BYTES);
 #pragma unroll
-        for (int blk = 0; blk < C::NBLK; ++blk)
-          tma_load(sK + st * C::KV_STAGE_BYTES + blk * C::KV_BLOCK_BYTES, &p.kv_map, k_full(st), blk * C::W,
-                   it.head * p.kv_slot_mul + p.k_slot, j * C::BN, it.batch);
-        mbarrier_wait(v_empty(st), free_parity);
-        mbarrier_arrive_expect_tx(v_full(st), C::KV_STAGE_BYTES);
-#pragma unroll
-        for (int blk = 0; blk < C::NBLK; ++blk)
-          tma_load(sV + st * C::KV_STAGE_BYTES + blk * C::KV_BLOCK_BYTES, &p.kv_map, v_full(st), blk * C::W,
-                   it.head * p.kv_slot_mul + p.v_slot, j * C::BN, it.batch);
+          for (int blk = 0; blk < C::NBLK; ++blk)
+            tma_load(tiles + st * C::KV_STAGE_BYTES + blk * C::KV_BLOCK_BYTES, &p.kv_map, full, blk * C::W,
+                     it.head * p.kv_slot_mul + slot, j * C::BN, it.batch);
+        };
+        load(sK, k_empty(st), k_full(st), p.k_slot);
+        load(sV, v_empty(st), v_full(st), p.v_slot);
       }
     }
     return;
