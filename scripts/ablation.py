@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="a photo of an astronaut riding a horse on mars")
     p.add_argument("--runs", type=int, default=5, help="timed runs per configuration; medians reported (default: 5)")
-    p.add_argument("--configs", help=f"comma list of configuration labels (default: all of {', '.join(c[0] for c in CONFIGS)})")
+    p.add_argument("--configs", help="comma list of configuration labels, in the order to build them (runs and the "
+                                     f"table keep this order: {', '.join(c[0] for c in CONFIGS)}; default: all)")
     p.add_argument("--work-dir", default="ablation", help="per-configuration ONNX and engines (default: ablation)")
     p.add_argument("--results-dir", default=str(ROOT / "results"), help="where JSON, markdown and PNG go")
     p.add_argument("--parallel-builds", type=int, default=4, help="engine builds at a time (default: 4)")
@@ -413,7 +414,7 @@ def ablate(args) -> int:
     gpu = torch.cuda.get_device_name()
     trt_version = version("tensorrt")
     rows, images = [], {}
-    for label, plugins, convention in configs:
+    for label, plugins, convention in sorted(configs, key=CONFIGS.index):
         if label in failed:
             continue
         print(f"[ablation] running '{label}' ...", flush=True)

@@ -8,7 +8,8 @@
 # The ablation builds on every GPU but the last (one build each) and runs on the first; the last GPU runs
 # the benchmark's torch contenders, the UNet profile at the torch defaults they chose, the GPU tests and the
 # attention profile (Nsight Compute), then, once the ablation's engines are built, the TensorRT contenders
-# on them (--engines-from-ablation: same builder level and tactic sources).
+# on them (--engines-from-ablation: same builder level and tactic sources), so name 'none' and '+Seq2Spatial'
+# first in CONFIGS (the build order; a BUDGET_S cut then falls on the others).
 export TRT86_SHA=1b00064f7adedb09
 source scripts/box_trt86_env.sh || exit 1
 SNAP=/tmp/snap WORK=/tmp/ablation LOGS=/tmp/lease

@@ -139,3 +139,37 @@ def test_builds_spread_over_the_gpus_given_the_fewest_builds_first(tmp_path, mon
     args.build_gpus, launched[:] = 1, []
     build_all(args, jobs, tmp_path)
     assert [gpu for _, gpu in launched] == [None] * 4  # one GPU: the environment is left as it is
+
+
+def test_runs_keep_the_table_order_and_nothing_built_is_an_error_that_writes_nothing(tiny, tmp_path, monkeypatch, capsys):
+    """--configs orders the builds (a budget cuts the last); the runs and the table keep CONFIGS' order. When
+    no configuration was built, the ablation exits 1 with one line and writes no results."""
+    from scripts import ablation
+
+    ran = []
+    monkeypatch.setattr(ablation, "export_and_probe", lambda *_: {})
+    monkeypatch.setattr(ablation, "build_all", lambda args, jobs, work: ({}, {}))
+    monkeypatch.setattr(ablation, "run_config", lambda args, source, label, *_: ran.append(label) or {
+        "label": label, "latency_ms": {s: 1.0 for s in ablation.STAGES}, "plugin_layers": {}, "image": None})
+    monkeypatch.setattr("PIL.Image.fromarray", lambda _: type("Image", (), {"save": lambda *_: None})())
+    monkeypatch.setattr(ablation, "markdown_table", lambda rows, *_: "")
+    monkeypatch.setattr(ablation, "chart", lambda *_: None)
+    results = tmp_path / "results"
+    (tmp_path / "work").mkdir()  # export_and_probe, stood in for here, makes it
+    argv = ["--model", str(tiny.path), "--work-dir", str(tmp_path / "work"), "--results-dir", str(results),
+            "--configs", "+Seq2Spatial,none,+fMHA/fMHCA", "--build-only"]
+    assert ablation.main(argv) == 0 and ran == []
+    monkeypatch.setattr("demo.trt_flavour.version", lambda _: "8.6.0")
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *_: "Test GPU")
+    monkeypatch.setattr("models.plugin_set.AUTO_TABLE", tmp_path / "auto.json")
+    assert ablation.main(argv[:-1]) == 0
+    assert ran == ["none", "+fMHA/fMHCA", "+Seq2Spatial"]
+
+    every_job_failed = lambda args, jobs, work: ({}, {job: f"{job.folder} not built" for job in jobs})  # noqa: E731
+    monkeypatch.setattr(ablation, "build_all", every_job_failed)
+    ran.clear()
+    capsys.readouterr()
+    status = ablation.main(argv[:-1] + ["--results-dir", str(tmp_path / "empty")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and ran == [] and err == ["ablation: error: no configuration was built, so none ran"]
+    assert not (tmp_path / "empty").exists()
