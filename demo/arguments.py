@@ -19,7 +19,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command-line entry point: usage errors exit 2, engine build failures 1, each one line."""
+    """Run a command-line entry point: usage errors exit 2, engine build failures 1, and artifacts that
+    are missing where nothing may build them (EngineSettings.build_missing) 1, each one line."""
+    from core.artifacts import ArtifactError
     from demo.engine import EngineBuildError
 
     try:
@@ -29,6 +31,9 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
         return 2
     except EngineBuildError as exc:
         print(f"{prog}: engine build failed: {exc}", file=sys.stderr)
+        return 1
+    except ArtifactError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
 
 
@@ -89,10 +94,15 @@ TORCH_USES_ENGINE_FLAGS = ("plugins", "use_cuda_graph")
 
 def torch_flags_set(parser: argparse.ArgumentParser, args) -> list[str]:
     """Torch-only flags given a non-default value (reported as unused by the engine backends)."""
-    torch_only = argparse.ArgumentParser(add_help=False)
-    add_torch_arguments(torch_only)
-    return [action.option_strings[0] for action in torch_only._actions
-            if getattr(args, action.dest) != parser.get_default(action.dest)]
+    return _flags_set(parser, args, add_torch_arguments)
+
+
+def _flags_set(parser: argparse.ArgumentParser, args, add_group, shared: tuple[str, ...] = ()) -> list[str]:
+    """The flags `add_group` adds, less those named in `shared`, that `args` gives a non-default value."""
+    group_only = argparse.ArgumentParser(add_help=False)
+    add_group(group_only)
+    return [action.option_strings[0] for action in group_only._actions
+            if action.dest not in shared and getattr(args, action.dest) != parser.get_default(action.dest)]
 
 
 def torch_settings(args, device):
@@ -116,11 +126,7 @@ def parse_stages(text: str) -> list[str]:
 
 def engine_flags_set(parser: argparse.ArgumentParser, args) -> list[str]:
     """Engine flags given a non-default value (reported as unused by the torch backend)."""
-    engine_only = argparse.ArgumentParser(add_help=False)
-    add_engine_arguments(engine_only)
-    return [action.option_strings[0] for action in engine_only._actions
-            if action.dest not in TORCH_USES_ENGINE_FLAGS
-            and getattr(args, action.dest) != parser.get_default(action.dest)]
+    return _flags_set(parser, args, add_engine_arguments, TORCH_USES_ENGINE_FLAGS)
 
 
 def engine_settings(args, source, flavour: str, batch_size: int, height: int, width: int, guided: bool):

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from demo.torch_accel import FALLBACK, GRAPHING_COMPILE_MODES, GraphedCall, TorchSettings, computed_part, shape_key
+from demo.torch_accel import (FALLBACK, GRAPHING_COMPILE_MODES, GraphedCall, TorchSettings, computed_part, shape_key,
+                               spec_key)
 from models.base import StageModel
 
 
@@ -90,7 +91,7 @@ class TorchStage(Stage):
         if self.settings.compile == "none" and not self.settings.cuda_graph:
             return
         shapes, dtypes = self.model.input_shapes(batch, height, width), self.model.input_dtypes(self.dtype)
-        if tuple((tuple(shapes[n]), dtypes[n]) for n in self.model.input_names) in self._prepared:
+        if spec_key((shapes[n], dtypes[n]) for n in self.model.input_names) in self._prepared:
             return  # the pipeline prepares before every run
         with torch.inference_mode():
             self._get_ready(self._inputs(self.model.sample_inputs(batch, height, width, self.device, self.dtype)))

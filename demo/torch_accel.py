@@ -160,4 +160,9 @@ class GraphedCall:
 
 
 def shape_key(inputs: tuple[torch.Tensor, ...]) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in inputs)
+    return spec_key((t.shape, t.dtype) for t in inputs)
+
+
+def spec_key(specs) -> tuple:
+    """shape_key of inputs with these (shape, dtype) pairs, without making them."""
+    return tuple((tuple(shape), dtype) for shape, dtype in specs)

@@ -216,12 +216,12 @@ def build_all(args, jobs: list[Job], work: Path) -> tuple[dict[Job, float], dict
             job = pending.pop(0)
             busy = [gpu for _, _, gpu in running.values()]
             gpu = min(range(args.build_gpus), key=busy.count)  # the GPU with the fewest builds
-            log = open(work / job.folder / "build.log", "w")
             print(f"[ablation] building {job.folder} on GPU {gpu} ...", flush=True)
             command = [sys.executable, str(ROOT / "scripts" / "build_engines.py"), *job_argv(args, job, work)]
             environment = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if args.build_gpus > 1 else None
-            running[job] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment),
-                            time.perf_counter(), gpu)
+            with open(work / job.folder / "build.log", "w") as log:  # the build writes through its own copy
+                running[job] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment),
+                                time.perf_counter(), gpu)
             continue
         time.sleep(2)
         for job, (process, started, _) in list(running.items()):

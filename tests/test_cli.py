@@ -96,3 +96,17 @@ def test_missing_prompt_is_a_usage_error(capsys):
 
     assert main([]) == 2
     assert "prompt" in capsys.readouterr().err
+
+
+def test_an_engine_missing_where_nothing_may_build_it_is_one_line_and_exit_1(capsys):
+    """What a run with building off (the ablation's runs, benchmark --engines-from-ablation) meets when an
+    engine is gone or was built with other settings: the cache's reason in one line, no traceback."""
+    from core.artifacts import ArtifactError
+    from demo.arguments import run_command
+
+    def body():
+        raise ArtifactError("/w/unet-none/engine/unet.engine: stale (optimization_level changed), and building is off here")
+
+    assert run_command("ablation", body) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "ablation: error: /w/unet-none/engine/unet.engine: stale (optimization_level changed), and building is off here"]
