@@ -24,6 +24,19 @@ from models.base import StageModel
 from models.plugin_passes import PLUGIN_OP_KEYS
 
 
+# Layer kinds besides the plugin keys (Engine.layer_kinds).
+REFORMAT, GENERATED = "reformat", "TensorRT"
+
+
+def time_by_kind(layer_ms: dict[str, float], kinds: dict[str, str]) -> dict[str, float]:
+    """Per-layer milliseconds summed per layer kind. A name the inspector does not list is a piece of a
+    layer TensorRT generated (plugin layers are never fused, so they are always listed by name)."""
+    totals: Counter = Counter()
+    for name, ms in layer_ms.items():
+        totals[kinds.get(name, GENERATED)] += ms
+    return dict(totals)
+
+
 class EngineMismatchError(RuntimeError):
     """An engine that does not bind what its model class says (wrong file, stale build, other model)."""
 
@@ -93,19 +106,64 @@ class Engine:
             raise EngineMismatchError(f"{self.stage}: engine tensor types differ from the model class ({'; '.join(wrong)}); "
                                       "rebuild with --force-engine-build")
 
-    def plugin_layers(self) -> Counter:
-        """Plugin layers in the built engine, per plugin key ("fMHA", ...), from TensorRT's engine
-        inspector (engines are built with detailed profiling verbosity, so layer types are listed).
+    def layer_kinds(self) -> dict[str, str]:
+        """Layer name -> what it is, from TensorRT's engine inspector (engines are built with detailed
+        profiling verbosity, so layer types are listed): a plugin key ("fMHA", ...; "other" for a plugin
+        not ours), REFORMAT for TensorRT's format conversions, GENERATED for the rest of what TensorRT made.
         The ONNX passes name each plugin node '<tensor>/<plugin op>', and the parser keeps the name."""
         inspector = self.engine.create_engine_inspector()
         # strict=False: TensorRT 8.6 writes raw control characters into some of the JSON's strings.
         info = json.loads(inspector.get_engine_information(self.api.trt.LayerInformationFormat.JSON), strict=False)
-        counts: Counter = Counter()
+        kinds = {}
         for layer in info.get("Layers", []):
-            if isinstance(layer, dict) and layer.get("LayerType") == "PluginV2":
-                found = re.search(r"/(\w+)$", layer.get("Name", ""))
-                counts[PLUGIN_OP_KEYS.get(found.group(1), "other") if found else "other"] += 1
-        return counts
+            if not isinstance(layer, dict):
+                continue
+            name, layer_type = layer.get("Name", ""), layer.get("LayerType")
+            if layer_type == "PluginV2":
+                found = re.search(r"/(\w+)$", name)
+                kinds[name] = PLUGIN_OP_KEYS.get(found.group(1), "other") if found else "other"
+            else:
+                kinds[name] = REFORMAT if layer_type == "Reformat" else GENERATED
+        return kinds
+
+    def plugin_layers(self) -> Counter:
+        """Plugin layers in the built engine, per plugin key."""
+        return Counter(kind for kind in self.layer_kinds().values() if kind not in (REFORMAT, GENERATED))
+
+    def layer_times(self, runs: int) -> dict[str, float]:
+        """Milliseconds per run of each layer, from TensorRT's per-layer profiler over `runs` runs of the
+        bound inputs. They go through a second execution context that carries the profiler (in the same
+        device memory), so the engine's own context, and the CUDA graph captured from it, stay as they were."""
+        if self.bound_shapes is None:
+            raise RuntimeError(f"{self.stage}: layer_times before prepare")
+        trt = self.api.trt
+        totals: Counter = Counter()
+
+        class Profiler(trt.IProfiler):
+            def __init__(self):
+                trt.IProfiler.__init__(self)
+
+            def report_layer_time(self, layer_name, ms):
+                totals[layer_name] += ms
+
+        context = self.api.create_context(self.engine)
+        self.api.set_device_memory(context, self.device_memory.data_ptr(),
+                                   self.device_memory.numel() * self.device_memory.element_size())
+        for name in self.input_names:
+            context.set_input_shape(name, tuple(self.buffers[name].shape))
+        for name, buffer in self.buffers.items():
+            context.set_tensor_address(name, buffer.data_ptr())
+        profiler = context.profiler = Profiler()  # held here: TensorRT keeps only a pointer to it
+        stream = 0 if self._stream is None else int(self._stream)
+        if self._stream is not None:
+            torch.cuda.synchronize(self.device)
+        for _ in range(runs):
+            if not context.execute_async_v3(stream):
+                raise RuntimeError(f"{self.stage}: TensorRT execution failed while profiling (see its log above)")
+        if self._stream is not None:
+            _check_cuda(self._cudart.cudaStreamSynchronize(self._stream))
+        del context, profiler  # the context first: it points at the profiler
+        return {name: ms / runs for name, ms in totals.items()}
 
     def profile(self, name: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(s) for s in self.engine.get_tensor_profile_shape(name, 0))

@@ -53,6 +53,10 @@ CONFIGS = (
     ("ours without attention", ALL[2:], OURS),
     ("TensorRT's without attention", ALL[2:], TENSORRT),
 )
+# Our configuration and its TensorRT-plugin peer: the same families, in the same passes, in either convention.
+PEERS = (("+fMHA/fMHCA", "TensorRT's fMHA_V2/fMHCA"), ("+Seq2Spatial", "TensorRT's plugins (all six)"),
+         ("ours without attention", "TensorRT's without attention"))
+PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per configuration
 # What each configuration shows alone (for --plugins auto): the attention pair is measured as a pair.
 ALONE = {"+fMHA/fMHCA": ATTENTION, "LayerNorm alone": ("LayerNorm",), "GroupNorm alone": ("GroupNorm",),
          "SplitGeLU alone": ("SplitGeLU",), "Seq2Spatial alone": ("Seq2Spatial",)}
@@ -289,6 +293,7 @@ def run_config(args, source, label, plugins, convention, jobs: dict[str, Job], w
     import torch
 
     from demo.backends import device_and_dtype
+    from demo.engine_runtime import time_by_kind
     from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
     from models.plugin_passes import read_pass_report
 
@@ -298,6 +303,9 @@ def run_config(args, source, label, plugins, convention, jobs: dict[str, Job], w
     request = GenerationRequest([args.prompt], [""], args.height, args.width, args.denoising_steps, 7.5, args.seed)
     images, timings = pipeline.timed_runs(request, warmup_runs=2, runs=args.runs)
     unet_calls = pipeline.unet_calls(args.denoising_steps)
+    # Kernel for kernel: the UNet's layers timed one by one on the last step's inputs, summed per kind
+    unet = stages["unet"].engine
+    unet_ms_by_kind = time_by_kind(unet.layer_times(PROFILED_UNET_CALLS), unet.layer_kinds())
     layers = {}
     for stage, job in jobs.items():
         found = stages[stage].engine.plugin_layers()
@@ -313,7 +321,7 @@ def run_config(args, source, label, plugins, convention, jobs: dict[str, Job], w
         "engines": {stage: job.folder for stage, job in jobs.items()},
         "latency_ms": {s: statistics.median(t[s] for t in timings) for s in STAGES},
         "latency_ms_runs": timings, "unet_calls": unet_calls,
-        "plugin_layers": layers, "image": to_uint8(images)[0],
+        "plugin_layers": layers, "unet_ms_by_kind": unet_ms_by_kind, "image": to_uint8(images)[0],
     }
 
 
@@ -347,6 +355,61 @@ def markdown_table(rows: list[dict], gpu: str, trt_version: str) -> str:
                      f"{ratio} | {counts} ({'yes' if match else 'NO'}) | {psnr_text} | "
                      f"{published if published else '—'} |")
     return "\n".join(lines) + "\n"
+
+
+def kernel_table(rows: list[dict]) -> str:
+    """The UNet's time per call by layer kind in every configuration, then each plugin family of ours
+    against TensorRT's own in the peer configurations, family by family."""
+    from demo.engine_runtime import GENERATED, REFORMAT
+
+    kinds = [*ALL, REFORMAT, GENERATED]
+    lines = [f"UNet time per call by layer kind (ms; TensorRT's per-layer profiler, mean of {PROFILED_UNET_CALLS} "
+             "calls on the last step's inputs; the profiler's events between layers add to the total):", "",
+             f"| configuration | {' | '.join(kinds)} | total |", f"| --- |{' ---: |' * (len(kinds) + 1)}"]
+    for row in rows:
+        ms = row["unet_ms_by_kind"]
+        cells = [f"{ms[kind]:.3f}" if kind in ms else "—" for kind in kinds]
+        lines.append(f"| {row['label']} | {' | '.join(cells)} | {sum(ms.values()):.3f} |")
+    comparisons = kernel_comparisons(rows)
+    if comparisons:
+        lines += ["", "Ours against TensorRT 8.6's own plugins, family by family (ms per UNet call):", "",
+                  "| family | ours | TensorRT's | TensorRT's / ours | configurations |", "| --- | ---: | ---: | ---: | --- |"]
+        lines += [f"| {c['family']} | {c['ours_ms']:.3f} | {c['tensorrt_ms']:.3f} | {c['tensorrt_ms'] / c['ours_ms']:.2f}x | "
+                  f"{c['ours']} / {c['tensorrt']} |" for c in comparisons]
+    return "\n".join(lines) + "\n"
+
+
+def kernel_comparisons(rows: list[dict]) -> list[dict]:
+    """Per plugin family, our layers' time against TensorRT's in each peer pair that ran (families both
+    engines have)."""
+    by_label = {row["label"]: row for row in rows}
+    found = []
+    for ours, theirs in PEERS:
+        if ours in by_label and theirs in by_label:
+            mine, other = by_label[ours]["unet_ms_by_kind"], by_label[theirs]["unet_ms_by_kind"]
+            found += [{"family": family, "ours": ours, "tensorrt": theirs, "ours_ms": mine[family],
+                       "tensorrt_ms": other[family]} for family in ALL if mine.get(family) and other.get(family)]
+    return found
+
+
+def kernel_chart(comparisons: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{c['family']}\n({c['ours']})" for c in comparisons]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(comparisons)), 4))
+    places = range(len(comparisons))
+    ax.bar([x - 0.2 for x in places], [c["ours_ms"] for c in comparisons], 0.4, label="ours", color="#4c72b0")
+    ax.bar([x + 0.2 for x in places], [c["tensorrt_ms"] for c in comparisons], 0.4, label="TensorRT's", color="#999999")
+    ax.set_xticks(list(places), labels, fontsize=8)
+    ax.set_ylabel("ms per UNet call (all layers of the family)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def chart(rows: list[dict], title: str, path: Path) -> None:
@@ -444,11 +507,17 @@ def ablate(args) -> int:
             "seed": args.seed, "runs": args.runs, "optimization_level": args.optimization_level,
             "date": datetime.date.today().isoformat(), "parallel_builds": args.parallel_builds,
             "build_budget_s": args.build_budget_s, "build_gpus": args.build_gpus}
-    table = markdown_table(rows, gpu, trt_version) + "".join(f"\n'{label}' not run: {why}\n" for label, why in failed.items())
-    atomic_write_bytes(results / f"{name}.json", json.dumps({**meta, "rows": rows, "failed": failed}, indent=1).encode())
+    table = (markdown_table(rows, gpu, trt_version) + "".join(f"\n'{label}' not run: {why}\n" for label, why in failed.items())
+             + "\n" + kernel_table(rows))
+    comparisons = kernel_comparisons(rows)
+    atomic_write_bytes(results / f"{name}.json", json.dumps({**meta, "rows": rows, "failed": failed,
+                                                             "kernel_comparisons": comparisons}, indent=1).encode())
     atomic_write_bytes(results / f"{name}.md", table.encode())
     chart(rows, f"Plugin ablation, {source.name} {args.height}x{args.width}, {args.denoising_steps} steps — {gpu}, "
                 f"TensorRT {trt_version}", results / f"{name}.png")
+    if comparisons:
+        kernel_chart(comparisons, f"Our plugins against TensorRT's, kernel for kernel, in the UNet — {gpu}, "
+                                  f"TensorRT {trt_version}", results / f"{name}-kernels.png")
     if any(row["label"] == "none" for row in rows):
         entries = json.loads(AUTO_TABLE.read_text()) if AUTO_TABLE.is_file() else {}
         entries[meta["compute_capability"]] = {

@@ -223,6 +223,16 @@ class _Engine:
         assert profile_index == 0
         return [tuple(s) for s in self.io[name]["profile"]]
 
+    def onnx_nodes(self) -> list[tuple[str, str]]:
+        """(name, op type) of each node: the fake engine's layers."""
+        import onnx
+
+        graph = onnx.load(self.spec["onnx"], load_external_data=False).graph
+        return [(node.name or f"{node.op_type}_{i}", node.op_type) for i, node in enumerate(graph.node)]
+
+    def create_engine_inspector(self):
+        return _Inspector(self)
+
     def run_onnx(self, feeds):
         if self.session is None:
             import onnxruntime
@@ -230,6 +240,31 @@ class _Engine:
             self.session = onnxruntime.InferenceSession(self.spec["onnx"], providers=["CPUExecutionProvider"])
         return dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feeds)))
 
+
+
+class _Inspector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def get_engine_information(self, layer_format):
+        assert layer_format == LayerInformationFormat.JSON
+        layers = [{"Name": name, "LayerType": op_type} for name, op_type in self.engine.onnx_nodes()]
+        return json.dumps({"Layers": layers})
+
+
+class LayerInformationFormat(enum.Enum):
+    ONELINE = 0
+    JSON = 1
+
+
+class IProfiler:
+    def report_layer_time(self, layer_name, ms):
+        raise NotImplementedError
+
+
+def fake_layer_ms(index: int) -> float:
+    """What the fake profiler reports for the index-th layer on every run."""
+    return 0.25 + index / 64
 
 
 class _Context:
@@ -240,6 +275,7 @@ class _Context:
         self.scratch = None  # (address, size)
         self._output_shapes = None
         self.runs = 0
+        self.profiler = None
 
     def set_input_shape(self, name, shape):
         low, _, high = self.engine.io[name]["profile"]
@@ -277,6 +313,9 @@ class _Context:
             target = _view(self.addresses[name], value.shape, self.engine.get_tensor_dtype(name))
             target[...] = value
         self.runs += 1
+        if self.profiler is not None:
+            for index, (name, _) in enumerate(self.engine.onnx_nodes()):
+                self.profiler.report_layer_time(name, fake_layer_ms(index))
         return True
 
 
@@ -335,6 +374,7 @@ def make_module(version: str) -> types.ModuleType:
     newer = int(version.split(".")[0]) >= 10
     module.last_build = None
     module.Logger, module.DataType, module.TensorIOMode, module.OnnxParser = Logger, DataType, TensorIOMode, OnnxParser
+    module.IProfiler, module.LayerInformationFormat = IProfiler, LayerInformationFormat
     module.float32, module.float16, module.int32 = DataType.FLOAT, DataType.HALF, DataType.INT32
     module.TacticSource = enum.IntEnum("TacticSource", ["CUBLAS", "CUBLAS_LT", "CUDNN", "EDGE_MASK_CONVOLUTIONS"],
                                        start=0)

@@ -3,7 +3,7 @@
 import pytest
 
 from core.errors import UsageError
-from scripts.ablation import CONFIGS, faster_than_none, markdown_table, select_configs
+from scripts.ablation import CONFIGS, PEERS, faster_than_none, kernel_comparisons, kernel_table, markdown_table, select_configs
 
 
 def row(label, pipeline, plugins=(), match=True):
@@ -49,6 +49,31 @@ def test_table_marks_mismatched_layer_counts_and_shows_published_rows():
     assert "NVIDIA H100 80GB HBM3, TensorRT 8.6.0" in lines[0]
     assert lines[4].startswith("| none | 1.00 | 488.00 | 10.00 | 500.00 | 1.000x | 0 (yes) | — | 1282.32 |")
     assert lines[5].startswith("| +fMHA/fMHCA | 1.00 | 388.00 | 10.00 | 400.00 | 1.250x | 32 (NO) | 50.0 dB | 1047.26 |")
+
+
+def test_peers_pair_the_same_families_in_either_convention():
+    configs = {label: (set(plugins), convention) for label, plugins, convention in CONFIGS}
+    for ours, theirs in PEERS:
+        assert configs[ours][0] == configs[theirs][0] and (configs[ours][1], configs[theirs][1]) == ("sdplugins", "tensorrt")
+
+
+def test_kernel_table_compares_each_family_only_where_both_peers_ran():
+    ours = {"GroupNorm": 2.0, "LayerNorm": 1.0, "reformat": 0.5, "TensorRT": 6.0}
+    theirs = {"GroupNorm": 3.0, "LayerNorm": 0.8, "TensorRT": 6.5}  # no reformat layers there
+    rows = [{"label": "none", "unet_ms_by_kind": {"TensorRT": 11.0}},
+            {"label": "ours without attention", "unet_ms_by_kind": ours},
+            {"label": "TensorRT's without attention", "unet_ms_by_kind": theirs},
+            {"label": "+fMHA/fMHCA", "unet_ms_by_kind": {"fMHA": 1.0, "fMHCA": 0.5, "TensorRT": 8.0}}]  # peer absent
+    comparisons = kernel_comparisons(rows)
+    assert [(c["family"], c["ours_ms"], c["tensorrt_ms"]) for c in comparisons] == [("LayerNorm", 1.0, 0.8),
+                                                                                     ("GroupNorm", 2.0, 3.0)]
+    table = kernel_table(rows).splitlines()
+    assert "| none | — | — | — | — | — | — | — | 11.000 | 11.000 |" in table
+    assert "| ours without attention | — | — | 1.000 | 2.000 | — | — | 0.500 | 6.000 | 9.500 |" in table
+    assert "| GroupNorm | 2.000 | 3.000 | 1.50x | ours without attention / TensorRT's without attention |" in table
+    assert "| LayerNorm | 1.000 | 0.800 | 0.80x | ours without attention / TensorRT's without attention |" in table
+    assert not any(line.startswith("| fMHA |") for line in table)
+    assert "family by family" not in kernel_table(rows[:2])  # no pair, no comparison
 
 
 def test_text_encoder_and_vae_engines_are_shared_where_their_families_are_absent():
@@ -150,7 +175,8 @@ def test_runs_keep_the_table_order_and_nothing_built_is_an_error_that_writes_not
     monkeypatch.setattr(ablation, "export_and_probe", lambda *_: {})
     monkeypatch.setattr(ablation, "build_all", lambda args, jobs, work: ({}, {}))
     monkeypatch.setattr(ablation, "run_config", lambda args, source, label, *_: ran.append(label) or {
-        "label": label, "latency_ms": {s: 1.0 for s in ablation.STAGES}, "plugin_layers": {}, "image": None})
+        "label": label, "latency_ms": {s: 1.0 for s in ablation.STAGES}, "plugin_layers": {}, "image": None,
+        "unet_ms_by_kind": {"TensorRT": 5.0}})
     monkeypatch.setattr("PIL.Image.fromarray", lambda _: type("Image", (), {"save": lambda *_: None})())
     monkeypatch.setattr(ablation, "markdown_table", lambda rows, *_: "")
     monkeypatch.setattr(ablation, "chart", lambda *_: None)

@@ -17,7 +17,7 @@ import torch
 from core.errors import UsageError
 from demo.engine import (BuildOptions, BuildProgress, EngineBuildError, EngineSettings, ImageProfile,
                          build_engine_file, prepare_stage_engines)
-from demo.engine_runtime import Engine, EngineMismatchError, create_engine_stages
+from demo.engine_runtime import GENERATED, REFORMAT, Engine, EngineMismatchError, create_engine_stages, time_by_kind
 from demo.pipeline import GenerationRequest, Text2ImagePipeline
 from demo.report import StageTimer
 from demo.trt_flavour import TensorRTAPI
@@ -83,6 +83,30 @@ def test_outputs_are_not_overwritten_by_the_next_run(trt, tiny, onnx_dir, tmp_pa
     second = unet(unet.model.sample_inputs(1, HEIGHT, WIDTH, generator=generator))["latent"]
     assert not torch.equal(second, kept)
     assert torch.equal(first, kept)
+
+
+def test_layer_times_are_per_run_means_from_a_context_of_their_own(trt, tiny, onnx_dir, tmp_path):
+    unet = engine_stages(trt, tiny, onnx_dir, tmp_path, guided=False)["unet"]
+    with pytest.raises(RuntimeError, match="before prepare"):
+        unet.engine.layer_times(runs=2)
+    unet.prepare(1, HEIGHT, WIDTH)
+    feed = unet.model.sample_inputs(1, HEIGHT, WIDTH, generator=torch.Generator().manual_seed(3))
+    expected = unet(feed)["latent"]
+    runs = unet.engine.context.runs
+    times = unet.engine.layer_times(runs=3)
+    layers = unet.engine.engine.onnx_nodes()
+    assert len(times) == len(layers) > 10
+    assert times == pytest.approx({name: fake_tensorrt.fake_layer_ms(i) for i, (name, _) in enumerate(layers)})
+    # The engine's own context neither ran nor got the profiler, and runs as before.
+    assert unet.engine.context.runs == runs and unet.engine.context.profiler is None
+    assert torch.equal(unet(feed)["latent"], expected)
+    assert set(unet.engine.layer_kinds()) == set(times) and set(unet.engine.layer_kinds().values()) == {GENERATED}
+
+
+def test_time_by_kind_sums_layers_and_counts_unlisted_ones_as_generated():
+    kinds = {"a/SDPGroupNorm": "GroupNorm", "b/SDPGroupNorm": "GroupNorm", "copy": REFORMAT, "conv": GENERATED}
+    layer_ms = {"a/SDPGroupNorm": 0.5, "b/SDPGroupNorm": 0.25, "copy": 0.125, "conv": 1.0, "myelin piece": 2.0}
+    assert time_by_kind(layer_ms, kinds) == {"GroupNorm": 0.75, REFORMAT: 0.125, GENERATED: 3.0}
 
 
 def test_shared_device_memory_lives_as_long_as_the_engines(trt, tiny, onnx_dir, tmp_path):

@@ -81,9 +81,10 @@ def test_pipeline_on_engines_matches_torch(tiny, engines):
 
 def test_plugin_engines_contain_our_layers_and_match_plain_engines(tiny, tmp_path):
     """--plugins all on the tiny model: every replacement the passes report is a plugin layer of the built
-    engine, and the image matches the plugin-free engines'."""
+    engine, TensorRT's per-layer profiler times each of them, and the image matches the plugin-free engines'."""
     from demo.backends import create_stages
     from demo.engine import BuildOptions, EngineSettings, ImageProfile
+    from demo.engine_runtime import time_by_kind
     from demo.pipeline import GenerationRequest, Text2ImagePipeline
     from demo.report import StageTimer
     from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
@@ -109,6 +110,11 @@ def test_plugin_engines_contain_our_layers_and_match_plain_engines(tiny, tmp_pat
             assert found == reported, f"{model.name}: engine {found}, passes {reported}"
             if plugins:
                 assert reported, f"{model.name}: no plugin replaced"
+                # Every plugin layer is timed by name in the per-layer profile (the pipeline left shapes bound)
+                engine = stages[model.name].engine
+                by_kind = time_by_kind(engine.layer_times(runs=3), engine.layer_kinds())
+                timed = {kind: ms for kind, ms in by_kind.items() if kind in PLUGIN_KEYS}
+                assert set(timed) == set(reported) and min(timed.values()) > 0, f"{model.name}: {by_kind}"
             stages[model.name].close()
     mse = float(np.mean((images["all"] - images["none"]) ** 2))
     assert 10 * np.log10(1.0 / max(mse, 1e-12)) > 30
