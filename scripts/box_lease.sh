@@ -2,6 +2,7 @@
 # from a snapshot of the repository (so edits made here while it runs do not reach it). From the repository
 # root, after the ../shared/trt86 carry parts are on the box (README "Plugins in engines"), with .carry/snap
 # (git archive HEAD) and .whl carried:
+#   TRT86_SHA=<blob sha make_parts.sh printed> \
 #   bash scripts/box_lease.sh start LEVEL BUDGET_S CONFIGS [CONTENDERS]  # plugin library, then the work, detached
 #   bash scripts/box_lease.sh wait                                       # up to ~9.5 min; prints progress
 #   bash scripts/box_lease.sh collect                                    # results and logs into $OUT
@@ -13,7 +14,6 @@
 # Without CONTENDERS, the ablation builds on every GPU, BUILDS_PER_GPU at a time on each (default 1: an
 # engine build is mostly one CPU core compiling, its GPU idle between tactic timings), and the last GPU
 # also runs the engine GPU tests first.
-export TRT86_SHA=1b00064f7adedb09
 source scripts/box_trt86_env.sh || exit 1
 SNAP=/tmp/snap WORK=/tmp/ablation LOGS=/tmp/lease
 ENGINES=(--disable-tactic-sources CUDNN --optimization-level)
