@@ -429,7 +429,7 @@ def chart(rows: list[dict], title: str, path: Path) -> None:
         ax.text(row["latency_ms"]["pipeline"], y, f" {row['latency_ms']['pipeline']:.1f} ms", va="center", fontsize=8)
     ax.set_xlabel("ms per 512x512 image (median)")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, fontsize=8)  # clear of the bars' labels
     ax.set_xlim(0, max(row["latency_ms"]["pipeline"] for row in rows) * 1.2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -516,7 +516,7 @@ def ablate(args) -> int:
     chart(rows, f"Plugin ablation, {source.name} {args.height}x{args.width}, {args.denoising_steps} steps — {gpu}, "
                 f"TensorRT {trt_version}", results / f"{name}.png")
     if comparisons:
-        kernel_chart(comparisons, f"Our plugins against TensorRT's, kernel for kernel, in the UNet — {gpu}, "
+        kernel_chart(comparisons, f"Our plugins against TensorRT's, kernel for kernel, in the UNet\n{gpu}, "
                                   f"TensorRT {trt_version}", results / f"{name}-kernels.png")
     if any(row["label"] == "none" for row in rows):
         entries = json.loads(AUTO_TABLE.read_text()) if AUTO_TABLE.is_file() else {}
