@@ -37,6 +37,11 @@ def time_by_kind(layer_ms: dict[str, float], kinds: dict[str, str]) -> dict[str,
     return dict(totals)
 
 
+def plugin_counts(kinds: dict[str, str]) -> Counter:
+    """Plugin layers per plugin key, from Engine.layer_kinds."""
+    return Counter(kind for kind in kinds.values() if kind not in (REFORMAT, GENERATED))
+
+
 class EngineMismatchError(RuntimeError):
     """An engine that does not bind what its model class says (wrong file, stale build, other model)."""
 
@@ -128,7 +133,7 @@ class Engine:
 
     def plugin_layers(self) -> Counter:
         """Plugin layers in the built engine, per plugin key."""
-        return Counter(kind for kind in self.layer_kinds().values() if kind not in (REFORMAT, GENERATED))
+        return plugin_counts(self.layer_kinds())
 
     def layer_times(self, runs: int) -> dict[str, float]:
         """Milliseconds per run of each layer, from TensorRT's per-layer profiler over `runs` runs of the

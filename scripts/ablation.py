@@ -293,7 +293,7 @@ def run_config(args, source, label, plugins, convention, jobs: dict[str, Job], w
     import torch
 
     from demo.backends import device_and_dtype
-    from demo.engine_runtime import time_by_kind
+    from demo.engine_runtime import plugin_counts, time_by_kind
     from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
     from models.plugin_passes import read_pass_report
 
@@ -303,12 +303,12 @@ def run_config(args, source, label, plugins, convention, jobs: dict[str, Job], w
     request = GenerationRequest([args.prompt], [""], args.height, args.width, args.denoising_steps, 7.5, args.seed)
     images, timings = pipeline.timed_runs(request, warmup_runs=2, runs=args.runs)
     unet_calls = pipeline.unet_calls(args.denoising_steps)
+    kinds = {stage: stages[stage].engine.layer_kinds() for stage in jobs}
     # Kernel for kernel: the UNet's layers timed one by one on the last step's inputs, summed per kind
-    unet = stages["unet"].engine
-    unet_ms_by_kind = time_by_kind(unet.layer_times(PROFILED_UNET_CALLS), unet.layer_kinds())
+    unet_ms_by_kind = time_by_kind(stages["unet"].engine.layer_times(PROFILED_UNET_CALLS), kinds["unet"])
     layers = {}
     for stage, job in jobs.items():
-        found = stages[stage].engine.plugin_layers()
+        found = plugin_counts(kinds[stage])
         report = read_pass_report(stages[stage].model.optimized_onnx_path(work / job.folder / "onnx"))
         reported = {k: v["replaced"] for k, v in report.items() if v["replaced"]}
         layers[stage] = {"engine": dict(found), "passes": reported, "match": dict(found) == reported}
@@ -357,9 +357,9 @@ def markdown_table(rows: list[dict], gpu: str, trt_version: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_table(rows: list[dict]) -> str:
+def kernel_table(rows: list[dict], comparisons: list[dict]) -> str:
     """The UNet's time per call by layer kind in every configuration, then each plugin family of ours
-    against TensorRT's own in the peer configurations, family by family."""
+    against TensorRT's own in the peer configurations (kernel_comparisons), family by family."""
     from demo.engine_runtime import GENERATED, REFORMAT
 
     kinds = [*ALL, REFORMAT, GENERATED]
@@ -370,7 +370,6 @@ def kernel_table(rows: list[dict]) -> str:
         ms = row["unet_ms_by_kind"]
         cells = [f"{ms[kind]:.3f}" if kind in ms else "—" for kind in kinds]
         lines.append(f"| {row['label']} | {' | '.join(cells)} | {sum(ms.values()):.3f} |")
-    comparisons = kernel_comparisons(rows)
     if comparisons:
         lines += ["", "Ours against TensorRT 8.6's own plugins, family by family (ms per UNet call):", "",
                   "| family | ours | TensorRT's | TensorRT's / ours | configurations |", "| --- | ---: | ---: | ---: | --- |"]
@@ -507,9 +506,9 @@ def ablate(args) -> int:
             "seed": args.seed, "runs": args.runs, "optimization_level": args.optimization_level,
             "date": datetime.date.today().isoformat(), "parallel_builds": args.parallel_builds,
             "build_budget_s": args.build_budget_s, "build_gpus": args.build_gpus}
-    table = (markdown_table(rows, gpu, trt_version) + "".join(f"\n'{label}' not run: {why}\n" for label, why in failed.items())
-             + "\n" + kernel_table(rows))
     comparisons = kernel_comparisons(rows)
+    table = (markdown_table(rows, gpu, trt_version) + "".join(f"\n'{label}' not run: {why}\n" for label, why in failed.items())
+             + "\n" + kernel_table(rows, comparisons))
     atomic_write_bytes(results / f"{name}.json", json.dumps({**meta, "rows": rows, "failed": failed,
                                                              "kernel_comparisons": comparisons}, indent=1).encode())
     atomic_write_bytes(results / f"{name}.md", table.encode())

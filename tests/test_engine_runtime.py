@@ -17,7 +17,8 @@ import torch
 from core.errors import UsageError
 from demo.engine import (BuildOptions, BuildProgress, EngineBuildError, EngineSettings, ImageProfile,
                          build_engine_file, prepare_stage_engines)
-from demo.engine_runtime import GENERATED, REFORMAT, Engine, EngineMismatchError, create_engine_stages, time_by_kind
+from demo.engine_runtime import (GENERATED, REFORMAT, Engine, EngineMismatchError, create_engine_stages,
+                                 plugin_counts, time_by_kind)
 from demo.pipeline import GenerationRequest, Text2ImagePipeline
 from demo.report import StageTimer
 from demo.trt_flavour import TensorRTAPI
@@ -107,6 +108,7 @@ def test_time_by_kind_sums_layers_and_counts_unlisted_ones_as_generated():
     kinds = {"a/SDPGroupNorm": "GroupNorm", "b/SDPGroupNorm": "GroupNorm", "copy": REFORMAT, "conv": GENERATED}
     layer_ms = {"a/SDPGroupNorm": 0.5, "b/SDPGroupNorm": 0.25, "copy": 0.125, "conv": 1.0, "myelin piece": 2.0}
     assert time_by_kind(layer_ms, kinds) == {"GroupNorm": 0.75, REFORMAT: 0.125, GENERATED: 3.0}
+    assert plugin_counts(kinds) == {"GroupNorm": 2}  # reformats and TensorRT's own layers are no plugins
 
 
 def test_shared_device_memory_lives_as_long_as_the_engines(trt, tiny, onnx_dir, tmp_path):
