@@ -18,16 +18,17 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
 from core.atomic import atomic_write_bytes, file_lock, remove_dead_staging
 
-# Fault-injection tests set this to stop a build at a known point (see _pause_for_tests), so that they
-# can kill it, or race another process against it, without sleeping.
-PAUSE_ENV = "DEMO_DIFFUSION_TEST_PAUSE"
+# Called as hook(artifact, point) at two points of every cached_build: "building" (lock held, staging folder
+# made, nothing built yet) and "done" (returning, the artifact built or reused and its lock released unless the
+# caller holds it). Nothing here installs one: the fault tests do (tests/paused.py), to stop a real process at
+# a known point and kill it, or race another against it, without sleeping.
+checkpoint_hooks: list[Callable[[Path, str], None]] = []
 
 
 class ArtifactError(RuntimeError):
@@ -129,16 +130,9 @@ def _staleness(artifact: Path, key: dict, verify_content: bool) -> str | None:
     return _damage(artifact, manifest["files"], verify_content)
 
 
-def _pause_for_tests(artifact: Path, point: str) -> None:
-    """With PAUSE_ENV set to `<artifact file name>:<point>`: say so on stderr, then wait for a line on stdin.
-
-    Points: "building" (lock held, staging folder made, nothing built yet: a test kills the process here)
-    and "done" (cached_build returning, the artifact built or reused and its lock released unless the
-    caller holds it: a test starts a rival process here and lets this one go on once the rival waits).
-    """
-    if os.environ.get(PAUSE_ENV) == f"{artifact.name}:{point}":
-        print(f"[test] paused at {artifact.name}:{point}", file=sys.stderr, flush=True)
-        sys.stdin.readline()
+def _checkpoint(artifact: Path, point: str) -> None:
+    for hook in checkpoint_hooks:
+        hook(artifact, point)
 
 
 def _build_into_place(artifact: Path, key: dict, build: Callable[[Path], None]) -> None:
@@ -146,7 +140,7 @@ def _build_into_place(artifact: Path, key: dict, build: Callable[[Path], None]) 
     manifest_path(artifact).unlink(missing_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(artifact), dir=artifact.parent))
     try:
-        _pause_for_tests(artifact, "building")
+        _checkpoint(artifact, "building")
         build(staging / artifact.name)
         files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in staging.iterdir()}
         if artifact.name not in files:
@@ -184,5 +178,5 @@ def cached_build(
         else:
             log(f"[cache] {artifact.name}: building ({reason})")
             _build_into_place(artifact, key, build)
-    _pause_for_tests(artifact, "done")
+    _checkpoint(artifact, "done")
     return artifact

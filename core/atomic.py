@@ -44,6 +44,26 @@ def remove_dead_staging(final: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
+def discard_directory(directory: Path) -> None:
+    """Remove a folder so that no half-removed copy is ever seen under its name: it is renamed to a staging name
+    first (which remove_dead_staging clears if this process dies while deleting it)."""
+    doomed = Path(tempfile.mkdtemp(prefix=_staging_prefix(directory), dir=directory.parent))
+    os.replace(directory, doomed / directory.name)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def writable_reason(directory: Path) -> str | None:
+    """Why files cannot be made in `directory` (created on demand), or None; creates nothing."""
+    existing = directory
+    while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"'{existing}' is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"'{existing}' is not writable"
+    return None
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -93,6 +113,31 @@ def write_new_file(final: Path, data: bytes) -> bool:
         return True
     finally:
         os.unlink(tmp)
+
+
+def write_new_set(directory: Path, files: dict[str, bytes]) -> bool:
+    """Write `files` (name -> data) into `directory` all or none: each is written in a staging folder first, then
+    linked under its name. Returns False, leaving nothing, where any of the names exists already; an OSError
+    while writing (a full disk) leaves nothing either."""
+    directory.mkdir(parents=True, exist_ok=True)
+    anchor = directory / next(iter(files))
+    remove_dead_staging(anchor)
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(anchor), dir=directory))
+    linked: list[Path] = []
+    try:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        for name in files:
+            os.link(staging / name, directory / name)
+            linked.append(directory / name)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        if len(linked) < len(files):
+            for path in linked:
+                path.unlink()
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
+from core import interrupts
 from core.artifacts import artifact_bytes, cached_build, read_manifest
 from core.atomic import atomic_write_bytes
 from core.errors import UsageError
@@ -22,6 +23,7 @@ from demo.trt_flavour import TensorRTAPI, current_cc
 from models import stage_batch
 from models.base import Range, StageModel
 from models.source import ModelSource
+from plugins.contract import OURS
 from plugins.trt_plugins import load_plugin_library
 
 DEFAULT_MAX_BATCH = 4
@@ -180,7 +182,7 @@ class BuildProgress:
                     progress(f"[build] {stage}: {phase_name} ...")
 
             def step_complete(self, phase_name, step):
-                return True  # keep building
+                return interrupts.received() is None  # False cancels the build
 
             def phase_finish(self, phase_name):
                 elapsed = time.perf_counter() - self.started.pop(phase_name, time.perf_counter())
@@ -192,7 +194,7 @@ class BuildProgress:
 
 def register_plugins(api: TensorRTAPI, convention: str) -> None:
     """Put the creators of a plugin convention into TensorRT's registry: our library, or TensorRT's own."""
-    if convention == "sdplugins":
+    if convention == OURS:
         load_plugin_library(api.trt)
     elif not api.trt.init_libnvinfer_plugins(api.logger(), ""):
         raise UsageError(f"{api.label} could not register its own plugins (libnvinfer_plugin)")
@@ -203,7 +205,8 @@ def build_targets(options: BuildOptions, api: TensorRTAPI) -> list:
     the GPU it runs on), or a UsageError for a target it cannot build for. Checked before any export."""
     if not api.compute_capability_targets:
         if options.target_ccs and options.target_ccs != (current_cc(),):
-            raise UsageError(f"{options.flavour} builds for the GPU it runs on; --target-cc is for --backend tensorrt-rtx")
+            raise UsageError(f"{options.flavour} builds for the GPU it runs on; --target-cc is for --backend "
+                             "tensorrt-rtx")
         return []
     targets = []
     for major, minor in options.resolved_targets():
@@ -237,8 +240,8 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     inputs = [network.get_input(i) for i in range(network.num_inputs)]
     outputs = [network.get_output(i) for i in range(network.num_outputs)]
     if [t.name for t in inputs] != list(model.input_names) or [t.name for t in outputs] != list(model.output_names):
-        raise EngineBuildError(f"{model.name}: ONNX I/O {[t.name for t in inputs]} -> {[t.name for t in outputs]} "
-                               f"does not match the model class {list(model.input_names)} -> {list(model.output_names)}")
+        raise EngineBuildError(f"{model.name}: ONNX I/O {[t.name for t in inputs]} -> {[t.name for t in outputs]} does "
+                               f"not match the model class {list(model.input_names)} -> {list(model.output_names)}")
 
     config = builder.create_builder_config()
     config.builder_optimization_level = options.optimization_level
@@ -264,6 +267,8 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
         if api.progress_monitor:
             config.progress_monitor = build.monitor()
         serialized = builder.build_serialized_network(network, config)
+    if interrupts.received() is not None:  # the build saw the signal as a failure of its monitor
+        raise interrupts.Interrupted(interrupts.received())
     if serialized is None:
         raise EngineBuildError(f"{model.name}: TensorRT could not build the engine (see its log above)")
     path.write_bytes(serialized)
@@ -303,7 +308,7 @@ class EngineSettings:
     force_onnx_optimize: bool = False
     force_engine_build: bool = False
     plugins: tuple[str, ...] = ()  # models.plugin_set keys whose passes put plugins into the graphs
-    plugin_convention: str = "sdplugins"  # ours, or TensorRT's own plugins (models.plugin_passes.CONVENTIONS)
+    plugin_convention: str = OURS  # ours, or TensorRT's own plugins (plugins.contract.CONVENTIONS)
     # False: a missing or stale engine is an error, not a build (runs of engines built elsewhere, e.g.
     # by the ablation's build jobs, must not quietly spend minutes building on the GPU they time).
     build_missing: bool = True

@@ -21,8 +21,7 @@ from demo.engine import register_plugins
 from demo.stages import Stage
 from demo.trt_flavour import TensorRTAPI
 from models.base import StageModel
-from models.plugin_passes import PLUGIN_OP_KEYS
-
+from plugins.contract import OURS, PLUGIN_OP_KEYS
 
 # Layer kinds besides the plugin keys (Engine.layer_kinds).
 REFORMAT, GENERATED = "reformat", "TensorRT"
@@ -108,8 +107,8 @@ class Engine:
         wanted = {**model.input_dtypes(dtype), **{n: dtype for n in model.output_names}}
         wrong = [f"{n} is {self.torch_dtype(n)}, expected {t}" for n, t in wanted.items() if self.torch_dtype(n) != t]
         if wrong:
-            raise EngineMismatchError(f"{self.stage}: engine tensor types differ from the model class ({'; '.join(wrong)}); "
-                                      "rebuild with --force-engine-build")
+            raise EngineMismatchError(f"{self.stage}: engine tensor types differ from the model class "
+                                      f"({'; '.join(wrong)}); rebuild with --force-engine-build")
 
     def layer_kinds(self) -> dict[str, str]:
         """Layer name -> what it is, from TensorRT's engine inspector (engines are built with detailed
@@ -308,7 +307,8 @@ class EngineStage(Stage):
         self.engine = engine
 
     def prepare(self, batch, height, width):
-        self.engine.prepare(self.model.input_shapes(batch, height, width), self.model.output_shapes(batch, height, width))
+        self.engine.prepare(self.model.input_shapes(batch, height, width),
+                            self.model.output_shapes(batch, height, width))
 
     def __call__(self, feed):
         return self.engine.run(feed)
@@ -320,7 +320,7 @@ class EngineStage(Stage):
 def create_engine_stages(models: list[StageModel], engines: dict[str, Path], api: TensorRTAPI, dtype: torch.dtype,
                          use_cuda_graph: bool, device: torch.device | str = "cuda",
                          log: Callable[[str], None] = print, plugins: tuple[str, ...] = (),
-                         plugin_convention: str = "sdplugins") -> dict[str, EngineStage]:
+                         plugin_convention: str = OURS) -> dict[str, EngineStage]:
     """Load each model's engine, check it against its model class, and share one device-memory block.
     Engines with plugins in them need their creators in TensorRT's registry first."""
     if plugins:

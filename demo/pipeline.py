@@ -8,8 +8,10 @@ seed gives the same image as diffusers.
 from __future__ import annotations
 
 import inspect
+import math
+import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -17,8 +19,10 @@ import torch
 
 from core.errors import UsageError
 from demo.report import StageTimer
+from demo.settings import RequestFlags, at_least
 from demo.stages import Stage
-from models import stage_batch
+from models import CLIPModel, UNetModel, VAEDecoderModel, stage_batch
+from models.base import StageModel
 from models.source import ModelSource
 
 # CLI name -> diffusers scheduler class name (diffusers' own implementations are used).
@@ -53,6 +57,57 @@ def make_scheduler(name: str, source: ModelSource):
     return getattr(diffusers, SCHEDULERS[name]).from_config(source.config("scheduler"))
 
 
+def random_seed() -> int:
+    """A seed for a request given none (reported with the images, so they can be made again)."""
+    return random.randrange(2**31)
+
+
+def resolve_request(flags: RequestFlags, source: ModelSource,
+                    draw_seed: Callable[[], int] = random_seed) -> RequestFlags:
+    """The request with what the user left to the model filled in: its native size, its own scheduler, and a
+    seed from `draw_seed`."""
+    return replace(flags, height=flags.height or source.native_image_size,
+                   width=flags.width or source.native_image_size,
+                   scheduler=flags.scheduler or default_scheduler_name(source),
+                   seed=flags.seed if flags.seed is not None else draw_seed())
+
+
+def check_request(flags: RequestFlags, source: ModelSource) -> None:
+    """A resolved request's values against their limits and the model: a one-line UsageError for the first bad one."""
+    from demo.arguments import check_image_size
+
+    at_least("--batch-size", flags.batch_size, 1)
+    at_least("--denoising-steps", flags.denoising_steps, 1)
+    if not (math.isfinite(flags.guidance_scale) and flags.guidance_scale >= 0):
+        raise UsageError(f"--guidance-scale must be a finite number, 0 or more, got {flags.guidance_scale}")
+    if not 0 <= flags.seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise UsageError(f"--seed must be 0..{2**64 - 1}, got {flags.seed}")
+    check_steps(make_scheduler(flags.scheduler, source), flags.scheduler, flags.denoising_steps)
+    check_image_size(source, flags.height, flags.width)
+
+
+def _distinct_timesteps(scheduler, steps: int) -> int:
+    """How many different timesteps the scheduler runs for `steps` (0 where it refuses them)."""
+    try:
+        scheduler.set_timesteps(steps)
+    except ValueError:  # e.g. DDIM above its training timesteps
+        return 0
+    return len(set(scheduler.timesteps.tolist()))
+
+
+def check_steps(scheduler, name: str, steps: int) -> None:
+    """A UsageError where the scheduler cannot run `steps` distinct steps: above its limit diffusers' schedulers
+    refuse, repeat the last timestep (PNDM, Euler) or collapse to one (DPM++2M, UniPC)."""
+    if _distinct_timesteps(scheduler, steps) >= steps:
+        return
+    low, high = 1, steps - 1  # the most steps it runs distinctly, by bisection
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if _distinct_timesteps(scheduler, middle) >= middle else (low, middle - 1)
+    raise UsageError(f"--denoising-steps {steps} is more than scheduler {name} can take for this model: at most "
+                     f"{low} (it has {scheduler.config.num_train_timesteps} training timesteps)")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompts: list[str]
@@ -62,6 +117,12 @@ class GenerationRequest:
     steps: int
     guidance_scale: float
     seed: int
+
+    @classmethod
+    def from_flags(cls, flags: RequestFlags) -> "GenerationRequest":
+        """A resolved request's batch: its prompt and negative prompt repeated --batch-size times."""
+        return cls([flags.prompt] * flags.batch_size, [flags.negative_prompt] * flags.batch_size, flags.height,
+                   flags.width, flags.denoising_steps, flags.guidance_scale, flags.seed)
 
     @property
     def batch_size(self) -> int:
@@ -73,6 +134,10 @@ class GenerationRequest:
 
 
 class Text2ImagePipeline:
+    """diffusers' text-to-image, as step methods that the image-to-image, inpainting and SDXL pipelines reuse:
+    encode_prompt -> prepare_latents -> denoise -> decode. Stages are looked up by their models' names and fed
+    in their models' input order (Stage.call), so no stage or tensor name is spelt here."""
+
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
                  device: torch.device, dtype: torch.dtype):
         from transformers import CLIPTokenizer
@@ -84,6 +149,9 @@ class Text2ImagePipeline:
         self.device = device
         self.dtype = dtype
         self.scaling_factor = source.config("vae")["scaling_factor"]
+
+    def stage(self, model: type[StageModel]) -> Stage:
+        return self.stages[model.name]
 
     def unet_calls(self, steps: int) -> int:
         """How many times the UNet runs for `steps` (some schedulers take extra warm-up steps)."""
@@ -105,6 +173,14 @@ class Text2ImagePipeline:
             say(f"run {run + 1}/{runs}: pipeline {timings[-1]['pipeline']:.2f} ms, UNet {timings[-1]['unet']:.2f} ms")
         return images, timings
 
+    def dropped_text(self, text: str) -> str | None:
+        """What of `text` the text encoder's token limit cuts off (None: all of it fits), as diffusers reports it."""
+        ids = self.tokenizer(text, truncation=False).input_ids
+        limit = self.source.text_length
+        if len(ids) <= limit:
+            return None
+        return self.tokenizer.decode(ids[limit - 1:-1])  # the kept part ends with the end-of-text token
+
     def _token_ids(self, texts: list[str]) -> torch.Tensor:
         ids = self.tokenizer(
             texts, padding="max_length", max_length=self.source.text_length, truncation=True, return_tensors="pt"
@@ -121,46 +197,61 @@ class Text2ImagePipeline:
             kwargs["generator"] = generator
         return kwargs
 
-    def __call__(self, request: GenerationRequest, timer: StageTimer, progress=None) -> np.ndarray:
-        """Images as float32 [B, H, W, 3] in [0, 1] (diffusers' output_type="np")."""
-        from diffusers.utils.torch_utils import randn_tensor
-
+    def prepare(self, request: GenerationRequest) -> None:
+        """Each stage gets ready for this request's batch and size (engines size their buffers here)."""
         for name, stage in self.stages.items():
             stage.prepare(stage_batch(name, request.batch_size, request.guided), request.height, request.width)
+
+    def encode_prompt(self, request: GenerationRequest) -> torch.Tensor:
+        """Text embeddings: the negative prompts' then the prompts' under guidance (one batch), else the prompts'."""
+        texts = (request.negative_prompts + request.prompts) if request.guided else request.prompts
+        return self.stage(CLIPModel).call(self._token_ids(texts)).to(self.dtype)
+
+    def prepare_latents(self, request: GenerationRequest, generator: torch.Generator) -> torch.Tensor:
+        """The initial noise as diffusers draws it (CPU generator, fp32), scaled by the scheduler; sets its
+        timesteps."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        self.scheduler.set_timesteps(request.steps, device=self.device)
+        # Latents and the scheduler's arithmetic stay in fp32; only stage inputs take the stages' dtype.
+        latents = randn_tensor(self.source.latent_shape(request.batch_size, request.height, request.width),
+                               generator=generator, device=self.device, dtype=torch.float32)
+        return latents * self.scheduler.init_noise_sigma
+
+    def denoise(self, request: GenerationRequest, latents: torch.Tensor, embeddings: torch.Tensor,
+                generator: torch.Generator, timesteps=None, progress=None) -> torch.Tensor:
+        """The scheduler's loop over `timesteps` (default: all it set), with classifier-free guidance."""
+        unet = self.stage(UNetModel)
+        step_kwargs = self._step_kwargs(generator)
+        for t in self.scheduler.timesteps if timesteps is None else timesteps:
+            model_input = torch.cat([latents] * 2) if request.guided else latents
+            model_input = self.scheduler.scale_model_input(model_input, t)
+            timestep = t.reshape(1).to(device=self.device, dtype=torch.float32)
+            prediction = unet.call(model_input.to(self.dtype), timestep, embeddings).float()
+            if request.guided:
+                uncond, cond = prediction.chunk(2)
+                prediction = uncond + request.guidance_scale * (cond - uncond)
+            latents = self.scheduler.step(prediction, t, latents, **step_kwargs, return_dict=False)[0]
+            if progress is not None:
+                progress.update()
+        return latents
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] from the VAE decoder, in the stages' dtype and device."""
+        return self.stage(VAEDecoderModel).call((latents / self.scaling_factor).to(self.dtype))
+
+    def __call__(self, request: GenerationRequest, timer: StageTimer, progress=None) -> np.ndarray:
+        """Images as float32 [B, H, W, 3] in [0, 1] (diffusers' output_type="np")."""
+        self.prepare(request)
         with timer.measure("pipeline"):
             with timer.measure("clip"):
-                texts = (request.negative_prompts + request.prompts) if request.guided else request.prompts
-                embeddings = self.stages["clip"]({"input_ids": self._token_ids(texts)})["text_embeddings"]
-                embeddings = embeddings.to(self.dtype)
-
+                embeddings = self.encode_prompt(request)
             generator = torch.Generator("cpu").manual_seed(request.seed)
-            self.scheduler.set_timesteps(request.steps, device=self.device)
-            # Latents and the scheduler's arithmetic stay in fp32; only stage inputs take the stages' dtype.
-            latents = randn_tensor(
-                self.source.latent_shape(request.batch_size, request.height, request.width),
-                generator=generator, device=self.device, dtype=torch.float32,
-            )
-            latents = latents * self.scheduler.init_noise_sigma
-            step_kwargs = self._step_kwargs(generator)
-
+            latents = self.prepare_latents(request, generator)
             with timer.measure("unet"):
-                for t in self.scheduler.timesteps:
-                    model_input = torch.cat([latents] * 2) if request.guided else latents
-                    model_input = self.scheduler.scale_model_input(model_input, t)
-                    prediction = self.stages["unet"]({
-                        "sample": model_input.to(self.dtype),
-                        "timestep": t.reshape(1).to(device=self.device, dtype=torch.float32),
-                        "encoder_hidden_states": embeddings,
-                    })["latent"].float()
-                    if request.guided:
-                        uncond, cond = prediction.chunk(2)
-                        prediction = uncond + request.guidance_scale * (cond - uncond)
-                    latents = self.scheduler.step(prediction, t, latents, **step_kwargs, return_dict=False)[0]
-                    if progress is not None:
-                        progress.update()
-
+                latents = self.denoise(request, latents, embeddings, generator, progress=progress)
             with timer.measure("vae"):
-                images = self.stages["vae"]({"latent": (latents / self.scaling_factor).to(self.dtype)})["images"]
+                images = self.decode(latents)
             images = images.float().cpu()
         if not torch.isfinite(images).all():  # e.g. fp16 overflow: say so rather than save black images
             warnings.warn(f"non-finite values in the decoded images ({self.dtype}); they will be saved clamped",

@@ -58,6 +58,8 @@ class LatencyReport:
     plugins: list[str] = field(default_factory=list)  # our plugins: inside the engines, or substituted (torch)
     options: list[str] = field(default_factory=list)  # e.g. channels-last, CUDA graphs, compile <mode>
     options_reason: str = ""  # where the torch backend's settings came from
+    prompt: str = ""  # with the negative prompt, seed, scheduler, steps and guidance: what makes the image again
+    negative_prompt: str = ""
     images: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
 

@@ -11,8 +11,15 @@ import time
 
 import torch
 
-from demo.torch_accel import (FALLBACK, GRAPHING_COMPILE_MODES, GraphedCall, TorchSettings, computed_part, shape_key,
-                               spec_key)
+from demo.torch_accel import (
+    FALLBACK,
+    GRAPHING_COMPILE_MODES,
+    GraphedCall,
+    TorchSettings,
+    computed_part,
+    shape_key,
+    spec_key,
+)
 from models.base import StageModel
 
 
@@ -27,6 +34,12 @@ class Stage(abc.ABC):
     @abc.abstractmethod
     def __call__(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the stage on inputs named as in model.input_names; outputs are named as in output_names."""
+
+    def call(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The stage's first output for inputs given in model.input_names order."""
+        if len(inputs) != len(self.model.input_names):
+            raise TypeError(f"{self.name} takes {', '.join(self.model.input_names)}; got {len(inputs)} input(s)")
+        return self(dict(zip(self.model.input_names, inputs)))[self.model.output_names[0]]
 
 
 class TorchStage(Stage):

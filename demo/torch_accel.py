@@ -9,11 +9,11 @@ Four settings, each a flag of the CLI:
 - `--compile MODE`: torch.compile with that mode (none, default, max-autotune-no-cudagraphs,
   reduce-overhead, max-autotune).
 
-Unset, each comes from TORCH_DEFAULTS_TABLE, results/torch_defaults.json, which scripts/benchmark.py
-writes with the fastest combination it measured on a GPU of that compute capability:
-{"<major>.<minor>": {"plugins": [...], "channels_last": bool, "cuda_graph": bool, "compile": "...",
-"gpu": "...", "date": "...", "source": "..."}}. Where it has no entry (or there is no GPU), FALLBACK:
-the plain diffusers modules, nothing changed.
+Unset, each comes from the "torch_defaults" section of the tuned defaults (plugins/tuned_defaults.json,
+read through plugins.tuned), which the benchmark writes with the fastest combination it measured on a GPU
+of that compute capability: {"<major>.<minor>": {"plugins": [...], "channels_last": bool, "cuda_graph":
+bool, "compile": "...", "gpu": "...", "date": "...", "source": "..."}}. Where it has no entry (or there is
+no GPU), FALLBACK: the plain diffusers modules, nothing changed.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from pathlib import Path
 import torch
 
 from core.errors import UsageError
+from plugins.tuned import TORCH_DEFAULTS, TUNED_DEFAULTS_FILE, read_entry
 
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 # torch.compile modes that capture CUDA graphs of their own (cudagraph trees).
 GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
-TORCH_DEFAULTS_TABLE = Path(__file__).resolve().parent.parent / "results" / "torch_defaults.json"
 
 
 @dataclass(frozen=True)
 class TorchSettings:
-    plugins: tuple[str, ...] = ()  # models.plugin_set keys, sorted
+    plugins: tuple[str, ...] = ()  # plugins.contract.PLUGIN_KEYS, sorted
     channels_last: bool = False
     cuda_graph: bool = False
     compile: str = "none"
@@ -52,29 +52,21 @@ class TorchSettings:
 FALLBACK = TorchSettings()
 
 
-def defaults_entry(compute_capability: str | None, table: Path = TORCH_DEFAULTS_TABLE) -> dict | None:
-    """The table's entry for a compute capability ("9.0"), checked; None without one (or without a GPU)."""
-    from models.plugin_set import PLUGIN_KEYS, measured_entry
-
-    if compute_capability is None:
-        return None
-    entry = measured_entry(table, compute_capability)
-    if entry is None:
-        return None
-    valid = (isinstance(entry, dict) and isinstance(entry.get("plugins"), list)
-             and all(name in PLUGIN_KEYS for name in entry["plugins"])
-             and isinstance(entry.get("channels_last"), bool) and isinstance(entry.get("cuda_graph"), bool)
-             and entry.get("compile") in COMPILE_MODES)
-    if not valid:
-        raise UsageError(f"{table}: entry '{compute_capability}' needs \"plugins\" (a list of {', '.join(PLUGIN_KEYS)}), "
-                         f"\"channels_last\" and \"cuda_graph\" (true/false) and \"compile\" ({', '.join(COMPILE_MODES)})")
+def defaults_entry(compute_capability: str | None, table: Path = TUNED_DEFAULTS_FILE) -> dict | None:
+    """The tuned torch defaults for a compute capability ("9.0") from `table` (a tuned-defaults file),
+    checked; None without one (or without a GPU)."""
+    entry = read_entry(TORCH_DEFAULTS, compute_capability, table) if compute_capability else None
+    if entry is not None and entry["compile"] not in COMPILE_MODES:
+        raise UsageError(f"{table}: \"{TORCH_DEFAULTS}\" entry '{compute_capability}' needs \"compile\" to be one "
+                         f"of {', '.join(COMPILE_MODES)}, not '{entry['compile']}'")
     return entry
 
 
 def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = None, cuda_graph: bool | None = None,
                            compile_mode: str = "auto", device: torch.device | None = None,
-                           table: Path = TORCH_DEFAULTS_TABLE) -> tuple[TorchSettings, str]:
-    """Flag values (None / "auto": from the defaults table) as checked settings, and where they came from.
+                           table: Path = TUNED_DEFAULTS_FILE) -> tuple[TorchSettings, str]:
+    """Flag values (None / "auto": from the tuned defaults in `table`) as checked settings, and where they
+    came from.
 
     `auto` plugins the table names but that cannot run here are left out (a default never fails); asked
     for explicitly, they are a UsageError, as are combinations that cannot work on `device`."""

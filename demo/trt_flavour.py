@@ -129,12 +129,17 @@ class TensorRTAPI:
         if half and not self.strongly_typed:
             config.set_flag(self.trt.BuilderFlag.FP16)
 
-    def disable_tactic_sources(self, config, names: tuple[str, ...]) -> None:
+    def check_tactic_sources(self, names: tuple[str, ...]) -> None:
+        """A UsageError naming the tactic sources this TensorRT does not have (checked before any export)."""
         sources = self.trt.TacticSource
         unknown = [n for n in names if not hasattr(sources, n)]
         if unknown:
             known = ", ".join(n for n in dir(sources) if n.isupper())
             raise UsageError(f"{self.label} has no tactic source {', '.join(unknown)} (it has: {known})")
+
+    def disable_tactic_sources(self, config, names: tuple[str, ...]) -> None:
+        self.check_tactic_sources(names)
+        sources = self.trt.TacticSource
         mask = config.get_tactic_sources()
         for name in names:
             mask &= ~(1 << int(getattr(sources, name)))

@@ -13,8 +13,8 @@ import torch
 from core.artifacts import artifact_lock, cached_build
 from models.onnx_io import save_onnx
 from models.optimizer import optimize_onnx_file
-from models.plugin_passes import OURS
 from models.source import ModelSource
+from plugins.contract import OURS
 
 ONNX_OPSET = 17
 # Bump when export or optimization code changes what it writes, so cached artifacts are rebuilt.
@@ -62,8 +62,8 @@ class StageModel(abc.ABC):
         return {name: tuple(corner[name] for corner in corners) for name in self.input_names}
 
     def sample_inputs(
-        self, batch: int, height: int, width: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-        generator: torch.Generator | None = None,
+        self, batch: int, height: int, width: int, device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None,
     ) -> dict[str, torch.Tensor]:
         """Random inputs of the right shapes and dtypes (never zeros: they hide bugs)."""
         dtypes = self.input_dtypes(dtype)

@@ -7,14 +7,19 @@ A built-in model is written once as a diffusers-format directory and then loaded
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import sys
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
-from core.atomic import atomic_directory
+from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
+from core.errors import UsageError
 
 # Bump when the generated files change, so cached directories (and artifacts keyed by them) are rebuilt.
-BUILTIN_FORMAT_VERSION = 1
+BUILTIN_FORMAT_VERSION = 2  # 2: a manifest of the generated files
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -197,7 +202,8 @@ def build_builtin_model(name: str, directory: Path) -> None:
         unk_token=EOS,
         model_max_length=spec["text_encoder"]["max_position_embeddings"],
     )
-    special = {"bos_token_id": tokenizer.convert_tokens_to_ids(BOS), "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
+    special = {"bos_token_id": tokenizer.convert_tokens_to_ids(BOS),
+               "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
     special["pad_token_id"] = special["eos_token_id"]
 
     generator_state = torch.random.get_rng_state()
@@ -222,11 +228,67 @@ def build_builtin_model(name: str, directory: Path) -> None:
     pipe.save_pretrained(directory)
 
 
-def builtin_model_dir(name: str, cache_root: Path) -> Path:
-    """The directory of built-in model `name`, generating it on first use (atomically)."""
+MANIFEST = "manifest.json"  # in a built-in model's folder: what it holds, to tell a damaged folder from a whole one
+SMALL_FILE = 1 << 20  # files up to this size are hashed; larger (weights) are checked by size and header
+
+
+def _file_record(path: Path) -> dict:
+    record = {"size": path.stat().st_size}
+    if record["size"] <= SMALL_FILE:
+        record["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return record
+
+
+def write_manifest(directory: Path) -> None:
+    files = {p.relative_to(directory).as_posix(): _file_record(p) for p in sorted(directory.rglob("*")) if p.is_file()}
+    (directory / MANIFEST).write_text(json.dumps({"format": BUILTIN_FORMAT_VERSION, "files": files}, indent=1))
+
+
+def manifest_damage(directory: Path) -> str | None:
+    """Why a built-in model's folder is not what its generation wrote (None: it is whole)."""
+    from models.validate import check_weight_file
+
+    try:
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no readable {MANIFEST}"
+    for name, recorded in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = _file_record(path)
+        if actual != recorded:
+            return f"{name} changed ({actual['size']} bytes, recorded {recorded.get('size')})"
+        if path.suffix == ".safetensors" and check_weight_file(path):
+            return f"{name}: {check_weight_file(path)}"
+    return None
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def builtin_model_dir(name: str, cache_root: Path, say: Callable[[str], None] = _to_stderr) -> Path:
+    """The directory of built-in model `name`, generating it on first use (atomically, saying so) and again
+    where its folder was damaged since."""
+    reason = writable_reason(cache_root)
+    if reason:
+        raise UsageError(f"the model cache '{cache_root}' cannot be used: {reason} (set DEMO_DIFFUSION_CACHE to "
+                         "another folder)")
     directory = cache_root / f"{name}-v{BUILTIN_FORMAT_VERSION}"
-    if (directory / "model_index.json").is_file():
+    if directory.is_dir() and manifest_damage(directory) is None:
         return directory
-    with atomic_directory(directory) as staging:
-        build_builtin_model(name, staging)
+    with file_lock(cache_root / f".{directory.name}.lock"):
+        damage = manifest_damage(directory) if directory.exists() else None
+        if directory.exists() and damage is None:  # another process regenerated it while we waited
+            return directory
+        if damage:
+            say(f"[model] built-in model '{name}' in {directory} is damaged ({damage}): generating it again")
+            discard_directory(directory)
+        else:
+            say(f"[model] generating built-in model '{name}' into {directory} (once; seconds for tiny, a minute "
+                "or more for the full-size architectures) ...")
+        with atomic_directory(directory) as staging:
+            build_builtin_model(name, staging)
+            write_manifest(staging)
     return directory

@@ -16,7 +16,8 @@ import onnx_graphsurgeon as gs
 from polygraphy.backend.onnx import loader as poly
 
 from models.onnx_io import save_onnx
-from models.plugin_passes import OURS, PLUGIN_KEYS, PLUGIN_PASSES, empty_report, write_pass_report
+from models.plugin_passes import PLUGIN_PASSES, empty_report, write_pass_report
+from plugins.contract import OURS, PLUGIN_KEYS
 
 
 class GraphOptimizer:
@@ -54,12 +55,13 @@ class GraphOptimizer:
 
     def plugin_passes(self, plugins: tuple[str, ...], convention: str = OURS) -> list[tuple[str, Callable[[], None]]]:
         """The passes of the selected plugins, in a fixed order, then a cleanup; `convention` says
-        whose plugin nodes they emit (models.plugin_passes.CONVENTIONS)."""
+        whose plugin nodes they emit (plugins.contract.CONVENTIONS)."""
         passes = [(key, lambda key=key: self.plugin_pass(key, convention)) for key in PLUGIN_KEYS if key in plugins]
         return passes + [("cleanup", self.cleanup)] if passes else []
 
     def run(self, passes: list[tuple[str, Callable[[], None]]] | None = None) -> onnx.ModelProto:
-        for _, apply in passes or self.base_passes():
+        """Runs exactly `passes` (`[]`: none), or the base passes where it is None; returns the model."""
+        for _, apply in self.base_passes() if passes is None else passes:
             apply()
         return self.model()
 

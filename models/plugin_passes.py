@@ -3,10 +3,10 @@
 Each pass is a list of declarative patterns (models.patterns) and one rewrite. The rewrite reads
 everything from the graph (head count and head size from the weights and the reshape constants,
 epsilon and attention scale from the nodes), checks that the kernels can take the match, and only
-then replaces it by a node of the plugin-node contract (op types `SDP*`, domain `sdplugins`,
-attributes `plugin_version` and `plugin_namespace`, which TensorRT's ONNX parser maps to our plugin
-creators). A match the kernels cannot take stays as it is and is reported as skipped with its reason.
-Constants keep the graph's precision, so fp32 and fp16 exports both work.
+then replaces it by a node of the plugin-node contract (plugins.contract: op types `SDP*`, domain
+`sdplugins`, attributes `plugin_version` and `plugin_namespace`, which TensorRT's ONNX parser maps to
+our plugin creators). A match the kernels cannot take stays as it is and is reported as skipped with
+its reason. Constants keep the graph's precision, so fp32 and fp16 exports both work.
 
 The same passes can emit TensorRT's own Stable Diffusion plugins instead (convention "tensorrt":
 fMHA_V2, fMHCA, GroupNorm, LayerNorm, SplitGeLU, SeqLen2Spatial of libnvinfer_plugin, TensorRT 8.5/8.6,
@@ -28,35 +28,38 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from models.patterns import DimOf, Match, Op, Pattern, constant_values, find_matches, replace_match, scalar_value, \
-    shape_elements
-from models.plugin_set import PLUGIN_KEYS
+from models.patterns import (
+    DimOf,
+    Match,
+    Op,
+    Pattern,
+    constant_values,
+    find_matches,
+    replace_match,
+    scalar_value,
+    shape_elements,
+)
+from plugins.contract import (  # noqa: F401  (CONVENTIONS, PLUGIN_OP_KEYS: also imported from here)
+    CONVENTIONS,
+    HEAD_SIZE_MULTIPLE,
+    LAYOUT_NCHW,
+    LAYOUT_NHWC,
+    MAX_HEAD_SIZE,
+    OURS,
+    PLUGIN_KEYS,
+    PLUGIN_OP_KEYS,
+    TENSORRT,
+    TENSORRT_FMHA_HEAD_SIZES,
+    TENSORRT_FMHCA_MAX_KEYS,
+    TENSORRT_GROUP_NORM_DEFAULT_TILE,
+    TENSORRT_GROUP_NORM_GROUPS,
+    TENSORRT_GROUP_NORM_TILES,
+    TENSORRT_SPLIT_GELU_WIDTHS,
+    Convention,
+)
+from plugins.contract import convention as plugin_convention
 
-PLUGIN_DOMAIN = "sdplugins"
-PLUGIN_VERSION = "1"
-# The largest head size and the head-size multiple the attention kernels take.
-MAX_HEAD_SIZE, HEAD_SIZE_MULTIPLE = 256, 8
-
-# Whose plugin nodes the passes emit: ours (the plugin-node contract) or TensorRT's bundled ones.
-OURS, TENSORRT = "sdplugins", "tensorrt"
-CONVENTIONS = (OURS, TENSORRT)
-# TensorRT's bundled plugins are registered in the default namespace; the parser ignores the domain,
-# which only keeps ONNX tools from taking the nodes for standard ops.
-TENSORRT_DOMAIN, TENSORRT_NAMESPACE = "nvinfer_plugin", ""
-# What TensorRT 8.5/8.6's kernels take (plugin/*Plugin in NVIDIA/TensorRT 8.5.3): fMHA_V2's head sizes,
-# fMHCA's longest key sequence, SplitGeLU's half widths, GroupNorm's fixed group count and its channel
-# tiles (channels per block by channel count, 320 otherwise). Their attention scale is 1/sqrt(D).
-TENSORRT_FMHA_HEAD_SIZES = (16, 32, 40, 64, 80, 128, 160, 256)
-TENSORRT_FMHCA_MAX_KEYS = 128
-TENSORRT_SPLIT_GELU_WIDTHS = (1280, 2560, 5120)
-TENSORRT_GROUP_NORM_GROUPS = 32
-TENSORRT_GROUP_NORM_TILES = {960: 480, 1920: 480, 512: 256, 256: 256, 128: 128}
 REPORT_SUFFIX = ".passes.json"
-# The op type of each plugin node the passes emit, in either convention -> the plugin key they report it
-# under (engines keep the node names, '<tensor>/<op type>', so their plugin layers can be counted back).
-PLUGIN_OP_KEYS = {**{f"SDP{key}": key for key in PLUGIN_KEYS},
-                  "fMHA_V2": "fMHA", "fMHCA": "fMHCA", "GroupNorm": "GroupNorm", "LayerNorm": "LayerNorm",
-                  "SplitGeLU": "SplitGeLU", "SeqLen2Spatial": "Seq2Spatial"}
 
 
 class Skip(Exception):
@@ -110,8 +113,7 @@ class PluginPass:
     rewrite: Callable[[gs.Graph, Match, str], None]
 
     def apply(self, graph: gs.Graph, convention: str = OURS) -> PassResult:
-        if convention not in CONVENTIONS:
-            raise ValueError(f"unknown plugin convention {convention!r}; one of {', '.join(CONVENTIONS)}")
+        plugin_convention(convention)  # ValueError for an unknown one
         result = PassResult()
         skipped_nodes: set[int] = set()  # a skipped match is not reported again by a later, smaller variant
         for pattern in self.patterns:
@@ -136,6 +138,7 @@ class _Builder:
         self.base = match.output.name
         self.dtype = dtype
         self.convention = convention
+        self.contract: Convention = plugin_convention(convention)
         self.nodes: list[gs.Node] = []
 
     def tensor(self, suffix: str, shape=None) -> gs.Variable:
@@ -148,13 +151,15 @@ class _Builder:
         self.nodes.append(gs.Node(op=op, name=f"{self.base}/{suffix}", inputs=inputs, outputs=[output]))
         return output
 
-    def plugin(self, op: str, inputs: list[gs.Tensor], output: gs.Tensor, **attrs) -> None:
-        """A plugin node in the convention's domain and namespace (the contract's, for ours)."""
-        domain, namespace = (PLUGIN_DOMAIN, PLUGIN_DOMAIN) if self.convention == OURS else \
-            (TENSORRT_DOMAIN, TENSORRT_NAMESPACE)
-        attrs = {**attrs, "plugin_version": PLUGIN_VERSION, "plugin_namespace": namespace}
+    def plugin(self, key: str, inputs: list[gs.Tensor], output: gs.Tensor, **fields) -> None:
+        """The node of plugin `key` in the convention's op type, domain, version and namespace
+        (plugins.contract); `fields` must be the contract's fields of that plugin."""
+        contract, op = self.contract, self.contract.op(key)
+        if tuple(fields) != contract.fields[key]:
+            raise ValueError(f"{op} takes the fields {contract.fields[key]}, not {tuple(fields)}")
+        attrs = {**fields, "plugin_version": contract.version, "plugin_namespace": contract.namespace}
         self.nodes.append(gs.Node(op=op, name=f"{self.base}/{op}", inputs=inputs, outputs=[output],
-                                  domain=domain, attrs=attrs))
+                                  domain=contract.domain, attrs=attrs))
 
 
 def _dtype(tensor: gs.Tensor, fallback: np.ndarray):
@@ -305,9 +310,9 @@ def _rewrite_self_attention(graph: gs.Graph, match: Match, convention: str) -> N
     qkv = _fused_projection(b, "qkv", x, [w for w, _ in projections], [bias for _, bias in projections],
                             _has_bias(match, "qkv"), [0, 0, heads, 3, size])
     if convention == OURS:
-        b.plugin("SDPfMHA", [qkv], match.output, scale=scale)
+        b.plugin("fMHA", [qkv], match.output, scale=scale)
     else:
-        b.plugin("fMHA_V2", [qkv], match.output)
+        b.plugin("fMHA", [qkv], match.output)
     replace_match(graph, match, b.nodes)
 
 
@@ -328,7 +333,7 @@ def _rewrite_cross_attention(graph: gs.Graph, match: Match, convention: str) -> 
     q = _fused_projection(b, "q", x, [wq], [bq], _has_bias(match, "q"), [0, 0, heads, size])
     kv = _fused_projection(b, "kv", context, [wk, wv], [bk, bv], _has_bias(match, "kv"), [0, 0, heads, 2, size])
     if convention == OURS:
-        b.plugin("SDPfMHCA", [q, kv], match.output, scale=scale)
+        b.plugin("fMHCA", [q, kv], match.output, scale=scale)
     else:
         b.plugin("fMHCA", [q, kv], match.output)
     replace_match(graph, match, b.nodes)
@@ -405,7 +410,7 @@ def _check_tensorrt_group_norm(x: gs.Tensor, channels: int, groups: int) -> None
         raise Skip("TensorRT's GroupNorm takes fp16 only")
     if groups != TENSORRT_GROUP_NORM_GROUPS:
         raise Skip(f"TensorRT's GroupNorm has {TENSORRT_GROUP_NORM_GROUPS} groups, this one {groups}")
-    per_block = TENSORRT_GROUP_NORM_TILES.get(channels, 320)
+    per_block = TENSORRT_GROUP_NORM_TILES.get(channels, TENSORRT_GROUP_NORM_DEFAULT_TILE)
     if channels % per_block or per_block % (channels // groups):
         raise Skip(f"TensorRT's GroupNorm kernels do not tile {channels} channels")
 
@@ -428,7 +433,7 @@ def _rewrite_group_norm(graph: gs.Graph, match: Match, convention: str) -> None:
 
     def group_norm(source: gs.Tensor, output: gs.Tensor) -> None:
         if convention == OURS:
-            b.plugin("SDPGroupNorm", [source, gamma_c, beta_c], output, num_groups=groups, epsilon=epsilon, silu=silu)
+            b.plugin("GroupNorm", [source, gamma_c, beta_c], output, num_groups=groups, epsilon=epsilon, silu=silu)
         else:
             b.plugin("GroupNorm", [source, gamma_c, beta_c], output, epsilon=epsilon, bSwish=silu)
 
@@ -507,7 +512,7 @@ def _rewrite_layer_norm(graph: gs.Graph, match: Match, convention: str) -> None:
     inputs = [x, b.constant("gamma", gamma.reshape(width).astype(b.dtype)),
               b.constant("beta", beta.reshape(width).astype(b.dtype))]
     if convention == OURS:
-        b.plugin("SDPLayerNorm", inputs, match.output, epsilon=epsilon)
+        b.plugin("LayerNorm", inputs, match.output, epsilon=epsilon)
     else:
         b.plugin("LayerNorm", inputs, match.output, epsilon=epsilon, axis=-1)
     replace_match(graph, match, b.nodes)
@@ -595,7 +600,7 @@ def _rewrite_split_gelu(graph: gs.Graph, match: Match, convention: str) -> None:
     b = _Builder(match, x.dtype or (bias.dtype if bias is not None else np.float32), convention)
     if convention == OURS:
         bias = np.zeros(width, b.dtype) if bias is None else bias.reshape(width).astype(b.dtype)
-        b.plugin("SDPSplitGeLU", [x, b.constant("bias", bias)], match.output)
+        b.plugin("SplitGeLU", [x, b.constant("bias", bias)], match.output)
     else:  # TensorRT's SplitGeLU takes the biased input
         biased = x if bias is None else b.node("Add", "Add", [x, b.constant("bias", bias.reshape(width))],
                                                b.tensor("biased", x.shape))
@@ -650,7 +655,7 @@ def _rewrite_seq2spatial(graph: gs.Graph, match: Match, convention: str) -> None
         if spatial is None:
             raise Skip("H and W of the reshape to [B, H, W, C] are not read from a [B, C, H, W] tensor")
         if convention == OURS:
-            b.plugin("SDPSeq2Spatial", [x, bias_c, residual, spatial], match.output, residual_layout=1)
+            b.plugin("Seq2Spatial", [x, bias_c, residual, spatial], match.output, residual_layout=LAYOUT_NHWC)
         else:
             _tensorrt_seq2spatial(b, [x, bias_c, residual], spatial, channels, match.output)
     else:
@@ -663,7 +668,7 @@ def _rewrite_seq2spatial(graph: gs.Graph, match: Match, convention: str) -> None
             or _spatial_source(match, channels) is residual
         if not same_hw or match.output.shape != residual.shape:
             raise Skip("the residual's H and W are not those of the reshaped sequence")
-        b.plugin("SDPSeq2Spatial", [x, bias_c, residual], match.output, residual_layout=0)
+        b.plugin("Seq2Spatial", [x, bias_c, residual], match.output, residual_layout=LAYOUT_NCHW)
     replace_match(graph, match, b.nodes)
 
 
@@ -677,7 +682,7 @@ def _tensorrt_seq2spatial(b: _Builder, inputs: list[gs.Tensor], spatial: gs.Tens
         b.nodes.append(gs.Node("Cast", f"{b.base}/Cast", attrs={"to": onnx.TensorProto.FLOAT}, inputs=[spatial],
                                outputs=[cast]))
         spatial = cast
-    b.plugin("SeqLen2Spatial", [*inputs, spatial], output)
+    b.plugin("Seq2Spatial", [*inputs, spatial], output)
 
 
 PLUGIN_PASSES = {

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -17,15 +16,8 @@ from pathlib import Path
 
 from core.errors import UsageError
 from models.builtin import BUILTIN_MODELS, builtin_model_dir
+from models.validate import COMPONENTS, read_config, validate_model_folder
 
-# component -> the file that must exist in its folder
-REQUIRED_COMPONENTS = {
-    "text_encoder": "config.json",
-    "tokenizer": "tokenizer_config.json",
-    "unet": "config.json",
-    "vae": "config.json",
-    "scheduler": "scheduler_config.json",
-}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -41,7 +33,7 @@ class ModelSource:
     path: Path
 
     def config(self, component: str) -> dict:
-        return json.loads((self.path / component / REQUIRED_COMPONENTS[component]).read_text())
+        return read_config(self.path / component / COMPONENTS[component][0], component)
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -98,14 +90,6 @@ class ModelSource:
         return self.native_image_size // 2, self.native_image_size * 2
 
 
-def _check_components(path: Path, name: str) -> None:
-    for component, required in REQUIRED_COMPONENTS.items():
-        if not (path / component / required).is_file():
-            raise UsageError(
-                f"model '{name}' is missing component '{component}' (no {component}/{required} in {path})"
-            )
-
-
 def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelSource:
     """Turn a --model value into a ModelSource; raises UsageError with the reason when it cannot."""
     cache_dir = cache_dir or default_cache_dir()
@@ -113,7 +97,7 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelSource:
         return ModelSource(spec, builtin_model_dir(spec, cache_dir / "builtin"))
     path = Path(spec).expanduser()
     if path.is_dir():
-        _check_components(path, spec)
+        validate_model_folder(path, spec)
         return ModelSource(spec, path.resolve())
     if _HUB_ID.match(spec) and not path.exists():
         return ModelSource(spec, _download_from_hub(spec))
@@ -131,5 +115,5 @@ def _download_from_hub(hub_id: str) -> Path:
     except Exception as exc:  # network, auth, missing repo: one clear line for the user
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UsageError(f"cannot fetch model '{hub_id}' from the hub: {first_line}") from exc
-    _check_components(path, hub_id)
+    validate_model_folder(path, hub_id)
     return path

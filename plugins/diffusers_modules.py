@@ -1,6 +1,6 @@
 """Our CUDA kernels (torch.ops.sdplugins.*) substituted into loaded diffusers / transformers modules.
 
-    report = substitute(module, {"fMHA", "GroupNorm"})   # keys as in models.plugin_set.PLUGIN_KEYS
+    report = substitute(module, {"fMHA", "GroupNorm"})   # keys as in plugins.contract.PLUGIN_KEYS
     print(report.line("unet"))
 
 The substitutes use the modules' own parameters (the same Parameter objects, so the state dict keeps
@@ -12,11 +12,11 @@ as skipped with its reason, like the ONNX plugin passes do:
 | key | module | becomes |
 | --- | --- | --- |
 | fMHA | diffusers `Attention` without encoder states (self-attention) | processor: packed QKV matmul + fmha |
-| fMHCA | diffusers `Attention` with encoder states (cross-attention) | processor: Q matmul, K/V matmuls stacked + fmhca |
+| fMHCA | diffusers `Attention` with encoder states (cross-attention) | processor: Q matmul, stacked K/V + fmhca |
 | GroupNorm | `nn.GroupNorm`; in `ResnetBlock2D` and before `conv_act` the SiLU after it too | group_norm (silu) |
 | LayerNorm | `nn.LayerNorm` over the last dimension (UNet transformers and CLIP) | layer_norm |
 | SplitGeLU | diffusers `GEGLU` | its projection + split_gelu |
-| Seq2Spatial | `Transformer2DModel` output: proj_out, bias, back to NCHW, + residual | proj_out's matmul + seq2spatial |
+| Seq2Spatial | `Transformer2DModel` output: proj_out, bias, to NCHW, + residual | proj_out's matmul + seq2spatial |
 
 The kernels run fp16 CUDA tensors; the tests run these modules on the CPU with float32 reference
 kernels registered for the same ops.
@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.torch_ops import HEAD_SIZE_MULTIPLE, LAYOUT_NCHW, MAX_HEAD_SIZE
+from plugins import torch_ops  # noqa: F401  (registers the ops)
+from plugins.contract import HEAD_SIZE_MULTIPLE, LAYOUT_NCHW, MAX_HEAD_SIZE, PLUGIN_KEYS, TORCH_OP_NAMESPACE
 
-FAMILIES = ("fMHA", "fMHCA", "GroupNorm", "LayerNorm", "SplitGeLU", "Seq2Spatial")
-ops = torch.ops.sdplugins
+ops = getattr(torch.ops, TORCH_OP_NAMESPACE)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Substitution:
     """What substitute() replaced and skipped (with reasons), per family."""
 
     replaced: Counter = field(default_factory=Counter)
-    skipped: dict[str, list[str]] = field(default_factory=lambda: {key: [] for key in FAMILIES})
+    skipped: dict[str, list[str]] = field(default_factory=lambda: {key: [] for key in PLUGIN_KEYS})
     silu_folded: int = 0  # GroupNorms that took the SiLU after them
     packed_bytes: int = 0  # the packed QKV weights self-attention reads (the one copy made)
 
@@ -54,11 +54,11 @@ class Substitution:
     def as_dict(self) -> dict[str, dict]:
         """{"<key>": {"replaced": N, "skipped": M, "skipped_reasons": [...]}}, the ONNX pass report's shape."""
         return {key: {"replaced": self.replaced[key], "skipped": len(self.skipped[key]),
-                      "skipped_reasons": list(self.skipped[key])} for key in FAMILIES}
+                      "skipped_reasons": list(self.skipped[key])} for key in PLUGIN_KEYS}
 
     def line(self, stage: str) -> str:
         parts = []
-        for key in FAMILIES:
+        for key in PLUGIN_KEYS:
             text = f"{key} {self.replaced[key]}"
             if key == "GroupNorm" and self.silu_folded:
                 text += f" ({self.silu_folded} with SiLU)"
@@ -318,9 +318,9 @@ def substitute(root: nn.Module, plugins, channels_last: bool = False) -> Substit
     """Put the kernels of `plugins` (family keys) into `root` in place; returns what was done.
 
     `channels_last`: the module will run on channels-last memory (Seq2Spatial then has nothing to do)."""
-    unknown = set(plugins) - set(FAMILIES)
+    unknown = set(plugins) - set(PLUGIN_KEYS)
     if unknown:
-        raise ValueError(f"unknown plugin families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown plugin families {sorted(unknown)}; known: {', '.join(PLUGIN_KEYS)}")
     report = Substitution()
     if "fMHA" in plugins:
         _substitute_attention(root, report, cross=False)

@@ -1,4 +1,5 @@
-"""PyTorch custom ops (namespace `sdplugins`) over the CUDA kernels' C ABI.
+"""PyTorch custom ops (namespace plugins.contract.TORCH_OP_NAMESPACE, `torch.ops.sdplugins`, op names
+plugins.contract.TORCH_OPS) over the CUDA kernels' C ABI.
 
 Each op runs on the current CUDA stream and has a fake (meta) implementation, so it works under
 torch.compile and CUDA-graph capture. The ops are registered even where the library is missing, so
@@ -16,12 +17,22 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-LAYOUT_NCHW, LAYOUT_NHWC = 0, 1
-# The attention kernels take head sizes that are multiples of HEAD_SIZE_MULTIPLE up to MAX_HEAD_SIZE.
-MAX_HEAD_SIZE, HEAD_SIZE_MULTIPLE = 256, 8
+# LAYOUT_* and the head-size limits are the contract's, named here too for the ops' callers.
+from plugins.contract import (  # noqa: F401
+    HEAD_SIZE_MULTIPLE,
+    LAYOUT_NCHW,
+    LAYOUT_NHWC,
+    LIBRARY_ENV,
+    LIBRARY_FILE,
+    MAX_HEAD_SIZE,
+    TORCH_OP_NAMESPACE,
+    TORCH_OPS,
+)
 
-_c_void, _c_int, _c_float, _c_i64, _c_size = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64, ctypes.c_size_t
+ROOT = Path(__file__).resolve().parent.parent
+
+_c_void, _c_int, _c_float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_c_i64, _c_size = ctypes.c_int64, ctypes.c_size_t
 _SIGNATURES = {
     "sdp_version": ([], _c_int),
     "sdp_last_error": ([], ctypes.c_char_p),
@@ -37,7 +48,7 @@ _SIGNATURES = {
 
 
 def library_path() -> Path:
-    return Path(os.environ.get("SDPLUGINS_LIBRARY", ROOT / "build" / "libsdplugins.so"))
+    return Path(os.environ.get(LIBRARY_ENV, ROOT / "build" / LIBRARY_FILE))
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -67,6 +78,11 @@ def status() -> str:
 
 def available() -> bool:
     return _STATUS == "available"
+
+
+def _op_name(key: str) -> str:
+    """The qualified name of a plugin key's op ("sdplugins::fmha")."""
+    return f"{TORCH_OP_NAMESPACE}::{TORCH_OPS[key]}"
 
 
 def _call(name: str, *args) -> None:
@@ -120,7 +136,7 @@ def fmhca_into(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, scale: floa
     return out
 
 
-@torch.library.custom_op("sdplugins::fmha", mutates_args=())
+@torch.library.custom_op(_op_name("fMHA"), mutates_args=())
 def fmha(qkv: torch.Tensor, scale: float) -> torch.Tensor:
     """Self-attention: qkv [B, S, H, 3, D] -> [B, S, H, D]."""
     return fmha_into(qkv, qkv.new_empty(qkv.shape[:3] + qkv.shape[4:]), scale)
@@ -131,7 +147,7 @@ def _(qkv, scale):
     return qkv.new_empty(qkv.shape[:3] + qkv.shape[4:])
 
 
-@torch.library.custom_op("sdplugins::fmhca", mutates_args=())
+@torch.library.custom_op(_op_name("fMHCA"), mutates_args=())
 def fmhca(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
     """Cross-attention: q [B, Sq, H, D], kv [B, Skv, H, 2, D] -> [B, Sq, H, D]."""
     return fmhca_into(q, kv, torch.empty_like(q), scale)
@@ -169,7 +185,7 @@ def group_norm_into(x, gamma, beta, out, groups: int, eps: float, silu: bool, ch
     return out
 
 
-@torch.library.custom_op("sdplugins::group_norm", mutates_args=())
+@torch.library.custom_op(_op_name("GroupNorm"), mutates_args=())
 def group_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, groups: int, eps: float, silu: bool,
                channels_last: bool) -> torch.Tensor:
     """GroupNorm (+SiLU) over [B, C, ...] or, with channels_last, [B, ..., C]."""
@@ -192,7 +208,7 @@ def layer_norm_into(x, gamma, beta, out, eps: float):
     return out
 
 
-@torch.library.custom_op("sdplugins::layer_norm", mutates_args=())
+@torch.library.custom_op(_op_name("LayerNorm"), mutates_args=())
 def layer_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm over the last dimension."""
     return layer_norm_into(x, gamma, beta, torch.empty_like(x), eps)
@@ -217,7 +233,7 @@ def split_gelu_into(x, bias, out):
     return out
 
 
-@torch.library.custom_op("sdplugins::split_gelu", mutates_args=())
+@torch.library.custom_op(_op_name("SplitGeLU"), mutates_args=())
 def split_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[..., 2N] (+ bias) -> [..., N] = x[..., :N] * gelu_erf(x[..., N:])."""
     return split_gelu_into(x, bias, x.new_empty(_split_shape(x)))
@@ -233,7 +249,8 @@ def seq2spatial_into(x, bias, residual, out, residual_layout: int = LAYOUT_NCHW)
     or [B, HW, C] like x with LAYOUT_NHWC (the sequence layout, added before the transpose)."""
     _check_half("seq2spatial", x, bias, residual, out)
     _require(residual_layout in (LAYOUT_NCHW, LAYOUT_NHWC),
-             f"seq2spatial: residual_layout must be {LAYOUT_NCHW} (NCHW) or {LAYOUT_NHWC} (NHWC), got {residual_layout}")
+             f"seq2spatial: residual_layout must be {LAYOUT_NCHW} (NCHW) or {LAYOUT_NHWC} (NHWC), got "
+             f"{residual_layout}")
     _require(x.dim() == 3 and out.dim() == 4, "seq2spatial: x must be [B, HW, C] and out [B, C, H, W]")
     b, hw, c = x.shape
     _require(tuple(out.shape[:2]) == (b, c) and out.shape[2] * out.shape[3] == hw,
@@ -253,7 +270,7 @@ def _seq2spatial_shape(x: torch.Tensor, residual: torch.Tensor, residual_layout:
     return [b, c, height, hw // height]
 
 
-@torch.library.custom_op("sdplugins::seq2spatial", mutates_args=())
+@torch.library.custom_op(_op_name("Seq2Spatial"), mutates_args=())
 def seq2spatial(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, residual_layout: int = LAYOUT_NCHW,
                 height: int = 0) -> torch.Tensor:
     """x [B, HW, C] + bias [C], to [B, C, H, W], + residual [B, C, H, W]; with residual_layout LAYOUT_NHWC the

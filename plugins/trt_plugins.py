@@ -1,7 +1,8 @@
 """Our TensorRT plugin library (plugins/trt, built as libsdplugins_trt.so) in TensorRT's plugin registry.
 
 `load_plugin_library(trt)` loads it into the registry of the given `tensorrt` module, so that TensorRT's
-ONNX parser maps the SDP* nodes of the plugin-node contract to our creators; call it before parsing.
+ONNX parser maps the SDP* nodes of the plugin-node contract (plugins.contract: PLUGIN_NAMES, version
+PLUGIN_VERSION, namespace PLUGIN_NAMESPACE) to our creators; call it before parsing.
 `status()` says whether the library is built and, if not, why; importing never fails.
 (`SDPLUGINS_TRT_LIBRARY` points at another build.)
 """
@@ -12,16 +13,14 @@ import os
 from pathlib import Path
 
 from core.errors import UsageError
+from plugins.contract import PLUGIN_NAMES, PLUGIN_NAMESPACE, PLUGIN_VERSION, TRT_LIBRARY_ENV, TRT_LIBRARY_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
-PLUGIN_NAMESPACE = "sdplugins"
-PLUGIN_VERSION = "1"
-PLUGIN_NAMES = ("SDPfMHA", "SDPfMHCA", "SDPGroupNorm", "SDPLayerNorm", "SDPSplitGeLU", "SDPSeq2Spatial")
 BUILD_COMMAND = "cmake -S . -B build -DTENSORRT_INCLUDE_DIR=<dir with NvInfer.h> && cmake --build build -j"
 
 
 def library_path() -> Path:
-    return Path(os.environ.get("SDPLUGINS_TRT_LIBRARY", ROOT / "build" / "libsdplugins_trt.so"))
+    return Path(os.environ.get(TRT_LIBRARY_ENV, ROOT / "build" / TRT_LIBRARY_FILE))
 
 
 def status() -> str:

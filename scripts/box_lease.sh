@@ -17,6 +17,7 @@
 source scripts/box_trt86_env.sh || exit 1
 SNAP=/tmp/snap WORK=/tmp/ablation LOGS=/tmp/lease
 ENGINES=(--disable-tactic-sources CUDNN --optimization-level)
+REQUEST=(--seed 0 --scheduler DDIM)  # one request for the ablation and both benchmark runs (images compared)
 ENGINE_TESTS="tests/test_engines_gpu.py tests/test_trt_plugins_gpu.py"
 running() { pgrep -f "$1" >/dev/null; }
 case "$1" in
@@ -28,7 +29,7 @@ start)
     && cmake --build build -j 32 >>$LOGS/cmake.log 2>&1 || { tail -20 $LOGS/cmake.log; exit 1; }
   if [ -n "$5" ]; then builders=$((gpus - 1)) last=last-gpu; else builders=$gpus last=gpu-tests; fi
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((builders - 1))) setsid nohup python3 scripts/ablation.py --model sd1.5-arch \
-    "${ENGINES[@]}" "$2" --work-dir $WORK --configs "$4" --build-budget-s "$3" \
+    "${ENGINES[@]}" "$2" "${REQUEST[@]}" --update-defaults --work-dir $WORK --configs "$4" --build-budget-s "$3" \
     --parallel-builds $((builders * ${BUILDS_PER_GPU:-1})) --build-gpus $builders >$LOGS/ablation.log 2>&1 </dev/null &
   CUDA_VISIBLE_DEVICES=$((gpus - 1)) setsid nohup bash scripts/box_lease.sh $last "$2" "$5" \
     >$LOGS/last-gpu.log 2>&1 </dev/null &
@@ -36,7 +37,8 @@ start)
 last-gpu)  # started by `start`, in the snapshot
   step() { echo "[lease] $(date +%T) $1"; }
   step "benchmark: torch contenders"
-  python3 scripts/benchmark.py --model sd1.5-arch --contenders "$3" "${ENGINES[@]}" "$2" >$LOGS/benchmark.log 2>&1
+  python3 scripts/benchmark.py --model sd1.5-arch --contenders "$3" "${ENGINES[@]}" "$2" "${REQUEST[@]}" \
+    --update-defaults >$LOGS/benchmark.log 2>&1
   step "UNet profile at the torch defaults"
   python3 scripts/profile_unet.py --model sd1.5-arch --results-dir results >$LOGS/profile_unet.log 2>&1
   step "GPU tests"
@@ -50,7 +52,7 @@ last-gpu)  # started by `start`, in the snapshot
   until grep -q "configurations ready" $LOGS/ablation.log || ! running "scripts/ablatio[n].py"; do sleep 10; done
   step "benchmark: TensorRT contenders"
   python3 scripts/benchmark.py --model sd1.5-arch --contenders tensorrt,tensorrt-plugins "${ENGINES[@]}" "$2" \
-    --engines-from-ablation $WORK >>$LOGS/benchmark.log 2>&1
+    "${REQUEST[@]}" --engines-from-ablation $WORK >>$LOGS/benchmark.log 2>&1
   step "done" ;;
 gpu-tests)  # started by `start` without contenders, in the snapshot
   echo "[lease] $(date +%T) GPU tests"
@@ -58,13 +60,13 @@ gpu-tests)  # started by `start` without contenders, in the snapshot
   echo "[lease] $(date +%T) done"; tail -3 $LOGS/pytest.log ;;
 wait)
   for _ in $(seq 1 114); do running "box_lease.s[h] (last-gpu|gpu-tests)" || running "scripts/ablatio[n].py" || break; sleep 5; done
-  date; grep -h "\[ablation\]" $LOGS/ablation.log | tail -20; tail -3 $LOGS/ablation.log | grep -v "^\[ablation\]"
-  grep -h "^\[lease\]\|^\[benchmark\]" $LOGS/last-gpu.log $LOGS/benchmark.log | tail -12
+  date; grep -h "\[sd-ablation\]" $LOGS/ablation.log | tail -20; tail -3 $LOGS/ablation.log | grep -v "^\[sd-ablation\]"
+  grep -h "^\[lease\]\|^\[sd-benchmark\]" $LOGS/last-gpu.log $LOGS/benchmark.log | tail -12
   tail -2 $LOGS/pytest.log 2>/dev/null
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader ;;
 collect)
   mkdir -p "$OUT/results" && cp $SNAP/results/ablation-* $SNAP/results/benchmark-* $SNAP/results/profile-unet-* \
-    $SNAP/results/plugins_auto.json $SNAP/results/torch_defaults.json "$OUT/results/" 2>/dev/null
+    $SNAP/plugins/tuned_defaults.json "$OUT/results/" 2>/dev/null
   tar -czf "$OUT/logs.tgz" $LOGS $WORK/*/build.log $WORK/rows.json $WORK/*.png 2>/dev/null
   tail -5 $LOGS/ablation.log; tail -5 $LOGS/pytest.log ;;
 *)

@@ -2,32 +2,33 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/plugin_memcheck.py
 
-Attention runs on each path this GPU has (SDPLUGINS_ATTENTION): the mma.sync kernels everywhere, and on
-compute capability 9.0 the wgmma/TMA kernels too, every instantiation and scheduling mode.
+Attention runs on each path this GPU has (plugins.contract.ATTENTION_PATH_ENV): the mma.sync kernels
+everywhere, and on compute capability 9.0 the wgmma/TMA kernels too, every instantiation and scheduling mode.
 """
 
+import argparse
 import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="Needs a CUDA GPU and our plugin library.").parse_args(argv)
+    import torch
 
-from plugins import torch_ops as ops  # noqa: E402
+    from plugins import torch_ops as ops
+    from plugins.contract import ATTENTION_PATH_ENV
 
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda").half()
 
-def randn(*shape):
-    return torch.randn(*shape, device="cuda").half()
-
-
-def main() -> int:
     if not ops.available():
         print(f"plugins unavailable: {ops.status()}")
         return 1
     paths = ["mma"] + (["wgmma"] if torch.cuda.get_device_capability() == (9, 0) else [])
     for path in paths:
-        os.environ["SDPLUGINS_ATTENTION"] = path
+        os.environ[ATTENTION_PATH_ENV] = path
         print(f"attention path: {path}")
         for d in (40, 64, 80, 160, 8, 48, 72, 128, 176, 256):  # every instantiation of both paths
             ops.fmha(randn(2, 77, 2, 3, d), 0.1)  # one K/V tile
@@ -40,7 +41,7 @@ def main() -> int:
         # across items of a head, and K/V streamed across items
         ops.fmhca(randn(3, 4097, 7, 40), randn(3, 77, 7, 2, 40), 0.1)
         ops.fmha(randn(2, 1100, 8, 3, 64), 0.1)
-    del os.environ["SDPLUGINS_ATTENTION"]
+    del os.environ[ATTENTION_PATH_ENV]
     for b, c, h, w, g in ((2, 320, 8, 8, 32), (1, 30, 5, 5, 3), (2, 960, 4, 4, 32)):
         for channels_last in (False, True):
             x = randn(b, h, w, c) if channels_last else randn(b, c, h, w)
@@ -59,4 +60,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout without installing
     sys.exit(main())

@@ -1,11 +1,37 @@
+import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+
+
+def _no_gpu() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+def _no_tensorrt() -> str | None:
+    return None if importlib.util.find_spec("tensorrt") else "TensorRT's Python package (tensorrt) is not installed"
+
+
+# Marker -> why its tests cannot run here (None: they can). Tests say what they need with these markers
+# (pytestmark = pytest.mark.gpu), and this is the one place that decides whether that is there.
+NEEDS = {"gpu": _no_gpu, "tensorrt": _no_tensorrt}
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {}
+    for item in items:
+        for marker, why_not in NEEDS.items():
+            if item.get_closest_marker(marker) is None:
+                continue
+            if marker not in reasons:
+                reasons[marker] = why_not()
+            if reasons[marker]:
+                item.add_marker(pytest.mark.skip(reason=f"needs {marker}: {reasons[marker]}"))
 
 
 @pytest.fixture(scope="session", autouse=True)

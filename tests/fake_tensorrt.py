@@ -105,7 +105,8 @@ class OnnxParser:
         model = onnx.load(path, load_external_data=False)
         for node in model.graph.node:
             if not onnx.defs.has(node.op_type, node.domain):  # as TensorRT: no importer, no plugin
-                self.errors.append(_ParserError(node.name, node.op_type, f"No importer registered for op: {node.op_type}"))
+                message = f"No importer registered for op: {node.op_type}"
+                self.errors.append(_ParserError(node.name, node.op_type, message))
                 return False
         initializers = {i.name for i in model.graph.initializer}
         for value in model.graph.input:

@@ -14,6 +14,8 @@ from collections import Counter
 import numpy as np
 from scipy.special import erf
 
+from plugins.contract import TORCH_OP_NAMESPACE, TORCH_OPS
+
 
 def _attention(q, k, v, scale):
     scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
@@ -122,10 +124,9 @@ def _register() -> None:
         assert residual_layout == torch_ops.LAYOUT_NHWC or list(residual.shape) == shape
         return _out(seq2spatial(_np(x), _np(bias), _np(residual), np.empty(shape), residual_layout), x)
 
-    for name, kernel in (("fmha", fmha_cpu), ("fmhca", fmhca_cpu), ("group_norm", group_norm_cpu),
-                         ("layer_norm", layer_norm_cpu), ("split_gelu", split_gelu_cpu),
-                         ("seq2spatial", seq2spatial_cpu)):
-        getattr(torch_ops, name).register_kernel("cpu", kernel)
+    for key, kernel in (("fMHA", fmha_cpu), ("fMHCA", fmhca_cpu), ("GroupNorm", group_norm_cpu),
+                        ("LayerNorm", layer_norm_cpu), ("SplitGeLU", split_gelu_cpu), ("Seq2Spatial", seq2spatial_cpu)):
+        torch.library.register_kernel(f"{TORCH_OP_NAMESPACE}::{TORCH_OPS[key]}", "cpu", kernel)
 
 
 @contextlib.contextmanager

@@ -1,9 +1,12 @@
-"""scripts/ablation.py's decisions that need no GPU: configurations, what --plugins auto records, the table."""
+"""bench.ablation (sd-ablation) and its engine jobs, where they need no GPU: configurations, what --plugins auto
+records (only with --update-defaults), the tables, the build jobs' command lines and scheduling."""
 
 import pytest
 
+from bench.ablation import CONFIGS, PEERS, faster_than_none, kernel_comparisons, select_configs
+from bench.tables import ablation_table, kernel_table
 from core.errors import UsageError
-from scripts.ablation import CONFIGS, PEERS, faster_than_none, kernel_comparisons, kernel_table, markdown_table, select_configs
+from plugins.contract import OURS, TENSORRT
 
 
 def row(label, pipeline, plugins=(), match=True):
@@ -19,15 +22,13 @@ def test_configurations_follow_demodiffusion_then_each_family_alone():
     assert all(a < b for a, b in zip(cumulative, cumulative[1:]))  # each row adds a family
     assert cumulative[-1] == {"fMHA", "fMHCA", "LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial"}
     assert [len(plugins) for _, plugins, _ in CONFIGS[6:10]] == [1, 1, 1, 1]
-    assert {convention for _, _, convention in CONFIGS[:10]} == {"sdplugins"}
+    assert {convention for _, _, convention in CONFIGS[:10]} == {OURS}
     # The peer: TensorRT's own plugins, for the attention pair and for everything; and, for Hopper, where
     # TensorRT 8.6's fMHA_V2 has no kernels, the other four of theirs against the same four of ours
     without_attention = cumulative[-1] - cumulative[1]
     assert [(set(p), c) for _, p, c in CONFIGS[10:]] == [
-        (cumulative[1], "tensorrt"), (cumulative[-1], "tensorrt"), (without_attention, "sdplugins"),
-        (without_attention, "tensorrt")]
-    assert select_configs("none,GroupNorm alone") == [("none", (), "sdplugins"),
-                                                      ("GroupNorm alone", ("GroupNorm",), "sdplugins")]
+        (cumulative[1], TENSORRT), (cumulative[-1], TENSORRT), (without_attention, OURS), (without_attention, TENSORRT)]
+    assert select_configs("none,GroupNorm alone") == [("none", (), OURS), ("GroupNorm alone", ("GroupNorm",), OURS)]
     assert select_configs(",".join(labels)) == list(CONFIGS)  # every label can be named in --configs
     with pytest.raises(UsageError, match="unknown configuration.*Bogus"):
         select_configs("none,Bogus")
@@ -43,18 +44,19 @@ def test_auto_takes_only_what_measured_faster_alone():
 
 
 def test_table_marks_mismatched_layer_counts_and_shows_published_rows():
-    table = markdown_table([row("none", 500.0), row("+fMHA/fMHCA", 400.0, ("fMHA", "fMHCA"), match=False)],
+    table = ablation_table([row("none", 500.0), row("+fMHA/fMHCA", 400.0, ("fMHA", "fMHCA"), match=False)],
                            "NVIDIA H100 80GB HBM3", "8.6.0")
     lines = table.splitlines()
     assert "NVIDIA H100 80GB HBM3, TensorRT 8.6.0" in lines[0]
     assert lines[4].startswith("| none | 1.00 | 488.00 | 10.00 | 500.00 | 1.000x | 0 (yes) | — | 1282.32 |")
-    assert lines[5].startswith("| +fMHA/fMHCA | 1.00 | 388.00 | 10.00 | 400.00 | 1.250x | 32 (NO) | 50.0 dB | 1047.26 |")
+    assert lines[5].startswith("| +fMHA/fMHCA | 1.00 | 388.00 | 10.00 | 400.00 | 1.250x | 32 (NO) | 50.0 dB "
+                               "| 1047.26 |")
 
 
 def test_peers_pair_the_same_families_in_either_convention():
     configs = {label: (set(plugins), convention) for label, plugins, convention in CONFIGS}
     for ours, theirs in PEERS:
-        assert configs[ours][0] == configs[theirs][0] and (configs[ours][1], configs[theirs][1]) == ("sdplugins", "tensorrt")
+        assert configs[ours][0] == configs[theirs][0] and (configs[ours][1], configs[theirs][1]) == (OURS, TENSORRT)
 
 
 def test_kernel_table_compares_each_family_only_where_both_peers_ran():
@@ -77,15 +79,15 @@ def test_kernel_table_compares_each_family_only_where_both_peers_ran():
 
 
 def test_text_encoder_and_vae_engines_are_shared_where_their_families_are_absent():
-    from scripts.ablation import config_jobs
+    from bench.jobs import config_jobs
 
-    families = {("clip", "sdplugins"): {"LayerNorm"}, ("vae", "sdplugins"): {"GroupNorm"},
-                ("clip", "tensorrt"): {"LayerNorm"}, ("vae", "tensorrt"): {"GroupNorm"}}
+    families = {("clip", OURS): {"LayerNorm"}, ("vae", OURS): {"GroupNorm"},
+                ("clip", TENSORRT): {"LayerNorm"}, ("vae", TENSORRT): {"GroupNorm"}}
     jobs = config_jobs(CONFIGS, families)
     assert jobs["+fMHA/fMHCA"]["clip"] == jobs["none"]["clip"]  # no LayerNorm yet: the plain text encoder
     assert jobs["+LayerNorm"]["clip"].plugins == ("LayerNorm",) and jobs["+LayerNorm"]["vae"] == jobs["none"]["vae"]
     assert jobs["+Seq2Spatial"]["vae"].plugins == ("GroupNorm",)
-    assert jobs["TensorRT's plugins (all six)"]["vae"].convention == "tensorrt"
+    assert jobs["TensorRT's plugins (all six)"]["vae"].convention == TENSORRT
     assert len({job.folder for config in jobs.values() for job in config.values()}) == len(set(
         job for config in jobs.values() for job in config.values()))  # one folder per distinct engine
     engines = {stage: {config[stage] for config in jobs.values()} for stage in ("clip", "unet", "vae")}
@@ -93,53 +95,78 @@ def test_text_encoder_and_vae_engines_are_shared_where_their_families_are_absent
 
 
 def test_the_run_finds_exactly_the_engines_the_build_jobs_made(tiny, tmp_path, monkeypatch):
-    """The run's engine settings come from the build jobs' own arguments: a run that would build again
+    """The run's engine settings come from the build jobs' own flags: a run that would build again
     (e.g. dynamic where the build was static) fails here."""
-    import argparse
     import sys
+    from dataclasses import replace
 
-    from scripts import build_engines
-    from scripts.ablation import config_jobs, create_config_stages, job_argv
+    from bench.jobs import BuildPlan, config_jobs, create_config_stages
+    from demo.cli.build_engines import main as build_engines
     from tests import fake_tensorrt
 
     monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt.make_module("8.6.0"))
     monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
-    args = argparse.Namespace(model=str(tiny.path), height=64, width=48, optimization_level=0,
-                              disable_tactic_sources=None)
-    jobs = config_jobs([("none", (), "sdplugins")], {})["none"]
+    plan = BuildPlan(str(tiny.path), tmp_path, height=64, width=48, optimization_level=0)
+    jobs = config_jobs([("none", (), OURS)], {})["none"]
     for job in jobs.values():
-        assert build_engines.main(job_argv(args, job, tmp_path)) == 0
+        assert build_engines(plan.argv(job)) == 0
 
     def no_build(*_, **__):
         raise AssertionError("the run tried to build an engine the jobs had built")
 
     monkeypatch.setattr("demo.engine.build_engine_file", no_build)
-    stages = create_config_stages(args, tiny, jobs, tmp_path)
+    stages = create_config_stages(plan, tiny, jobs)
     assert set(stages) == {"clip", "unet", "vae"}
-    # scripts/benchmark.py --engines-from-ablation: the same engines, for the contender with no plugins
-    from scripts.ablation import ablation_engine_stages
+    # sd-benchmark --engines-from-ablation: the same engines, for the contender with no plugins
+    from bench.jobs import ablation_engine_stages
 
-    assert set(ablation_engine_stages(args, tiny, (), "sdplugins", tmp_path, use_cuda_graph=True)) == {"clip", "unet", "vae"}
+    assert set(ablation_engine_stages(plan, tiny, (), OURS, use_cuda_graph=True)) == {"clip", "unet", "vae"}
     # Other build settings than the ablation's: an error naming what differs, not a build
     from core.artifacts import ArtifactError
 
     with pytest.raises(ArtifactError, match="optimization_level changed.*building is off"):
-        create_config_stages(argparse.Namespace(**{**vars(args), "optimization_level": 2}), tiny, jobs, tmp_path)
+        create_config_stages(replace(plan, optimization_level=2), tiny, jobs)
     with pytest.raises(UsageError, match="no ablation probe of clip"):  # plugins, but no probes there
-        ablation_engine_stages(args, tiny, ("LayerNorm",), "sdplugins", tmp_path)
+        ablation_engine_stages(plan, tiny, ("LayerNorm",), OURS)
+
+
+def test_a_jobs_command_line_parses_back_into_the_flags_the_run_uses(tmp_path):
+    """build-engines parses a job's arguments into exactly the EngineFlags (and request shape) that
+    BuildPlan.settings gives the run: build and run agree by construction."""
+    from bench.jobs import ALL, BuildPlan, Job
+    from demo.cli.build_engines import BuildFlags, make_parser
+    from demo.settings import EngineFlags, ModelFlags, parse_flags
+
+    plans = [BuildPlan("tiny", tmp_path / "work", 64, 48),
+             BuildPlan("sd1.5-arch", tmp_path / "other", 512, 768, batch_size=2, guided=False, optimization_level=5,
+                       disable_tactic_sources="CUDNN,CUBLAS_LT")]
+    for plan in plans:
+        for job in (Job("unet", (), OURS), Job("clip", ("LayerNorm",), OURS), Job("unet", ALL, TENSORRT)):
+            flags = parse_flags(make_parser(), plan.argv(job))
+            assert flags[EngineFlags] == plan.engine_flags(job)
+            assert flags[BuildFlags] == plan.build_flags(job)
+            assert flags[ModelFlags] == ModelFlags(model=plan.model)
+            engine, build = flags[EngineFlags], flags[BuildFlags]
+            assert engine.engine_dir == str(plan.work / job.folder / "engine") and engine.build_static_batch
+            assert engine.plugins == (",".join(job.plugins) or "none") and engine.plugin_convention == job.convention
+            assert (engine.optimization_level, engine.disable_tactic_sources) == (plan.optimization_level,
+                                                                                 plan.disable_tactic_sources)
+            assert (build.backend, build.stages, build.height, build.width, build.batch_size, build.no_guidance) == (
+                "tensorrt", job.stage, plan.height, plan.width, plan.batch_size, not plan.guided)
 
 
 def test_builds_spread_over_the_gpus_given_the_fewest_builds_first(tmp_path, monkeypatch):
-    import argparse
     import itertools
+    import sys
     from pathlib import Path
 
-    from scripts.ablation import Job, build_all
+    from bench.jobs import BuildPlan, Job, build_all
 
     launched = []
 
     class Finished:
         def __init__(self, command, env=None, **_):
+            assert command[:3] == [sys.executable, "-m", "demo.cli.build_engines"]
             folder = Path(command[command.index("--engine-dir") + 1]).parent.name
             launched.append((folder, (env or {}).get("CUDA_VISIBLE_DEVICES")))
             self.polls, self.returncode = itertools.count(), 0
@@ -148,38 +175,42 @@ def test_builds_spread_over_the_gpus_given_the_fewest_builds_first(tmp_path, mon
         def poll(self):
             return 0 if next(self.polls) >= self.length else None
 
-    monkeypatch.setattr("scripts.ablation.subprocess.Popen", Finished)
-    monkeypatch.setattr("scripts.ablation.time.sleep", lambda _: None)
-    args = argparse.Namespace(model="tiny", height=64, width=64, optimization_level=0, disable_tactic_sources=None,
-                              parallel_builds=3, build_gpus=2, build_budget_s=None)
-    jobs = [Job("unet", (), "sdplugins"), Job("unet", ("GroupNorm",), "sdplugins"), Job("clip", (), "sdplugins"),
-            Job("vae", (), "sdplugins")]
+    monkeypatch.setattr("bench.jobs.subprocess.Popen", Finished)
+    monkeypatch.setattr("bench.jobs.time.sleep", lambda _: None)
+    plan = BuildPlan("tiny", tmp_path, 64, 64, optimization_level=0)
+    jobs = [Job("unet", (), OURS), Job("unet", ("GroupNorm",), OURS), Job("clip", (), OURS), Job("vae", (), OURS)]
     for stage in ("unet", "clip", "vae"):
-        (tmp_path / Job(stage, (), "sdplugins").folder / "onnx").mkdir(parents=True)
-    times, failed = build_all(args, jobs, tmp_path)
+        (tmp_path / Job(stage, (), OURS).folder / "onnx").mkdir(parents=True)
+    times, failed = build_all(plan, jobs, parallel_builds=3, build_gpus=2)
     assert failed == {} and set(times) == set(jobs)
     # three at a time over two GPUs: 0, 1, 0; the first finishes first, so the fourth goes where it ran
     # (not in turn, which would give GPU 1 a second build while GPU 0 has one)
     assert [gpu for _, gpu in launched] == ["0", "1", "0", "0"]
-    args.build_gpus, launched[:] = 1, []
-    build_all(args, jobs, tmp_path)
+    launched[:] = []
+    build_all(plan, jobs, parallel_builds=3, build_gpus=1)
     assert [gpu for _, gpu in launched] == [None] * 4  # one GPU: the environment is left as it is
 
 
-def test_runs_keep_the_table_order_and_nothing_built_is_an_error_that_writes_nothing(tiny, tmp_path, monkeypatch, capsys):
-    """--configs orders the builds (a budget cuts the last); the runs and the table keep CONFIGS' order. When
-    no configuration was built, the ablation exits 1 with one line and writes no results."""
-    from scripts import ablation
+def test_runs_keep_the_table_order_and_nothing_built_is_an_error_that_writes_nothing(tiny, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """--configs orders the builds (a budget cuts the last); the runs and the table keep CONFIGS' order; only
+    --update-defaults writes what --plugins auto takes. When no configuration was built, the ablation exits 1
+    with one line and writes no results."""
+    import json
+
+    from bench import ablation
+    from bench.common import STAGES
+    from plugins.tuned import PLUGINS_AUTO, read_entry, write_entry
 
     ran = []
     monkeypatch.setattr(ablation, "export_and_probe", lambda *_: {})
-    monkeypatch.setattr(ablation, "build_all", lambda args, jobs, work: ({}, {}))
-    monkeypatch.setattr(ablation, "run_config", lambda args, source, label, *_: ran.append(label) or {
-        "label": label, "latency_ms": {s: 1.0 for s in ablation.STAGES}, "plugin_layers": {}, "image": None,
-        "unet_ms_by_kind": {"TensorRT": 5.0}})
+    monkeypatch.setattr(ablation, "build_all", lambda plan, jobs, *_: ({}, {}))
+    monkeypatch.setattr(ablation, "run_config", lambda plan, source, request, runs, label, *_: ran.append(label) or {
+        "label": label, "latency_ms": {s: 2.0 if label == "none" else 1.0 for s in STAGES},
+        "plugin_layers": {}, "image": None, "unet_ms_by_kind": {"TensorRT": 5.0}})
     monkeypatch.setattr("PIL.Image.fromarray", lambda _: type("Image", (), {"save": lambda *_: None})())
-    monkeypatch.setattr(ablation, "markdown_table", lambda rows, *_: "")
-    monkeypatch.setattr(ablation, "chart", lambda *_: None)
+    monkeypatch.setattr(ablation, "ablation_table", lambda rows, *_: "")
+    monkeypatch.setattr(ablation, "ablation_chart", lambda *_: b"")
     results = tmp_path / "results"
     (tmp_path / "work").mkdir()  # export_and_probe, stood in for here, makes it
     argv = ["--model", str(tiny.path), "--work-dir", str(tmp_path / "work"), "--results-dir", str(results),
@@ -187,15 +218,24 @@ def test_runs_keep_the_table_order_and_nothing_built_is_an_error_that_writes_not
     assert ablation.main(argv) == 0 and ran == []
     monkeypatch.setattr("demo.trt_flavour.version", lambda _: "8.6.0")
     monkeypatch.setattr("torch.cuda.get_device_name", lambda *_: "Test GPU")
-    monkeypatch.setattr("models.plugin_set.AUTO_TABLE", tmp_path / "auto.json")
-    assert ablation.main(argv[:-1]) == 0
+    monkeypatch.setattr("models.plugin_set.local_compute_capability", lambda: "9.0")
+    defaults = tmp_path / "tuned.json"
+    write_entry(PLUGINS_AUTO, "8.0", {"plugins": ["GroupNorm"]}, defaults)
+    before = defaults.read_bytes()
+    assert ablation.main(argv[:-1] + ["--defaults-file", str(defaults)]) == 0
     assert ran == ["none", "+fMHA/fMHCA", "+Seq2Spatial"]
+    assert [row["label"] for row in json.loads((results / "ablation-test-gpu.json").read_text())["rows"]] == ran
+    assert defaults.read_bytes() == before  # no --update-defaults
+    assert ablation.main(argv[:-1] + ["--defaults-file", str(defaults), "--update-defaults"]) == 0
+    entry = read_entry(PLUGINS_AUTO, "9.0", defaults)
+    assert entry["plugins"] == ["fMHA", "fMHCA"] and entry["gpu"] == "Test GPU" and entry["tensorrt"] == "8.6.0"
+    assert read_entry(PLUGINS_AUTO, "8.0", defaults) == {"plugins": ["GroupNorm"]}
 
-    every_job_failed = lambda args, jobs, work: ({}, {job: f"{job.folder} not built" for job in jobs})  # noqa: E731
+    every_job_failed = lambda plan, jobs, *_: ({}, {job: f"{job.folder} not built" for job in jobs})  # noqa: E731
     monkeypatch.setattr(ablation, "build_all", every_job_failed)
     ran.clear()
     capsys.readouterr()
     status = ablation.main(argv[:-1] + ["--results-dir", str(tmp_path / "empty")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert status == 1 and ran == [] and err == ["ablation: error: no configuration was built, so none ran"]
+    assert status == 1 and ran == [] and err == ["sd-ablation: error: no configuration was built, so none ran"]
     assert not (tmp_path / "empty").exists()

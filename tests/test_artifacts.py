@@ -20,7 +20,9 @@ def test_reuse_rebuild_and_recovery(tmp_path):
     calls = []
     art = tmp_path / "unet.onnx"
     key = {"stage": "unet", "model": "abc"}
-    quiet = lambda *_: None
+    def quiet(*_):
+        pass
+
     cached_build(art, key, _builder(calls), log=quiet)
     assert art.read_bytes() == b"artifact-bytes" and (tmp_path / "unet.onnx.data").exists()
     assert {n: f["size"] for n, f in read_manifest(art)["files"].items()} == {"unet.onnx": 14, "unet.onnx.data": 9}

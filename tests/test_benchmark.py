@@ -1,6 +1,7 @@
-"""scripts/benchmark.py on the CPU: the tiny model end to end with the contenders a CPU can run (the others
-reported as skipped with their reasons), its JSON merged by report_gpus.py, rows kept across runs, failures
-reported without stopping the rest, usage errors, and the torch defaults table it writes read back."""
+"""bench.benchmark (sd-benchmark) on the CPU: the tiny model end to end with the contenders a CPU can run (the
+others reported as skipped with their reasons), its JSON merged by report-gpus, rows kept across runs, failures
+reported without stopping the rest, usage errors, and the torch defaults it writes (only with --update-defaults)
+read back."""
 
 import json
 
@@ -9,24 +10,28 @@ import pytest
 import torch
 from PIL import Image
 
+from bench import benchmark
+from bench.benchmark import main, write_defaults
+from bench.common import slug
+from bench.contenders import DEFAULT_CONTENDERS, EAGER, contenders, select_contenders
 from core.errors import UsageError
 from demo.report import device_name
 from demo.torch_accel import TorchSettings, resolve_torch_settings
 from plugins import torch_ops
-from scripts import benchmark
-from scripts.benchmark import DEFAULT_CONTENDERS, EAGER, main, select_contenders, write_defaults
+from plugins.tuned import PLUGINS_AUTO, TORCH_DEFAULTS, read_entry, write_entry
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path; the GPU runs the real thing")
 
-COMMON = ["--model", "tiny", "--height", "64", "--width", "48", "--denoising-steps", "2", "--warmup-runs", "0"]
+COMMON = ["--model", "tiny", "--height", "64", "--width", "48", "--denoising-steps", "2", "--warmup-runs", "0",
+          "--seed", "0", "--scheduler", "DDIM"]
 WORKLOAD = "tiny, 48x64, batch 1, 2 steps"
-STEM = "benchmark-" + benchmark.gpu_slug(device_name(torch.device("cpu")))  # e.g. benchmark-cpu-x86-64
+STEM = "benchmark-" + slug(device_name(torch.device("cpu")))  # e.g. benchmark-cpu-x86-64
 
 
-def run(tmp_path, *args):
+def run(tmp_path, *args, common=COMMON):
     results, work = tmp_path / "results", tmp_path / "work"
-    status = main([*COMMON, "--results-dir", str(results), "--work-dir", str(work),
-                   "--defaults-table", str(tmp_path / "defaults.json"), *args])
+    status = main([*common, "--results-dir", str(results), "--work-dir", str(work),
+                   "--defaults-file", str(tmp_path / "defaults.json"), *args])
     data = json.loads((results / f"{STEM}.json").read_text()) if (results / f"{STEM}.json").is_file() else None
     return status, data, results
 
@@ -70,7 +75,7 @@ def test_tiny_on_the_cpu_end_to_end(first_run, capfd):
 
 
 def test_report_gpus_merges_the_benchmark_json(first_run, capsys):
-    from scripts.report_gpus import main as report_gpus
+    from bench.gpu_report import main as report_gpus
 
     _, status, _, results = first_run
     assert status == 0
@@ -110,10 +115,10 @@ def test_a_discarded_row_stays_discarded_until_its_contender_is_measured_again(t
 def test_a_failing_contender_is_reported_and_the_others_run(tmp_path, monkeypatch):
     real = benchmark.run_contender
 
-    def flaky(args, contender, *rest):
+    def flaky(setup, contender, *rest):
         if contender.label == EAGER:
             raise RuntimeError("CUDA out of memory.\nTried to allocate 2.00 GiB")
-        return real(args, contender, *rest)
+        return real(setup, contender, *rest)
 
     monkeypatch.setattr(benchmark, "run_contender", flaky)
     status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,diffusers-channels-last")
@@ -126,17 +131,17 @@ def test_a_failing_contender_is_reported_and_the_others_run(tmp_path, monkeypatc
         results / f"{STEM}.md").read_text()
 
 
-def test_a_run_cut_short_leaves_the_rows_so_far(tmp_path, monkeypatch):
+def test_a_run_cut_short_leaves_the_rows_so_far(tmp_path, monkeypatch, capsys):
     real = benchmark.run_contender
 
-    def interrupted(args, contender, *rest):
+    def interrupted(setup, contender, *rest):
         if contender.label != EAGER:
             raise KeyboardInterrupt
-        return real(args, contender, *rest)
+        return real(setup, contender, *rest)
 
     monkeypatch.setattr(benchmark, "run_contender", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,diffusers-channels-last")
+    status, _, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,diffusers-channels-last")
+    assert status == 130 and capsys.readouterr().err == "sd-benchmark: interrupted\n"  # demo.arguments.run_command
     data = json.loads((tmp_path / "results" / f"{STEM}.json").read_text())
     assert [r["label"] for r in data["rows"]] == [EAGER]
     assert "| diffusers-eager |" in (tmp_path / "results" / f"{STEM}.md").read_text()
@@ -151,6 +156,8 @@ def test_a_run_cut_short_leaves_the_rows_so_far(tmp_path, monkeypatch):
     (["--height", "60"], "--height must be a multiple of 8"),
     (["--results-dir", "{file}/x"], "results directory '{file}/x' cannot be written"),
     (["--engines-from-ablation", "{file}/ablation"], "--engines-from-ablation: no such directory"),
+    (["--plugins", "all", "--use-cuda-graph"], "--use-cuda-graph, --plugins: the benchmark sets this per contender"),
+    (["--update-defaults", "--defaults-file", "{file}/tuned.json"], "tuned-defaults file '{file}/tuned.json' cannot"),
 ])
 def test_usage_errors(args, message, tmp_path, capsys):
     a_file = tmp_path / "a-file"
@@ -159,7 +166,7 @@ def test_usage_errors(args, message, tmp_path, capsys):
     status = main([*COMMON, "--work-dir", str(tmp_path / "work"), *(["--results-dir", str(tmp_path / "r")]
                                                                     if "--results-dir" not in args else []), *args])
     err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1 and err[0].startswith("benchmark: error: ")
+    assert status == 2 and len(err) == 1 and err[0].startswith("sd-benchmark: error: ")
     assert message.format(file=a_file) in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
@@ -167,10 +174,10 @@ def test_usage_errors(args, message, tmp_path, capsys):
 def test_contender_selection():
     assert [c.label for c in select_contenders(None)] == list(DEFAULT_CONTENDERS)
     everything = select_contenders("all")
-    assert everything[0].label == EAGER and len(everything) == len(benchmark.contenders())
+    assert everything[0].label == EAGER and len(everything) == len(contenders())
     chosen = select_contenders("ours+GroupNorm+LayerNorm,diffusers-eager,ours+none")
     assert [c.label for c in chosen] == [EAGER, "ours+GroupNorm+LayerNorm", "ours+none"]
-    ours = benchmark.contenders()["ours"].settings
+    ours = contenders()["ours"].settings
     assert chosen[1].settings == TorchSettings(("GroupNorm", "LayerNorm"), ours.channels_last, ours.cuda_graph,
                                                ours.compile)
     assert chosen[2].settings.plugins == ()
@@ -193,11 +200,12 @@ def test_defaults_table_takes_the_fastest_torch_row_and_the_backend_reads_it(tmp
             _row("ours+GroupNorm", "torch", 700.0, fast),
             _row("tensorrt", "tensorrt", 500.0, {"plugins": [], "cuda_graph": True}),  # engines do not count
             _row("ours", "torch", 650.0, TorchSettings().as_dict(), workload="sd1.5-arch, 768x768, batch 1, 50 steps")]
-    table = tmp_path / "torch_defaults.json"
-    table.write_text(json.dumps({"8.0": {"plugins": [], "channels_last": False, "cuda_graph": False, "compile": "none"}}))
+    table = tmp_path / "tuned_defaults.json"
+    write_entry(TORCH_DEFAULTS, "8.0", {"plugins": [], "channels_last": False, "cuda_graph": False, "compile": "none"},
+                table)
     write_defaults(table, {"rows": rows}, "sd1.5-arch, 512x512, batch 1, 50 steps", "NVIDIA H100 80GB HBM3", "9.0",
                    tmp_path / "benchmark-nvidia-h100-80gb-hbm3.json")
-    entries = json.loads(table.read_text())
+    entries = json.loads(table.read_text())[TORCH_DEFAULTS]
     assert set(entries) == {"8.0", "9.0"}
     assert entries["9.0"]["label"] == "ours+GroupNorm" and entries["9.0"]["pipeline_ms"] == 700.0
     assert entries["9.0"]["gpu"] == "NVIDIA H100 80GB HBM3"
@@ -207,3 +215,40 @@ def test_defaults_table_takes_the_fastest_torch_row_and_the_backend_reads_it(tmp
     settings, source = resolve_torch_settings(device=torch.device("cuda"), table=table)
     assert settings == TorchSettings(("GroupNorm",), True, True, "max-autotune-no-cudagraphs")
     assert "NVIDIA H100 80GB HBM3" in source
+
+
+def test_the_defaults_are_written_only_with_update_defaults(tiny, tmp_path, monkeypatch):
+    """Without --update-defaults the tuned-defaults file is left byte for byte; with it, this compute capability's
+    torch defaults become the fastest torch row (on a GPU, not for the built-in tiny model); the rest is kept."""
+    defaults = tmp_path / "defaults.json"
+    write_entry(PLUGINS_AUTO, "9.0", {"plugins": ["GroupNorm"]}, defaults)
+    write_entry(TORCH_DEFAULTS, "8.0", {"plugins": [], "channels_last": True, "cuda_graph": False,
+                                        "compile": "none"}, defaults)
+    before = defaults.read_bytes()
+    monkeypatch.setattr(benchmark, "compute_capability", lambda device: "9.0")  # a GPU, as far as the defaults go
+    as_a_directory = ["--model", str(tiny.path), *COMMON[2:]]  # not the built-in name, which never sets them
+    assert run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager", common=as_a_directory)[0] == 0
+    assert defaults.read_bytes() == before
+    assert run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager", "--update-defaults")[0] == 0
+    assert defaults.read_bytes() == before  # the built-in tiny model
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager", "--update-defaults",
+                          common=as_a_directory)
+    assert status == 0
+    entry = read_entry(TORCH_DEFAULTS, "9.0", defaults)
+    measured = next(row for row in data["rows"] if row["model"] == str(tiny.path))
+    assert entry["label"] == EAGER and entry["pipeline_ms"] == round(measured["latency_ms"]["pipeline"], 2)
+    assert {k: entry[k] for k in ("plugins", "channels_last", "cuda_graph", "compile")} == TorchSettings().as_dict()
+    assert read_entry(TORCH_DEFAULTS, "8.0", defaults)["channels_last"] is True
+    assert read_entry(PLUGINS_AUTO, "9.0", defaults) == {"plugins": ["GroupNorm"]}
+
+
+def test_the_request_is_recorded_and_images_are_compared_only_for_the_same_one(tmp_path):
+    """A random seed (none given) and the model's own scheduler are resolved once and recorded; an eager image
+    made for another seed is no reference."""
+    no_seed = COMMON[:-4]  # no --seed, no --scheduler: a random seed and the model's own scheduler
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager", common=no_seed)
+    assert status == 0 and isinstance(data["seed"], int) and data["scheduler"] == data["rows"][0]["scheduler"]
+    assert data["rows"][0]["seed"] == data["seed"]
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-channels-last", "--seed",
+                          str(data["seed"] + 1), common=no_seed)
+    assert status == 0 and data["rows"][1]["max_pixel_diff_vs_eager"] is None

@@ -1,4 +1,4 @@
-"""demo_diffusion end to end on the tiny model, and every usage error it must catch."""
+"""demo-diffusion end to end on the tiny model, and every usage error it must catch."""
 
 import json
 import os
@@ -36,6 +36,9 @@ def test_demo_writes_png_table_and_report(tmp_path):
                   "latency_ms", "throughput_images_per_s", "latent_shape", "height", "width", "batch_size"):
         assert field in report
     assert report["backend"] == "torch" and report["scheduler"] == "DDIM" and report["steps"] == 4
+    # What the image can be made again from.
+    assert report["prompt"] == "a photo of a cat" and report["negative_prompt"] == "" and report["seed"] == 0
+    assert report["guidance_scale"] == 7.5
     assert report["latent_shape"] == [2, 4, 32, 24]  # tiny's VAE downsamples by 2
     assert set(report["latency_ms"]) >= {"clip", "unet", "vae", "pipeline"}
     assert report["latency_ms"]["pipeline"] >= report["latency_ms"]["unet"] > 0
@@ -46,7 +49,9 @@ def test_demo_writes_png_table_and_report(tmp_path):
     again = run_demo("a photo of a cat", "--output-dir", out, "--seed", 0, "--denoising-steps", 4,
                      "--batch-size", 2, "--height", 64, "--width", 48, "--scheduler", "DDIM", "--num-warmup-runs", 0)
     assert again.returncode == 0, again.stderr
-    assert (out / "tiny-seed0-1-0.png").read_bytes() == before
+    assert (out / "tiny-seed0-run2-0.png").read_bytes() == before
+    assert json.loads((out / "tiny-seed0-run2.json").read_text())["images"] == ["tiny-seed0-run2-0.png",
+                                                                                 "tiny-seed0-run2-1.png"]
     assert pngs[0].read_bytes() == before
     assert not list(out.glob(".*"))  # no temporary files left behind
 
@@ -72,7 +77,7 @@ def _missing_unet(tmp_path, tiny):
     ("UNWRITABLE", "output directory"),
 ])
 def test_usage_errors(args, message, tmp_path, tiny, capsys):
-    from demo.demo_diffusion import main
+    from demo.cli.generate import main
 
     out = tmp_path / "out"
     if args == "MISSING_UNET":
@@ -86,13 +91,13 @@ def test_usage_errors(args, message, tmp_path, tiny, capsys):
     err = capsys.readouterr().err
     assert status == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("demo_diffusion: error: "), err
+    assert len(lines) == 1 and lines[0].startswith("demo-diffusion: error: "), err
     assert message in lines[0]
     assert not out.exists() or not any(Path(out).iterdir())
 
 
 def test_missing_prompt_is_a_usage_error(capsys):
-    from demo.demo_diffusion import main
+    from demo.cli.generate import main
 
     assert main([]) == 2
     assert "prompt" in capsys.readouterr().err
@@ -105,8 +110,70 @@ def test_an_engine_missing_where_nothing_may_build_it_is_one_line_and_exit_1(cap
     from demo.arguments import run_command
 
     def body():
-        raise ArtifactError("/w/unet-none/engine/unet.engine: stale (optimization_level changed), and building is off here")
+        raise ArtifactError(REASON)
 
-    assert run_command("ablation", body) == 1
-    assert capsys.readouterr().err.splitlines() == [
-        "ablation: error: /w/unet-none/engine/unet.engine: stale (optimization_level changed), and building is off here"]
+    REASON = "/w/unet-none/engine/unet.engine: stale (optimization_level changed), and building is off here"
+    assert run_command("sd-ablation", body) == 1
+    assert capsys.readouterr().err.splitlines() == [f"sd-ablation: error: {REASON}"]
+
+
+def test_progress_and_a_prompt_the_tokenizer_cuts(tmp_path, capsys):
+    """Warm-up runs say so; a prompt over the text encoder's token limit is warned about, naming what is dropped."""
+    from demo.cli.generate import main
+
+    words = " ".join(f"w{i}" for i in range(100))
+    assert main([words, "--output-dir", str(tmp_path), "--denoising-steps", "2", "--num-warmup-runs", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "warm-up run 1/2" in err and "warm-up run 2/2" in err
+    warning = next(line for line in err.splitlines() if line.startswith("warning: the prompt is longer"))
+    assert "77 tokens; dropped: '" in warning and "9 9" in warning  # the last word's tokens, decoded
+    assert "w 1" not in warning.split("dropped")[1][:8]  # the first words were kept
+    assert "negative prompt" not in err
+
+
+def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from demo.cli.generate import main
+
+    def too_big(*_, **__):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB\nmore detail")
+
+    monkeypatch.setattr("demo.pipeline.Text2ImagePipeline.__call__", too_big)
+    assert main(["a prompt", "--output-dir", str(tmp_path / "out"), "--denoising-steps", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "demo-diffusion: error: out of memory (CUDA out of memory. Tried to allocate 40.00 GiB); try a smaller "
+        "--batch-size, --height or --width")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """The memory floor (weights + the VAE's last activations) against what is free: one line with both, exit 2."""
+    from demo.cli.generate import main
+
+    def load_stages(*_, **__):
+        raise AssertionError("a model was loaded for a batch that cannot fit")
+
+    monkeypatch.setattr("demo.backends.create_stages", load_stages)
+    assert main(["a prompt", "--output-dir", str(tmp_path), "--batch-size", "100000", "--height", "128",
+                 "--width", "128"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("demo-diffusion: error: batch 100000 at 128x128 needs at least ") and "GiB is free" in line
+
+    monkeypatch.setattr("demo.memory.free_bytes", lambda device: 2**20)  # 1 MiB: not even tiny's weights
+    assert main(["a prompt", "--output-dir", str(tmp_path)]) == 2
+    assert "0.0 GiB is free" in capsys.readouterr().err
+
+
+def test_the_memory_floor_counts_weights_in_the_run_precision(tiny):
+    import torch
+    from safetensors.torch import load_file
+
+    from demo.memory import activation_floor, weight_bytes
+
+    parameters = sum(tensor.numel() for name in ("text_encoder", "unet", "vae")
+                     for tensor in load_file(next((tiny.path / name).glob("*.safetensors"))).values())
+    assert weight_bytes(tiny, torch.float32) == 4 * parameters
+    assert weight_bytes(tiny, torch.float16) == 2 * parameters
+    channels = tiny.config("vae")["block_out_channels"][0]
+    assert activation_floor(tiny, 3, 64, 48, torch.float16) == 2 * 3 * channels * 64 * 48 * 2

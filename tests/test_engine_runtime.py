@@ -15,10 +15,24 @@ import pytest
 import torch
 
 from core.errors import UsageError
-from demo.engine import (BuildOptions, BuildProgress, EngineBuildError, EngineSettings, ImageProfile,
-                         build_engine_file, prepare_stage_engines)
-from demo.engine_runtime import (GENERATED, REFORMAT, Engine, EngineMismatchError, create_engine_stages,
-                                 plugin_counts, time_by_kind)
+from demo.engine import (
+    BuildOptions,
+    BuildProgress,
+    EngineBuildError,
+    EngineSettings,
+    ImageProfile,
+    build_engine_file,
+    prepare_stage_engines,
+)
+from demo.engine_runtime import (
+    GENERATED,
+    REFORMAT,
+    Engine,
+    EngineMismatchError,
+    create_engine_stages,
+    plugin_counts,
+    time_by_kind,
+)
 from demo.pipeline import GenerationRequest, Text2ImagePipeline
 from demo.report import StageTimer
 from demo.trt_flavour import TensorRTAPI
@@ -60,7 +74,8 @@ def engine_stages(trt, tiny, onnx_dir, tmp_path, **kwargs):
 
 
 @pytest.mark.parametrize("scheduler, guidance", [("PNDM", 1.0), ("DDIM", 7.5)])
-def test_pipeline_on_engines_matches_the_torch_pipeline(trt, tiny, tiny_stages, onnx_dir, tmp_path, scheduler, guidance):
+def test_pipeline_on_engines_matches_the_torch_pipeline(trt, tiny, tiny_stages, onnx_dir, tmp_path, scheduler,
+                                                        guidance):
     # PNDM keeps past model outputs; unguided, each is the UNet's output as returned: had the engine
     # handed out its output buffer, every history entry would be the latest one.
     stages = engine_stages(trt, tiny, onnx_dir, tmp_path, guided=guidance > 1)
@@ -235,7 +250,8 @@ def test_build_progress_keeps_talking_during_a_silent_build(trt):
 def test_cached_engines_are_found_without_exporting_again(trt, tiny, onnx_dir, tmp_path, monkeypatch):
     build(tiny, onnx_dir, tmp_path)
     exported = []
-    monkeypatch.setattr("models.base.StageModel.prepare_onnx", lambda *a, **k: exported.append(a))  # would break a build
+    # An export here would break a build.
+    monkeypatch.setattr("models.base.StageModel.prepare_onnx", lambda *a, **k: exported.append(a))
     models, engines = build(tiny, onnx_dir, tmp_path)
     assert exported == [] and set(engines) == set(TEXT_TO_IMAGE_STAGES)
 

@@ -15,8 +15,16 @@ pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
 from core.artifacts import read_manifest  # noqa: E402
 from core.errors import UsageError  # noqa: E402
 from demo.backends import select_backend  # noqa: E402
-from demo.engine import (BuildOptions, EngineBuildError, EngineSettings, ImageProfile,  # noqa: E402
-                         build_engine_file, engine_key, prepare_engine, prepare_stage_engines)
+from demo.engine import (  # noqa: E402
+    BuildOptions,
+    EngineBuildError,
+    EngineSettings,
+    ImageProfile,
+    build_engine_file,
+    engine_key,
+    prepare_engine,
+    prepare_stage_engines,
+)
 from demo.trt_flavour import TensorRTAPI  # noqa: E402
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES  # noqa: E402
 
@@ -29,7 +37,8 @@ def built(tiny, tmp_path_factory):
     """fp16 engines for the CPU's default targets, as a GPU run would look for them."""
     root = tmp_path_factory.mktemp("engines")
     profile = ImageProfile.for_request(tiny, batch_size=2, height=64, width=48, static_batch=False, dynamic_shape=False)
-    settings = EngineSettings(root / "onnx", root / "engine", profile, BuildOptions("tensorrt-rtx", optimization_level=0))
+    options = BuildOptions("tensorrt-rtx", optimization_level=0)
+    settings = EngineSettings(root / "onnx", root / "engine", profile, options)
     models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
     engines = prepare_stage_engines(models, settings, "cpu", torch.float16, QUIET, QUIET)
     return settings, models, engines
@@ -135,18 +144,20 @@ def test_backend_errors_and_auto_choice(monkeypatch):
 
 
 def test_build_engines_script_on_a_model_directory(tiny, tmp_path, capsys):
-    from scripts.build_engines import main
+    from demo.cli.build_engines import main
 
     args = ["--model", str(tiny.path), "--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine"),
             "--optimization-level", "0", "--build-static-batch",
             "--timing-cache", str(tmp_path / "timing.cache")]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     for stage in ("clip", "unet", "vae"):
         assert (tmp_path / "engine" / f"{stage}.engine").stat().st_size > 0
-        assert stage in out
-    assert "engine MiB" in out and "targets 8.0,8.6,8.9" in out  # no GPU, no --target-cc: the CPU default
-    assert (tmp_path / "timing.cache").is_file()
+        assert stage in captured.out
+    assert "engine MiB" in captured.out and "targets 8.0,8.6,8.9" in captured.out  # no GPU: the CPU default
+    # No GPU to time tactics on: the cache is neither read nor written, and that is said once.
+    assert not (tmp_path / "timing.cache").exists()
+    assert captured.err.count("--timing-cache") == 1 and "not used without a GPU" in captured.err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -155,11 +166,11 @@ def test_build_engines_script_on_a_model_directory(tiny, tmp_path, capsys):
     (["--target-cc", "9.0"], "cannot target compute capability 9.0"),
     (["--target-cc", "8.6", "--stages", "unet,text"], "unknown stage(s) text"),
     (["--target-cc", "8.6", "--height", "60"], "multiple of 8"),
-    (["--target-cc", "8.6", "--use-cuda-graph"], "--use-cuda-graph needs static shapes"),
+    (["--target-cc", "8.6", "--use-cuda-graph", "--build-dynamic-shape"], "--use-cuda-graph needs static shapes"),
 ])
 def test_build_engines_usage_errors(args, message, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # as where full TensorRT is not installed
-    from scripts.build_engines import main
+    from demo.cli.build_engines import main
 
     base = ["--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine")]
     if "--stages" not in args:
@@ -169,3 +180,20 @@ def test_build_engines_usage_errors(args, message, tmp_path, capsys, monkeypatch
     assert status == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "engine").exists() or not list((tmp_path / "engine").glob("*.engine"))
 
+
+
+def test_cuda_graphs_get_the_static_engines_they_need(tiny, tmp_path, capsys):
+    """--use-cuda-graph without --build-static-batch builds engines for exactly the request, and says so."""
+    import dataclasses
+
+    from demo.arguments import engine_settings
+    from demo.settings import EngineFlags
+
+    flags = EngineFlags(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), use_cuda_graph=True,
+                        target_cc="8.6", plugins="none")
+    settings = engine_settings(flags, tiny, "tensorrt-rtx", 2, 64, 64, guided=True)
+    assert settings.profile.static and settings.profile.batch == (2, 2, 2) and settings.use_cuda_graph
+    assert "engines built for exactly batch 2" in capsys.readouterr().err
+    plain = engine_settings(dataclasses.replace(flags, use_cuda_graph=None), tiny, "tensorrt-rtx", 2, 64, 64,
+                            guided=True)
+    assert not plain.profile.static and capsys.readouterr().err == ""

@@ -6,14 +6,20 @@ import numpy as np
 import pytest
 import torch
 
-from demo.trt_flavour import why_cannot_run
-
-REASON = why_cannot_run("tensorrt", torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"needs a GPU and TensorRT: {REASON}")
+pytestmark = [pytest.mark.gpu, pytest.mark.tensorrt]
 
 QUIET = lambda *_: None  # noqa: E731
 HEIGHT, WIDTH = 64, 48
 CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tensorrt_runs_this_gpu():
+    from demo.trt_flavour import why_cannot_run
+
+    reason = why_cannot_run("tensorrt", torch.cuda.get_device_capability())
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +95,8 @@ def test_plugin_engines_contain_our_layers_and_match_plain_engines(tiny, tmp_pat
     from demo.report import StageTimer
     from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
     from models.plugin_passes import read_pass_report
-    from models.plugin_set import PLUGIN_KEYS
     from plugins import trt_plugins
+    from plugins.contract import PLUGIN_KEYS
 
     if trt_plugins.status() != "built":
         pytest.skip(trt_plugins.status())
@@ -105,8 +111,8 @@ def test_plugin_engines_contain_our_layers_and_match_plain_engines(tiny, tmp_pat
         images[name] = Text2ImagePipeline(tiny, stages, "DDIM", CUDA, torch.float16)(request, StageTimer(CUDA))
         for model in models:
             found = dict(stages[model.name].engine.plugin_layers())
-            reported = {k: v["replaced"] for k, v in read_pass_report(model.optimized_onnx_path(settings.onnx_dir)).items()
-                        if v["replaced"]}
+            report = read_pass_report(model.optimized_onnx_path(settings.onnx_dir))
+            reported = {k: v["replaced"] for k, v in report.items() if v["replaced"]}
             assert found == reported, f"{model.name}: engine {found}, passes {reported}"
             if plugins:
                 assert reported, f"{model.name}: no plugin replaced"

@@ -2,8 +2,9 @@
 and nothing half-written is left (no staging folders, no empty output folders, artifacts whose files match
 their manifests).
 
-Kill and race tests run real processes stopped at a known point inside a build (core.artifacts.PAUSE_ENV:
-the process says where it stopped, then waits for a line on stdin), never a sleep that races.
+Kill and race tests run real processes stopped at a known point inside a build (tests/paused.py hooks
+core.artifacts' checkpoints: the process says where it stopped, then waits for a line on stdin), never a sleep
+that races.
 """
 
 import hashlib
@@ -19,7 +20,6 @@ import pytest
 
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
 
-from core.artifacts import PAUSE_ENV  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 BUILD_ENGINES = ROOT / "scripts" / "build_engines.py"
@@ -66,7 +66,7 @@ def one_error_line(err: str, prog: str) -> str:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny):
-    from scripts.build_engines import main
+    from demo.cli.build_engines import main
 
     root = tmp_path_factory.mktemp("prepared")
     assert main(engine_args(root)) == 0
@@ -82,7 +82,7 @@ def work(prepared, tmp_path):
 
 def build_in_process(root: Path, capsys, *extra: str) -> str:
     """build_engines in this process (--verbose: cache decisions on stdout); returns stdout."""
-    from scripts.build_engines import main
+    from demo.cli.build_engines import main
 
     status = main(engine_args(root, "--verbose", *extra))
     out, err = capsys.readouterr()
@@ -107,6 +107,10 @@ DEMO_ERRORS = [
     (["--guidance-scale", "inf"], "--guidance-scale must be a finite number"),
     (["--num-warmup-runs", "-1"], "--num-warmup-runs must be 0 or more"),
     (["--denoising-steps", "0"], "--denoising-steps must be at least 1"),
+    (["--denoising-steps", "100000", "--scheduler", "PNDM"],
+     "--denoising-steps 100000 is more than scheduler PNDM can take for this model: at most 1000"),
+    (["--denoising-steps", "1000", "--scheduler", "DPM++2M"],  # it would run all 1000 steps at t=1
+     "--denoising-steps 1000 is more than scheduler DPM++2M can take for this model: at most 999"),
     (["--height", "60"], "--height must be a multiple of 8"),
     (["--backend", "onnx"], "unknown backend 'onnx'"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
@@ -117,7 +121,7 @@ DEMO_ERRORS = [
 
 @pytest.mark.parametrize("args, message", DEMO_ERRORS, ids=[" ".join(a) for a, _ in DEMO_ERRORS])
 def test_demo_usage_errors_create_nothing(args, message, tmp_path, a_file, tiny, capsys, monkeypatch):
-    from demo.demo_diffusion import main
+    from demo.cli.generate import main
 
     def load_stages(*_, **__):
         raise AssertionError("a model was loaded before every argument was checked")
@@ -126,7 +130,7 @@ def test_demo_usage_errors_create_nothing(args, message, tmp_path, a_file, tiny,
     out = tmp_path / "out"
     args = [a.format(file=a_file) for a in args]
     status = main(["a prompt", "--output-dir", str(out), "--denoising-steps", "2", *args])
-    line = one_error_line(capsys.readouterr().err, "demo_diffusion")
+    line = one_error_line(capsys.readouterr().err, "demo-diffusion")
     assert status == 2 and message.format(file=a_file) in line
     assert not out.exists()  # not even an empty output folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
@@ -139,6 +143,7 @@ BUILD_ERRORS = [
     (["--timing-cache", "{tmp}"], "timing cache '{tmp}' cannot be written: it is not a regular file"),
     (["--report", "{file}/x.json"], "report file '{file}/x.json' cannot be written: '{file}' is not a directory"),
     (["--optimization-level", "9"], "--optimization-level must be 0..5, got 9"),
+    (["--disable-tactic-sources", "CUBLAS,FOO"], "has no tactic source CUBLAS, FOO (it has: "),
     (["--stages", "clip,text"], "unknown stage(s) text"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--height", "60"], "--height must be a multiple of 8"),
@@ -150,11 +155,11 @@ BUILD_ERRORS = [
 
 @pytest.mark.parametrize("args, message", BUILD_ERRORS, ids=[" ".join(a) for a, _ in BUILD_ERRORS])
 def test_build_engines_usage_errors_create_nothing(args, message, tmp_path, a_file, tiny, capsys):
-    from scripts.build_engines import main
+    from demo.cli.build_engines import main
 
     args = [a.format(file=a_file, tmp=tmp_path) for a in args]
     status = main([*engine_args(tmp_path), *args])
-    line = one_error_line(capsys.readouterr().err, "build_engines")
+    line = one_error_line(capsys.readouterr().err, "build-engines")
     assert status == 2 and message.format(file=a_file, tmp=tmp_path) in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
@@ -165,29 +170,29 @@ def test_build_engines_usage_errors_create_nothing(args, message, tmp_path, a_fi
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
 ])
 def test_export_onnx_usage_errors_create_nothing(args, message, tmp_path, a_file, tiny, capsys):
-    from scripts.export_onnx import main
+    from demo.cli.export_onnx import main
 
     args = [a.format(file=a_file) for a in args]
     status = main(["--model", "tiny", "--onnx-dir", str(tmp_path / "onnx"), *args])
-    line = one_error_line(capsys.readouterr().err, "export_onnx")
+    line = one_error_line(capsys.readouterr().err, "export-onnx")
     assert status == 2 and message.format(file=a_file) in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_a_target_the_flavour_cannot_build_for_fails_cleanly(tmp_path, capsys):
     """Checked against TensorRT's own list of targets before anything is exported or built."""
-    from scripts.build_engines import main
+    from demo.cli.build_engines import main
 
     args = [a if a != "8.6" else "9.0" for a in engine_args(tmp_path)]
     status = main(args)
-    line = one_error_line(capsys.readouterr().err, "build_engines")
+    line = one_error_line(capsys.readouterr().err, "build-engines")
     assert status == 2 and "cannot target compute capability 9.0" in line
     assert not (tmp_path / "engine").exists() and not (tmp_path / "onnx").exists()
     assert_clean(tmp_path)
 
 
 def test_the_largest_seed_torch_takes_is_accepted(tmp_path, tiny, capsys):
-    from demo.demo_diffusion import main
+    from demo.cli.generate import main
 
     seed = 2**64 - 1
     status = main(["a prompt", "--output-dir", str(tmp_path), "--seed", str(seed), "--denoising-steps", "1",
@@ -211,7 +216,8 @@ def truncate(path: Path) -> None:
 
 @pytest.mark.parametrize("artifact, damage, flags, reason", [
     # Fault 7: same size, one byte flipped; the engine must come from a verified ONNX, not from this one.
-    ("onnx/clip.opt.onnx", flip_middle_byte, ["--force-engine-build"], "clip.opt.onnx is corrupt (content hash differs)"),
+    ("onnx/clip.opt.onnx", flip_middle_byte, ["--force-engine-build"],
+     "clip.opt.onnx is corrupt (content hash differs)"),
     ("onnx/clip.opt.onnx", truncate, ["--force-engine-build"], "clip.opt.onnx is truncated or corrupt (1000 bytes"),
     ("onnx/clip.onnx", flip_middle_byte, ["--force-onnx-optimize", "--force-engine-build"],
      "clip.onnx is corrupt (content hash differs)"),
@@ -248,10 +254,11 @@ def test_manifests_that_are_not_manifests_mean_not_built(manifest, work, capsys)
 # ---- killed builds: what they left is removed by the next run ----------------------------------------
 
 def start(args: list, pause: str | None = None, merge_output: bool = False) -> subprocess.Popen:
-    """A Python process in the checkout, unbuffered; with `pause`, it stops there (see PAUSE_ENV)."""
+    """A Python process in the checkout, unbuffered; with `pause` (`<artifact>:<point>`), it stops there (see
+    tests/paused.py)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if pause:
-        env[PAUSE_ENV] = pause
+        args = [ROOT / "tests" / "paused.py", pause, *args]
     return subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_output else subprocess.PIPE)
 
@@ -285,13 +292,33 @@ def test_killed_build_leaves_nothing_the_next_run_keeps(work, capsys):
     assert_clean(work)
 
 
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_build_says_so_and_leaves_nothing(work, signum, status, capsys):
+    """Ctrl-C or a TERM in the middle of a build (three staging folders made): the command stops there, removes
+    its staging on the way out, says "interrupted" in one line and exits 130 / 143; the next run rebuilds."""
+    build = start([BUILD_ENGINES, *engine_args(work, "--force-onnx-export", "--force-engine-build")],
+                  pause="clip.onnx:building")
+    seen = wait_for_line(build.stderr, "[test] paused at clip.onnx:building")
+    assert "[test] paused" in seen, seen + build.stderr.read()
+    build.send_signal(signum)
+    _, err = build.communicate(timeout=120)
+    assert build.returncode == status, err
+    assert err.strip().splitlines() == ["build-engines: interrupted"]
+    assert staging_leftovers(work) == []
+
+    out = build_in_process(work, capsys)
+    assert "[cache] clip.onnx: building (not built yet)" in out
+    assert_clean(work)
+
+
 def test_killed_atomic_writes_are_removed_but_live_ones_kept(tmp_path):
     """Atomic writes outside any lock (images, the built-in model folder, the timing cache): a dead writer's
     staging is removed by the next writer of that name; a live writer's (this process) and another host's stay."""
     from core.atomic import atomic_directory, atomic_file, atomic_write_bytes
 
     folder, file = tmp_path / "model", tmp_path / "timing.cache"
-    writer = start(["-c", "import sys; from pathlib import Path; from core.atomic import atomic_directory, atomic_file\n"
+    writer = start(["-c", "import sys; from pathlib import Path\n"
+                          "from core.atomic import atomic_directory, atomic_file\n"
                           "with atomic_directory(Path(sys.argv[1])) as d, atomic_file(Path(sys.argv[2])) as f:\n"
                           "    (d / 'half').write_bytes(b'x'); f.write_bytes(b'half'); print('ready')\n"
                           "    sys.stdin.readline()",
@@ -371,3 +398,48 @@ def test_an_engine_is_built_from_the_onnx_it_was_given(work, prepared, tmp_path)
     assert (work / "engine/clip.engine").stat().st_size == (prepared / "engine/clip.engine").stat().st_size
     assert json.loads((work / "onnx/clip.opt.onnx.json").read_text())["key"]["dtype"] == "float16"
     assert_clean(tmp_path)
+
+
+# ---- a full disk while saving: nothing of the set is left, one line, exit 1 --------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A 64 KiB tmpfs where mounting works (root on Linux); elsewhere a folder whose staged writes fail with
+    ENOSPC after the first, as a full disk's would."""
+    import errno
+    import pathlib
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        writes = []
+        real = pathlib.Path.write_bytes
+
+        def write_bytes(self, data):
+            if ".tmp-" in self.parent.name and str(self).startswith(str(mount)):
+                writes.append(self)
+                if len(writes) > 1:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            return real(self, data)
+
+        monkeypatch.setattr(pathlib.Path, "write_bytes", write_bytes)
+    yield mount
+    if mounted:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_while_saving_leaves_no_part_of_the_set(small_disk, tiny, capsys):
+    from demo.cli.generate import main
+
+    args = ["a prompt", "--output-dir", str(small_disk), "--denoising-steps", "2", "--num-warmup-runs", "0",
+            "--seed", "3"]
+    assert main([*args, "--batch-size", "8"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == (f"demo-diffusion: error: cannot save the images in {small_disk}: No space left on device "
+                         "(nothing was written)")
+    assert list(small_disk.iterdir()) == []  # no PNG, no report, no staging
+
+    assert main([*args, "--batch-size", "1"]) == 0  # a later normal run works, under the first run's names
+    assert sorted(p.name for p in small_disk.iterdir()) == ["tiny-seed3-0.png", "tiny-seed3.json"]

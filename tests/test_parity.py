@@ -29,7 +29,8 @@ def v_prediction_dir(tiny, tmp_path_factory):
 
 
 def _diffusers_images(model_dir, scheduler, request):
-    ref = diffusers.StableDiffusionPipeline.from_pretrained(model_dir, safety_checker=None, requires_safety_checker=False)
+    ref = diffusers.StableDiffusionPipeline.from_pretrained(model_dir, safety_checker=None,
+                                                            requires_safety_checker=False)
     ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config)
     ref.set_progress_bar_config(disable=True)
     images = ref(
@@ -67,6 +68,7 @@ def test_matches_diffusers_v_prediction_without_guidance(v_prediction_dir, tiny_
 def test_seed_changes_image(tiny, tiny_stages):
     pipeline = Text2ImagePipeline(tiny, tiny_stages, "DDIM", torch.device("cpu"), torch.float32)
     timer = StageTimer(torch.device("cpu"))
-    images = [to_uint8(pipeline(GenerationRequest(PROMPTS[:1], [""], 64, 64, 3, 7.5, seed), timer)) for seed in (0, 1, 0)]
+    images = [to_uint8(pipeline(GenerationRequest(PROMPTS[:1], [""], 64, 64, 3, 7.5, seed), timer))
+              for seed in (0, 1, 0)]
     assert not np.array_equal(images[0], images[1])
     assert np.array_equal(images[0], images[2])

@@ -23,19 +23,24 @@ from core.errors import UsageError
 from models import STAGE_MODELS
 from models.optimizer import GraphOptimizer, optimize_onnx_file
 from models.plugin_passes import read_pass_report
-from models.plugin_set import PLUGIN_KEYS, parse_plugin_set
+from models.plugin_set import parse_plugin_set
 from models.source import ModelSource
+from plugins.contract import OURS, PLUGIN_KEYS, TENSORRT, convention
+from plugins.tuned import PLUGINS_AUTO
 from tests.plugin_references import fmha, fmhca, group_norm, layer_norm, seq2spatial, split_gelu
 
 ALL = tuple(sorted(PLUGIN_KEYS))
-PLUGIN_OPS = {"fMHA": "SDPfMHA", "fMHCA": "SDPfMHCA", "GroupNorm": "SDPGroupNorm", "LayerNorm": "SDPLayerNorm",
-              "SplitGeLU": "SDPSplitGeLU", "Seq2Spatial": "SDPSeq2Spatial"}
+# The plugin-node contract of either convention (tests/test_contract.py checks it against the C++ creators).
+CONTRACT, TENSORRT_CONTRACT = convention(OURS), convention(TENSORRT)
+PLUGIN_OPS, TENSORRT_OPS = CONTRACT.ops, TENSORRT_CONTRACT.ops
+# Python custom ops have a fixed input count: the 3-input form of Seq2Spatial runs under its own name.
+SEQ2SPATIAL_3 = PLUGIN_OPS["Seq2Spatial"] + "3"
 SKIP_REASON = "is not a multiple of 8 up to 256"
 
 
 # ---- float32 references of the plugin-node contract (tests/plugin_references.py), run by ONNX Runtime ----
 
-def _register(op_type, reference, inputs, domain="sdplugins", **attrs):
+def _register(op_type, reference, inputs, domain=CONTRACT.domain, **attrs):
     """Registers `reference` (float64 NumPy) as ORT's float32 kernel of domain::op_type."""
     contract = {"plugin_version": PyCustomOpDef.dt_string, "plugin_namespace": PyCustomOpDef.dt_string}
 
@@ -48,29 +53,29 @@ def _register(op_type, reference, inputs, domain="sdplugins", **attrs):
 
 
 _FLOAT, _INT = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64
-_register("SDPfMHA", fmha, 1, scale=_FLOAT)
-_register("SDPfMHCA", fmhca, 2, scale=_FLOAT)
-_register("SDPGroupNorm", group_norm, 3, num_groups=_INT, epsilon=_FLOAT, silu=_INT)
-_register("SDPLayerNorm", layer_norm, 3, epsilon=_FLOAT)
-_register("SDPSplitGeLU", split_gelu, 2)
-_register("SDPSeq2Spatial", seq2spatial, 4, residual_layout=_INT)
-# Python custom ops have a fixed input count: the 3-input form (NCHW residual, which also gives H and W)
-# runs under its own name.
-_register("SDPSeq2Spatial3", lambda x, bias, residual, residual_layout: seq2spatial(x, bias, residual, residual,
+_register(PLUGIN_OPS["fMHA"], fmha, 1, scale=_FLOAT)
+_register(PLUGIN_OPS["fMHCA"], fmhca, 2, scale=_FLOAT)
+_register(PLUGIN_OPS["GroupNorm"], group_norm, 3, num_groups=_INT, epsilon=_FLOAT, silu=_INT)
+_register(PLUGIN_OPS["LayerNorm"], layer_norm, 3, epsilon=_FLOAT)
+_register(PLUGIN_OPS["SplitGeLU"], split_gelu, 2)
+_register(PLUGIN_OPS["Seq2Spatial"], seq2spatial, 4, residual_layout=_INT)
+# The 3-input form (NCHW residual, which also gives H and W).
+_register(SEQ2SPATIAL_3, lambda x, bias, residual, residual_layout: seq2spatial(x, bias, residual, residual,
                                                                                    residual_layout),
           3, residual_layout=_INT)
 
 
 # TensorRT's own plugins (libnvinfer_plugin 8.5/8.6), in their conventions: a fixed attention scale
 # of 1/sqrt(D), 32 groups, the bias added before SplitGeLU, the output shape from SeqLen2Spatial's 4th input.
-TRT = "nvinfer_plugin"
-_register("fMHA_V2", lambda qkv: fmha(qkv, qkv.shape[-1] ** -0.5), 1, TRT)
-_register("fMHCA", lambda q, kv: fmhca(q, kv, q.shape[-1] ** -0.5), 2, TRT)
-_register("GroupNorm", lambda x, g, b, epsilon, bSwish: group_norm(x, g, b, 32, epsilon, bSwish), 3, TRT,
+TRT = TENSORRT_CONTRACT.domain
+_register(TENSORRT_OPS["fMHA"], lambda qkv: fmha(qkv, qkv.shape[-1] ** -0.5), 1, TRT)
+_register(TENSORRT_OPS["fMHCA"], lambda q, kv: fmhca(q, kv, q.shape[-1] ** -0.5), 2, TRT)
+_register(TENSORRT_OPS["GroupNorm"], lambda x, g, b, epsilon, bSwish: group_norm(x, g, b, 32, epsilon, bSwish), 3, TRT,
           epsilon=_FLOAT, bSwish=_INT)
-_register("LayerNorm", lambda x, g, b, epsilon, axis: layer_norm(x, g, b, epsilon), 3, TRT, epsilon=_FLOAT, axis=_INT)
-_register("SplitGeLU", lambda x: split_gelu(x, 0), 1, TRT)
-_register("SeqLen2Spatial", lambda x, b, r, s: seq2spatial(x, b, r, s, 1), 4, TRT)
+_register(TENSORRT_OPS["LayerNorm"], lambda x, g, b, epsilon, axis: layer_norm(x, g, b, epsilon), 3, TRT,
+          epsilon=_FLOAT, axis=_INT)
+_register(TENSORRT_OPS["SplitGeLU"], lambda x: split_gelu(x, 0), 1, TRT)
+_register(TENSORRT_OPS["Seq2Spatial"], lambda x, b, r, s: seq2spatial(x, b, r, s, 1), 4, TRT)
 
 
 def _runnable(model: onnx.ModelProto) -> bool:
@@ -79,7 +84,7 @@ def _runnable(model: onnx.ModelProto) -> bool:
     graph = model.graph
     fp16 = any(t.data_type == TensorProto.FLOAT16 for t in graph.initializer) or \
         any(v.type.tensor_type.elem_type == TensorProto.FLOAT16 for v in [*graph.input, *graph.value_info])
-    return not fp16 and not any(n.op_type == "SDPSeq2Spatial" and len(n.input) == 3 for n in graph.node)
+    return not fp16 and not any(n.op_type == PLUGIN_OPS["Seq2Spatial"] and len(n.input) == 3 for n in graph.node)
 
 
 def _runnable_copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -102,8 +107,8 @@ def _runnable_copy(model: onnx.ModelProto) -> onnx.ModelProto:
                 widen(attr.t)
             elif node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT16:
                 attr.i = TensorProto.FLOAT
-        if node.op_type == "SDPSeq2Spatial" and len(node.input) == 3:
-            node.op_type = "SDPSeq2Spatial3"
+        if node.op_type == PLUGIN_OPS["Seq2Spatial"] and len(node.input) == 3:
+            node.op_type = SEQ2SPATIAL_3
     return model
 
 
@@ -194,8 +199,9 @@ def check_passes(optimized, expected) -> dict[str, list[onnx.NodeProto]]:
     for key in PLUGIN_KEYS:
         assert len(nodes[key]) == report[key]["replaced"]
         for node in nodes[key]:
-            assert node.domain == "sdplugins"
-            assert (attribute(node, "plugin_version"), attribute(node, "plugin_namespace")) == (b"1", b"sdplugins")
+            assert node.domain == CONTRACT.domain
+            assert (attribute(node, "plugin_version"), attribute(node, "plugin_namespace")) == \
+                (CONTRACT.version.encode(), CONTRACT.namespace.encode())
     assert sum(attribute(n, "silu") for n in nodes["GroupNorm"]) == expected["silu"]
     return nodes
 
@@ -263,6 +269,25 @@ def tiny_unet_base(tiny_fp32):
     return GraphOptimizer(onnx.load(str(tiny_fp32 / "unet.onnx")), "unet").run()
 
 
+def test_the_optimizer_runs_exactly_the_passes_it_is_given(tiny_fp32):
+    """run([]) runs no pass (not the base passes); run() and run(None) run the base passes."""
+    exported = onnx.load(str(tiny_fp32 / "unet.onnx"))
+    nothing = GraphOptimizer(exported, "unet")
+    unchanged = nothing.run([])
+    assert nothing.history == [("exported", len(exported.graph.node))]
+    assert len(unchanged.graph.node) == len(exported.graph.node)
+    for passes in ((), (None,)):
+        optimizer = GraphOptimizer(exported, "unet")
+        optimizer.run(*passes)
+        assert [name for name, _ in optimizer.history] == ["exported", "cleanup", "fold-constants", "infer-shapes",
+                                                           "cleanup"]
+    # A plugin set with nothing selected adds no pass either.
+    optimizer = GraphOptimizer(exported, "unet")
+    assert optimizer.plugin_passes(()) == []
+    optimizer.run(optimizer.plugin_passes(()))
+    assert optimizer.history == [("exported", len(exported.graph.node))]
+
+
 @pytest.mark.parametrize("key", PLUGIN_KEYS)
 def test_each_pass_works_alone(key, tiny, tiny_fp32, tiny_unet_base, tiny_expected):
     """The ablation enables plugins one at a time: no pass may rely on another having run."""
@@ -283,11 +308,11 @@ def test_tiny_fp16_exports(stage, tiny, tiny_expected, tmp_path_factory):
     onnx_dir = tmp_path_factory.mktemp(f"tiny16-{stage}")
     optimized = prepare(model, onnx_dir, torch.float16)
     graph = gs.import_onnx(onnx.load(str(optimized)))
-    plugin_inputs = [t for n in graph.nodes if n.domain == "sdplugins" for t in n.inputs]
+    plugin_inputs = [t for n in graph.nodes if n.domain == CONTRACT.domain for t in n.inputs]
     fused = [t for n in graph.nodes if n.op == "MatMul" and ("/qkv/" in n.name or "/kv/" in n.name) for t in n.inputs]
     constants = [t for t in plugin_inputs + fused if isinstance(t, gs.Constant)]
     assert constants and all(t.values.dtype == np.float16 for t in constants)
-    assert all(t.dtype == np.float16 for n in graph.nodes if n.domain == "sdplugins" for t in n.outputs)
+    assert all(t.dtype == np.float16 for n in graph.nodes if n.domain == CONTRACT.domain for t in n.outputs)
     check_stage(model, onnx_dir, tiny_expected[stage], sample(model, 2, 48, 80, torch.float16), tolerance=1e-3)
 
 
@@ -436,9 +461,9 @@ def test_plugin_set_parsing(tmp_path, monkeypatch):
         with pytest.raises(UsageError, match="fMHA, fMHCA, GroupNorm, LayerNorm, SplitGeLU, Seq2Spatial"):
             parse_plugin_set(bad)
 
-    table = tmp_path / "plugins_auto.json"
-    table.write_text(json.dumps({"9.0": {"plugins": ["fMHA", "GroupNorm"], "gpu": "NVIDIA H200",
-                                         "date": "2026-01-01", "source": "results/ablation.json"}}))
+    table = tmp_path / "tuned_defaults.json"
+    table.write_text(json.dumps({PLUGINS_AUTO: {"9.0": {"plugins": ["fMHA", "GroupNorm"], "gpu": "NVIDIA H200",
+                                                        "date": "2026-01-01", "source": "results/ablation.json"}}}))
     assert parse_plugin_set("auto", "9.0", table) == ("GroupNorm", "fMHA")
     assert parse_plugin_set("auto", "8.6", table) == ()  # no entry: none
     assert parse_plugin_set("auto", "9.0", tmp_path / "missing.json") == ()
@@ -446,8 +471,8 @@ def test_plugin_set_parsing(tmp_path, monkeypatch):
     assert parse_plugin_set("auto", table=table) == ("GroupNorm", "fMHA")
     monkeypatch.setattr("models.plugin_set.local_compute_capability", lambda: None)
     assert parse_plugin_set("auto", table=table) == ()  # no GPU: none
-    table.write_text(json.dumps({"9.0": {"plugins": ["fMHA_V2"]}}))
-    with pytest.raises(UsageError, match="plugins_auto.json: entry '9.0'"):
+    table.write_text(json.dumps({PLUGINS_AUTO: {"9.0": {"plugins": ["fMHA_V2"]}}}))
+    with pytest.raises(UsageError, match="tuned_defaults.json: \"plugins_auto\" entry '9.0' needs \"plugins\""):
         parse_plugin_set("auto", "9.0", table)
 
 
@@ -478,7 +503,7 @@ def test_the_pass_report_belongs_to_the_cached_artifact(tiny, tmp_path):
 
 
 def test_export_script_reports_the_passes(tiny, tiny_fp32, tiny_expected, tmp_path, capsys):
-    from scripts.export_onnx import main
+    from demo.cli.export_onnx import main
 
     report_json = tmp_path / "passes.json"
     assert main(["--model", "tiny", "--onnx-dir", str(tiny_fp32), "--stages", ",".join(TINY_STAGES),
@@ -579,9 +604,6 @@ def test_sd15_unet(sd15_unet):
 
 # ---- TensorRT's own plugins, emitted by the same passes ----------------------------------------------
 
-TENSORRT_OPS = {"fMHA": "fMHA_V2", "fMHCA": "fMHCA", "GroupNorm": "GroupNorm", "LayerNorm": "LayerNorm",
-                "SplitGeLU": "SplitGeLU", "Seq2Spatial": "SeqLen2Spatial"}
-
 # A UNet with shapes TensorRT's kernels take: 32 groups over 320 and 640 channels, head size 40, GEGLU
 # half width 1280 (SD 1.5's first block).
 TENSORRT_UNET = {
@@ -599,7 +621,7 @@ TENSORRT_UNET = {
 
 
 def tensorrt_nodes(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
-    return {key: [n for n in model.graph.node if n.op_type == op and n.domain == "nvinfer_plugin"]
+    return {key: [n for n in model.graph.node if n.op_type == op and n.domain == TRT]
             for key, op in TENSORRT_OPS.items()}
 
 
@@ -608,16 +630,17 @@ def test_tensorrt_convention(tiny, tmp_path):
     expected = expected_passes(model.load_module().unet)
     # TensorRT's GroupNorm runs fp16 only.
     optimized = model.prepare_onnx(tmp_path, "cpu", torch.float16, log=lambda *_: None, plugins=ALL,
-                                   plugin_convention="tensorrt")
+                                   plugin_convention=TENSORRT)
     report = read_pass_report(optimized)
     assert {k: {"replaced": v["replaced"], "skipped": v["skipped"]} for k, v in report.items()} == expected["counts"]
     assert all(report[key]["replaced"] > 0 for key in PLUGIN_KEYS)
     rewritten = onnx.load(str(optimized))
     nodes = tensorrt_nodes(rewritten)
     assert {key: len(nodes[key]) for key in PLUGIN_KEYS} == {k: v["replaced"] for k, v in report.items()}
-    assert not any(n.domain == "sdplugins" for n in rewritten.graph.node)
+    assert not any(n.domain == CONTRACT.domain for n in rewritten.graph.node)
     for node in (n for group in nodes.values() for n in group):
-        assert (attribute(node, "plugin_version"), attribute(node, "plugin_namespace")) == (b"1", b"")
+        assert (attribute(node, "plugin_version"), attribute(node, "plugin_namespace")) == \
+            (TENSORRT_CONTRACT.version.encode(), TENSORRT_CONTRACT.namespace.encode())
     assert sum(attribute(n, "bSwish") for n in nodes["GroupNorm"]) == expected["silu"]
     assert {a.name for n in nodes["fMHA"] + nodes["fMHCA"] for a in n.attribute} == {"plugin_version",
                                                                                      "plugin_namespace"}
@@ -629,7 +652,7 @@ def test_tensorrt_convention(tiny, tmp_path):
 
 def test_tensorrt_convention_skips_what_its_kernels_cannot_take(tiny, tiny_unet_base, tiny_expected):
     optimizer = GraphOptimizer(tiny_unet_base, "unet")
-    rewritten = optimizer.run(optimizer.plugin_passes(ALL, "tensorrt"))
+    rewritten = optimizer.run(optimizer.plugin_passes(ALL, TENSORRT))
     report, counts = optimizer.plugin_report, tiny_expected["unet"]["counts"]
 
     def reasons(key):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from plugins import torch_ops as ops
+from plugins.contract import LIBRARY_ENV, LIBRARY_FILE, TORCH_OP_NAMESPACE
 from tests.conftest import ROOT
 
 ARCHITECTURES = ("75", "80", "86", "89", "90")
@@ -50,7 +51,7 @@ def test_library_has_code_for_every_architecture(built_library):
     tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
-    listing = subprocess.run([tool, "--list-elf", str(built_library / "libsdplugins.so")], capture_output=True,
+    listing = subprocess.run([tool, "--list-elf", str(built_library / LIBRARY_FILE)], capture_output=True,
                              text=True, check=True).stdout
     found = {line.rsplit(".", 2)[-2] for line in listing.splitlines() if ".sm_" in line}
     assert found == {f"sm_{arch}" for arch in ARCHITECTURES} | {"sm_90a"}, listing
@@ -73,7 +74,7 @@ def sm90a_sass(built_library, tmp_path_factory) -> dict[str, str]:
     kernels = {}
     for name in SM90A_OBJECTS:
         cubin = f"{name}.sm_90a.cubin"
-        subprocess.run([tool, "-xelf", cubin, str(built_library / "libsdplugins.so")], cwd=work, check=True,
+        subprocess.run([tool, "-xelf", cubin, str(built_library / LIBRARY_FILE)], cwd=work, check=True,
                        capture_output=True, env=env)
         sass = subprocess.run([tool, "-sass", str(work / cubin)], capture_output=True, text=True, check=True,
                               env=env).stdout
@@ -130,7 +131,7 @@ def test_sm90a_kernels_do_not_spill(built_library):
 
 @pytest.fixture(scope="session")
 def abi(built_library):
-    lib = ctypes.CDLL(str(built_library / "libsdplugins.so"))
+    lib = ctypes.CDLL(str(built_library / LIBRARY_FILE))
     for name, (args, result) in ops._SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     return lib
@@ -140,14 +141,16 @@ FAKE = ctypes.c_void_p(16)  # never dereferenced: validation rejects the call fi
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda lib: lib.sdp_fmha(FAKE, FAKE, 1, 8, 1, 12, 1.0, None), "head_dim must be a multiple of 8 in [8, 256], got 12"),
+    (lambda lib: lib.sdp_fmha(FAKE, FAKE, 1, 8, 1, 12, 1.0, None),
+     "head_dim must be a multiple of 8 in [8, 256], got 12"),
     (lambda lib: lib.sdp_fmha(FAKE, FAKE, 1, 8, 1, 264, 1.0, None), "got 264"),
     (lambda lib: lib.sdp_fmha(FAKE, FAKE, 0, 8, 1, 64, 1.0, None), "must be >= 1"),
     (lambda lib: lib.sdp_fmha(FAKE, FAKE, 1, 8, 1, 64, -1.0, None), "scale must be > 0"),
     (lambda lib: lib.sdp_fmhca(FAKE, FAKE, FAKE, 1, 8, 0, 1, 64, 1.0, None), "must be >= 1"),
     (lambda lib: lib.sdp_group_norm(FAKE, FAKE, FAKE, FAKE, FAKE, 1 << 20, 1, 30, 4, 4, 1e-5, 0, 1, None),
      "groups (4) must divide channels (30)"),
-    (lambda lib: lib.sdp_group_norm(FAKE, FAKE, FAKE, FAKE, FAKE, 0, 1, 32, 4, 4, 1e-5, 0, 1, None), "workspace too small"),
+    (lambda lib: lib.sdp_group_norm(FAKE, FAKE, FAKE, FAKE, FAKE, 0, 1, 32, 4, 4, 1e-5, 0, 1, None),
+     "workspace too small"),
     (lambda lib: lib.sdp_group_norm(FAKE, FAKE, FAKE, FAKE, FAKE, 1 << 20, 1, 32, 4, 4, 1e-5, 7, 1, None), "layout"),
     (lambda lib: lib.sdp_layer_norm(FAKE, FAKE, FAKE, FAKE, 4, 0, 1e-5, None), "rows and n must be >= 1"),
     (lambda lib: lib.sdp_split_gelu(None, None, FAKE, 4, 8, None), "x and y must be non-null"),
@@ -182,7 +185,7 @@ def test_unavailable_library_is_reported_not_crashed(tmp_path):
     code = ("import plugins, torch; from plugins import torch_ops as ops; print(plugins.status());\n"
             "try:\n    ops.fmha(torch.zeros(1, 2, 1, 3, 8, dtype=torch.half), 1.0)\n"
             "except RuntimeError as e:\n    print('raised', e)")
-    env = dict(os.environ, SDPLUGINS_LIBRARY=str(tmp_path / "missing.so"), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{LIBRARY_ENV: str(tmp_path / "missing.so")})
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "plugin library not built" in result.stdout
@@ -199,10 +202,11 @@ def test_python_side_validation(monkeypatch):
 
 def test_fake_implementations_give_output_shapes():
     meta = lambda *s: torch.empty(*s, dtype=torch.half, device="meta")  # noqa: E731
-    assert torch.ops.sdplugins.fmha(meta(2, 77, 8, 3, 40), 0.1).shape == (2, 77, 8, 40)
-    assert torch.ops.sdplugins.fmhca(meta(2, 64, 8, 40), meta(2, 77, 8, 2, 40), 0.1).shape == (2, 64, 8, 40)
-    assert torch.ops.sdplugins.group_norm(meta(2, 32, 4, 4), meta(32), meta(32), 8, 1e-5, True, False).shape == (2, 32, 4, 4)
-    assert torch.ops.sdplugins.layer_norm(meta(3, 5, 40), meta(40), meta(40), 1e-5).shape == (3, 5, 40)
-    assert torch.ops.sdplugins.split_gelu(meta(2, 9, 20), None).shape == (2, 9, 10)
-    assert torch.ops.sdplugins.seq2spatial(meta(2, 12, 7), meta(7), meta(2, 7, 3, 4)).shape == (2, 7, 3, 4)
-    assert torch.ops.sdplugins.seq2spatial(meta(2, 12, 7), meta(7), meta(2, 12, 7), ops.LAYOUT_NHWC, 3).shape == (2, 7, 3, 4)
+    sdp = getattr(torch.ops, TORCH_OP_NAMESPACE)
+    assert sdp.fmha(meta(2, 77, 8, 3, 40), 0.1).shape == (2, 77, 8, 40)
+    assert sdp.fmhca(meta(2, 64, 8, 40), meta(2, 77, 8, 2, 40), 0.1).shape == (2, 64, 8, 40)
+    assert sdp.group_norm(meta(2, 32, 4, 4), meta(32), meta(32), 8, 1e-5, True, False).shape == (2, 32, 4, 4)
+    assert sdp.layer_norm(meta(3, 5, 40), meta(40), meta(40), 1e-5).shape == (3, 5, 40)
+    assert sdp.split_gelu(meta(2, 9, 20), None).shape == (2, 9, 10)
+    assert sdp.seq2spatial(meta(2, 12, 7), meta(7), meta(2, 7, 3, 4)).shape == (2, 7, 3, 4)
+    assert sdp.seq2spatial(meta(2, 12, 7), meta(7), meta(2, 12, 7), ops.LAYOUT_NHWC, 3).shape == (2, 7, 3, 4)

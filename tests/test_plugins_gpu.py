@@ -16,9 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from plugins import torch_ops as ops
+from plugins.contract import TORCH_OP_NAMESPACE
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason=f"plugins cannot run here: {ops.status()}")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not ops.available(), reason=f"plugins cannot run here: {ops.status()}")]
+SDP_OPS = getattr(torch.ops, TORCH_OP_NAMESPACE)  # torch.ops.sdplugins
 
 # Relative-error bounds. fp16 outputs alone cost ~3e-4; attention also rounds P to fp16.
 ATTENTION_BOUND = 2e-3
@@ -147,12 +150,12 @@ def test_attention_graph_capture(attention_path):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        torch.ops.sdplugins.fmha(qkv, 0.2)  # warm up on the capture stream
-        torch.ops.sdplugins.fmhca(q, kv, 0.3)
+        SDP_OPS.fmha(qkv, 0.2)  # warm up on the capture stream
+        SDP_OPS.fmhca(q, kv, 0.3)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            self_out = torch.ops.sdplugins.fmha(qkv, 0.2)
-            cross_out = torch.ops.sdplugins.fmhca(q, kv, 0.3)
+            self_out = SDP_OPS.fmha(qkv, 0.2)
+            cross_out = SDP_OPS.fmhca(q, kv, 0.3)
     torch.cuda.synchronize()
     for t in (qkv, q, kv):
         t.copy_(torch.randn(t.shape, device="cuda").half())
@@ -171,14 +174,14 @@ def test_attention_op_and_graph_capture():
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
-        torch.ops.sdplugins.fmha(qkv, 0.2)  # warm up on the capture stream
+        SDP_OPS.fmha(qkv, 0.2)  # warm up on the capture stream
         with torch.cuda.graph(graph, stream=stream):
-            captured = torch.ops.sdplugins.fmha(qkv, 0.2)
+            captured = SDP_OPS.fmha(qkv, 0.2)
     qkv.copy_(randn(2, 256, 8, 3, 40))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, ops.fmha_into(qkv, poisoned(2, 256, 8, 40), 0.2))
-    compiled = torch.compile(lambda t: torch.ops.sdplugins.fmha(t, 0.2) * 2, fullgraph=True)
+    compiled = torch.compile(lambda t: SDP_OPS.fmha(t, 0.2) * 2, fullgraph=True)
     assert torch.equal(compiled(qkv), ops.fmha_into(qkv, poisoned(2, 256, 8, 40), 0.2) * 2)
     assert not torch.equal(expected, captured)  # the replay saw the new inputs
 
@@ -234,7 +237,8 @@ def test_layer_norm(rows, n):
     assert rel_error(out, ref) < NORM_BOUND
 
 
-@pytest.mark.parametrize("rows, n", [(8192, 1280), (2048, 2560), (512, 5120), (32768, 1280), (3, 100), (77, 13), (1, 8)])
+@pytest.mark.parametrize("rows, n", [(8192, 1280), (2048, 2560), (512, 5120), (32768, 1280), (3, 100), (77, 13),
+                                     (1, 8)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_split_gelu(rows, n, with_bias):
     x = randn(2, rows, 2 * n)
@@ -264,7 +268,7 @@ def test_seq2spatial(b, c, h, w, residual_layout):
 
 def test_seq2spatial_op_with_sequence_residual():
     x, bias, residual = randn(2, 12 * 20, 64), randn(64), randn(2, 12 * 20, 64)
-    out = torch.ops.sdplugins.seq2spatial(x, bias, residual, ops.LAYOUT_NHWC, 12)
+    out = SDP_OPS.seq2spatial(x, bias, residual, ops.LAYOUT_NHWC, 12)
     ref = (x.float() + bias.float() + residual.float()).permute(0, 2, 1).reshape(2, 64, 12, 20)
     assert out.shape == (2, 64, 12, 20)
     assert rel_error(out, ref) < NORM_BOUND

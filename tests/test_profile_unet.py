@@ -1,9 +1,9 @@
-"""scripts/profile_unet.py without a GPU: kernel names as the profiler reports them, sorted into families;
+"""bench.profile_unet without a GPU: kernel names as the profiler reports them, sorted into families;
 the summary and its table; and the refusal to run where there is no GPU."""
 
 import pytest
 
-from scripts.profile_unet import FAMILIES, is_ours, kernel_family, main, markdown, summarize
+from bench.profile_unet import FAMILIES, is_ours, kernel_family, main, markdown, summarize
 
 KERNELS = {
     "gemm": [
@@ -43,7 +43,8 @@ KERNELS = {
         "warpsize4x1x1_g1_tensor16x8x16_alignc4_execute_kernel__5x_cudnn",
         "void cudnn::ops::nchwToNhwcKernel<__half, __half, float, false, true, (cudnnKernelDataType_t)0>"
         "(cudnn::ops::nchw2nhwc_params_t<float>, __half const*, __half*)",
-        "void cudnn::cnn::conv2d_grouped_direct_kernel<false, true, false, false, 0, 0, int, __half, __half, float>(...)",
+        "void cudnn::cnn::conv2d_grouped_direct_kernel<false, true, false, false, 0, 0, int, __half, __half, float>"
+        "(...)",
         "triton_tem_fused_convolution_2",
     ],
     "norm": [
@@ -63,17 +64,22 @@ KERNELS = {
         "void groupNormNHWCScaleKernel<__half, 160>(GroupNormNHWCParams<__half>)",
     ],
     "elementwise/other": [
-        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>, std::array<char*, 3ul> >"
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>, "
+        "std::array<char*, 3ul> >"
         "(int, at::native::CUDAFunctor_add<c10::Half>, std::array<char*, 3ul>)",
-        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda>"
+        "void at::native::elementwise_kernel<128, 2, "
+        "at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda>"
         "(at::TensorIteratorBase&)>(int, at::native::gpu_kernel_impl_nocast)",
-        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<"
+        "at::native::(anonymous namespace)::OpaqueType<2u>, "
         "unsigned int, 4, 64, 64>(...)",
-        "void at::native::vectorized_elementwise_kernel<4, at::native::normal_kernel<c10::Half>, std::array<char*, 1ul> >",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::normal_kernel<c10::Half>, "
+        "std::array<char*, 1ul> >",
         "triton_poi_fused_convolution_silu_5",
         "triton_poi_fused_add_mul_0",
         "void sdp::(anonymous namespace)::split_gelu_kernel<8>(__half const*, __half const*, __half*, long, int)",
-        "void sdp::(anonymous namespace)::seq2spatial_kernel(__half const*, __half const*, __half const*, __half*, int, int)",
+        "void sdp::(anonymous namespace)::seq2spatial_kernel(__half const*, __half const*, __half const*, __half*, "
+        "int, int)",
         "__myl_AddMulSig_0x5c1e",
     ],
     "memcpy": ["Memcpy DtoD (Device -> Device)", "Memset (Device)", "Memcpy HtoD (Pageable -> Device)"],

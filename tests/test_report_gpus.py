@@ -1,4 +1,4 @@
-"""scripts/report_gpus.py: reports from several GPUs merged into per-workload tables and one chart."""
+"""bench.gpu_report (report-gpus): reports from several GPUs merged into per-workload tables and one chart."""
 
 import json
 from pathlib import Path
@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from bench.charts import STAGE_COLOURS
+from bench.gpu_report import main
 from demo.report import LatencyReport
-from scripts.report_gpus import STAGE_COLOURS, main
 
 SD15_512 = "sd1.5-arch, 512x512, batch 1, 50 steps"
 PUBLISHED_DEVICES = {"L40", "A10", "A30", "T4", "A100"}
@@ -190,5 +191,5 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_input, reports, tmp
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1
-    assert captured.err.startswith(f"report_gpus: error: {bad}: ") and reason in captured.err
+    assert captured.err.startswith(f"report-gpus: error: {bad}: ") and reason in captured.err
     assert not out_dir.exists() or not any(out_dir.iterdir())

@@ -12,19 +12,24 @@ import torch
 from torch import nn
 
 from core.errors import UsageError
-from demo.torch_accel import (COMPILE_MODES, FALLBACK, TorchSettings, check_torch_settings, computed_part,
-                              resolve_torch_settings)
+from demo.torch_accel import (
+    COMPILE_MODES,
+    FALLBACK,
+    TorchSettings,
+    check_torch_settings,
+    computed_part,
+    resolve_torch_settings,
+)
 from models import STAGE_MODELS
 from models.builtin import BUILTIN_MODELS
-from models.plugin_set import PLUGIN_KEYS
 from plugins import torch_ops
-from plugins.diffusers_modules import FAMILIES, AttentionProcessor, substitute
+from plugins.contract import PLUGIN_KEYS, TORCH_OPS
+from plugins.diffusers_modules import AttentionProcessor, substitute
+from plugins.tuned import TORCH_DEFAULTS
 from tests import plugin_references
 from tests.plugin_references import cpu_kernels
 
 CPU = torch.device("cpu")
-OP_OF = {"fMHA": "fmha", "fMHCA": "fmhca", "GroupNorm": "group_norm", "LayerNorm": "layer_norm",
-         "SplitGeLU": "split_gelu", "Seq2Spatial": "seq2spatial"}
 
 
 def census(network: nn.Module) -> tuple[dict[str, int], int]:
@@ -78,9 +83,9 @@ def test_every_module_the_kernels_take_is_substituted_on_tiny(tiny, stage):
     clip_layers = BUILTIN_MODELS["tiny"]["text_encoder"]["num_hidden_layers"] if stage == "clip" else 0
     assert len(report.skipped["fMHA"]) == clip_layers
     assert all("causal" in reason for reason in report.skipped["fMHA"])
-    assert not any(report.skipped[key] for key in FAMILIES if key != "fMHA")
+    assert not any(report.skipped[key] for key in PLUGIN_KEYS if key != "fMHA")
     # Nothing of diffusers' own is left where a substitute went.
-    assert census(network)[0] | {"fMHA": 0, "fMHCA": 0, "Seq2Spatial": 0} == {k: 0 for k in FAMILIES}
+    assert census(network)[0] | {"fMHA": 0, "fMHCA": 0, "Seq2Spatial": 0} == {k: 0 for k in PLUGIN_KEYS}
     processors = [m.processor for m in network.modules() if hasattr(m, "set_processor")]
     assert all(isinstance(p, AttentionProcessor) for p in processors)
     if stage == "unet":  # the numbers for the record, as the ONNX passes find them in tiny's UNet graph
@@ -143,26 +148,25 @@ def test_unknown_family_is_refused(tiny):
     _, module = load(tiny, "unet")
     with pytest.raises(ValueError, match="unknown plugin families.*GEGLU"):
         substitute(module, ["GEGLU"])
-    assert set(FAMILIES) == set(PLUGIN_KEYS)
 
 
 # ---- what the substitutes compute --------------------------------------------------------------------------
 
 CASES = [(stage, family) for stage, families in (("clip", ["LayerNorm"]), ("vae", ["fMHA", "GroupNorm"]),
-                                                 ("unet", [*FAMILIES, "all"])) for family in families]
+                                                 ("unet", [*PLUGIN_KEYS, "all"])) for family in families]
 
 
 @pytest.mark.parametrize("stage, family", CASES, ids=[f"{s}-{f}" for s, f in CASES])
 def test_substituted_modules_compute_what_diffusers_does(tiny, stage, family):
     model, module = load(tiny, stage)
     reference = copy.deepcopy(module)
-    families = FAMILIES if family == "all" else (family,)
+    families = PLUGIN_KEYS if family == "all" else (family,)
     report = substitute(computed_part(stage, module), families)
     with cpu_kernels():
         actual = outputs(model, module)
         for key in families:  # each substitute ran once per module it replaced, and nothing else ran
-            assert plugin_references.calls[OP_OF[key]] == report.replaced[key] > 0, key
-        assert sum(plugin_references.calls[OP_OF[key]] for key in FAMILIES) == sum(report.replaced.values())
+            assert plugin_references.calls[TORCH_OPS[key]] == report.replaced[key] > 0, key
+        assert sum(plugin_references.calls[TORCH_OPS[key]] for key in PLUGIN_KEYS) == sum(report.replaced.values())
     assert_close(actual, outputs(model, reference))
 
 
@@ -238,8 +242,9 @@ def test_torch_stage_with_plugins_runs_the_pipeline(tiny):
 # ---- settings: the defaults table, flags and what cannot run ------------------------------------------------
 
 def _table(tmp_path, entries) -> str:
-    table = tmp_path / "torch_defaults.json"
-    table.write_text(json.dumps(entries))
+    """A tuned-defaults file with these torch defaults."""
+    table = tmp_path / "tuned_defaults.json"
+    table.write_text(json.dumps({TORCH_DEFAULTS: entries}))
     return table
 
 
@@ -291,7 +296,8 @@ def test_a_bad_table_entry_is_a_usage_error(tmp_path, on_a_gpu, entry):
     (TorchSettings(compile="default"), "--compile default needs a CUDA GPU"),
     (TorchSettings(cuda_graph=True), "--use-cuda-graph needs a CUDA GPU"),
     (TorchSettings(plugins=("fMHA",)), "--plugins fMHA needs a CUDA GPU"),
-    (TorchSettings(cuda_graph=True, compile="max-autotune-no-cudagraphs"), "and --compile max-autotune-no-cudagraphs need"),
+    (TorchSettings(cuda_graph=True, compile="max-autotune-no-cudagraphs"),
+     "and --compile max-autotune-no-cudagraphs need"),
 ])
 def test_what_needs_a_gpu_is_refused_on_a_cpu(settings, message):
     with pytest.raises(UsageError, match=message):
@@ -314,7 +320,7 @@ def test_two_cuda_graph_mechanisms_at_once_are_refused(on_a_gpu, mode):
     (["--plugins", "fMHA,GEGLU"], "unknown plugin(s) GEGLU"),
 ])
 def test_demo_refuses_before_loading_anything(args, message, tmp_path, tiny, capsys, monkeypatch):
-    from demo.demo_diffusion import main
+    from demo.cli.generate import main
 
     def load_stages(*_, **__):
         raise AssertionError("a model was loaded before every argument was checked")
@@ -323,7 +329,7 @@ def test_demo_refuses_before_loading_anything(args, message, tmp_path, tiny, cap
     out = tmp_path / "out"
     status = main(["a prompt", "--backend", "torch", "--output-dir", str(out), "--denoising-steps", "2", *args])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(lines) == 1 and lines[0].startswith("demo_diffusion: error: ")
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("demo-diffusion: error: ")
     assert message in lines[0]
     assert not out.exists()
 
@@ -332,7 +338,7 @@ def test_demo_channels_last_on_the_cpu(tmp_path, tiny):
     """--channels-last reaches the modules and the report, and draws the same image."""
     from PIL import Image
 
-    from demo.demo_diffusion import main
+    from demo.cli.generate import main
 
     common = ["a red car", "--model", "tiny", "--seed", "3", "--denoising-steps", "2", "--num-warmup-runs", "0",
               "--height", "48", "--width", "64", "--scheduler", "DDIM"]

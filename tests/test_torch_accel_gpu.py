@@ -15,11 +15,11 @@ from demo.report import StageTimer
 from demo.stages import TorchStage
 from demo.torch_accel import FALLBACK, TorchSettings, computed_part
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
-from models.plugin_set import PLUGIN_KEYS
 from plugins import torch_ops
+from plugins.contract import PLUGIN_KEYS
 from plugins.diffusers_modules import substitute
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = pytest.mark.gpu
 needs_plugins = pytest.mark.skipif(not torch_ops.available(), reason=f"plugins cannot run here: {torch_ops.status()}")
 
 CUDA = torch.device("cuda")

@@ -12,6 +12,16 @@ import pytest
 
 from core.errors import UsageError
 from plugins import trt_plugins
+from plugins.contract import (
+    LIBRARY_FILE,
+    LIBRARY_NAME,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    TENSORRT_NAMESPACE,
+    TRT_LIBRARY_ENV,
+    TRT_LIBRARY_FILE,
+    TRT_LIBRARY_NAME,
+)
 from tests.conftest import ROOT
 
 HEADERS = ROOT.parent / "shared" / "tensorrt-include"
@@ -42,15 +52,15 @@ def trt_library(tmp_path_factory):
             configured = run(["cmake", "-S", ROOT, "-B", build, "-DCMAKE_CUDA_ARCHITECTURES=90",
                               "-DSDPLUGINS_SM90A=OFF", f"-DTENSORRT_INCLUDE_DIR={headers}"])
             assert f"sdplugins_trt: building libsdplugins_trt.so against TensorRT headers in {headers}" in configured
-            run(["cmake", "--build", build, "-j", "2", "--target", "sdplugins"])
-            compiled = run(["cmake", "--build", build, "-j", "2", "--target", "sdplugins_trt"])
+            run(["cmake", "--build", build, "-j", "2", "--target", LIBRARY_NAME])
+            compiled = run(["cmake", "--build", build, "-j", "2", "--target", TRT_LIBRARY_NAME])
             assert "warning" not in compiled.lower(), compiled  # deprecations silenced for both API generations
             kept = tmp_path_factory.mktemp(f"trt-{version}")
-            for name in ("libsdplugins_trt.so", "libsdplugins.so"):
+            for name in (TRT_LIBRARY_FILE, LIBRARY_FILE):
                 shutil.copy2(build / name, kept / name)
             compiler = next((build / "CMakeFiles").glob("*/CMakeCUDACompiler.cmake")).read_text()
             cuda_include = re.search(r'CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES "([^";]+)', compiler).group(1)
-            built[version] = SimpleNamespace(library=kept / "libsdplugins_trt.so", cuda_include=cuda_include)
+            built[version] = SimpleNamespace(library=kept / TRT_LIBRARY_FILE, cuda_include=cuda_include)
         return built[version]
 
     return build_for
@@ -102,14 +112,16 @@ class FakeRegistry:
 
     def __init__(self, loads: bool = True, names=trt_plugins.PLUGIN_NAMES):
         self.loads, self.names, self.loaded = loads, names, []
-        self.plugin_creator_list = [SimpleNamespace(name="GroupNorm", plugin_version="1", plugin_namespace="")]
+        # TensorRT's own GroupNorm: a creator of another namespace.
+        self.plugin_creator_list = [SimpleNamespace(name="GroupNorm", plugin_version="1",
+                                                    plugin_namespace=TENSORRT_NAMESPACE)]
 
     def load_library(self, path):
         self.loaded.append(path)
         if not self.loads:
             return None
-        self.plugin_creator_list += [SimpleNamespace(name=n, plugin_version="1", plugin_namespace="sdplugins")
-                                     for n in self.names]
+        self.plugin_creator_list += [SimpleNamespace(name=n, plugin_version=PLUGIN_VERSION,
+                                                     plugin_namespace=PLUGIN_NAMESPACE) for n in self.names]
         return object()
 
 
@@ -119,9 +131,9 @@ def fake_trt(registry):
 
 @pytest.fixture
 def built_library(tmp_path, monkeypatch):
-    path = tmp_path / "libsdplugins_trt.so"
+    path = tmp_path / TRT_LIBRARY_FILE
     path.write_bytes(b"")
-    monkeypatch.setenv("SDPLUGINS_TRT_LIBRARY", str(path))
+    monkeypatch.setenv(TRT_LIBRARY_ENV, str(path))
     return path
 
 
@@ -144,7 +156,7 @@ def test_loader_reports_missing_creators(built_library):
 
 
 def test_loader_says_why_when_the_library_is_not_built(tmp_path, monkeypatch):
-    monkeypatch.setenv("SDPLUGINS_TRT_LIBRARY", str(tmp_path / "missing.so"))
+    monkeypatch.setenv(TRT_LIBRARY_ENV, str(tmp_path / "missing.so"))
     assert trt_plugins.status().startswith(f"TensorRT plugin library not built: {tmp_path / 'missing.so'} is missing")
     registry = FakeRegistry()
     with pytest.raises(UsageError, match="not built"):

@@ -15,18 +15,21 @@ import torch
 import torch.nn.functional as F
 
 from plugins import trt_plugins
+from plugins.contract import OURS, PLUGIN_DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, convention
 
 trt = pytest.importorskip("tensorrt", reason="TensorRT's Python package is not installed")
 onnx = pytest.importorskip("onnx")
 
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.gpu,
+    pytest.mark.tensorrt,
     pytest.mark.skipif(trt_plugins.status() != "built", reason=trt_plugins.status()),
 ]
 
 ATTENTION_BOUND = 2e-3  # as tests/test_plugins_gpu.py: fp16 output rounding, and P rounded to fp16
 NORM_BOUND = 1e-3
 LOGGER = trt.Logger(trt.Logger.WARNING)
+OPS = convention(OURS).ops  # plugin key -> our op type (= creator name)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,8 +50,8 @@ def one_node_model(op_type: str, inputs: list, constants: set, output_shape: lis
     """inputs: (name, fp16 tensor) in the node's input order; those named in `constants` become initializers."""
     from onnx import TensorProto, helper, numpy_helper
 
-    node = helper.make_node(op_type, [name for name, _ in inputs], ["y"], name=f"{op_type}_0", domain="sdplugins",
-                            plugin_version=trt_plugins.PLUGIN_VERSION, plugin_namespace=trt_plugins.PLUGIN_NAMESPACE,
+    node = helper.make_node(op_type, [name for name, _ in inputs], ["y"], name=f"{op_type}_0", domain=PLUGIN_DOMAIN,
+                            plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE,
                             **attributes)
     graph = helper.make_graph(
         [node], op_type,
@@ -56,7 +59,7 @@ def one_node_model(op_type: str, inputs: list, constants: set, output_shape: lis
          for name, t in inputs if name not in constants],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT16, output_shape)],
         initializer=[numpy_helper.from_array(t.cpu().numpy(), name) for name, t in inputs if name in constants])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("sdplugins", 1)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PLUGIN_DOMAIN, 1)])
 
 
 def build_engine(model, op_type: str):
@@ -67,10 +70,11 @@ def build_engine(model, op_type: str):
     assert parser.parse(model.SerializeToString()), [str(parser.get_error(i)) for i in range(parser.num_errors)]
     plugins = [network.get_layer(i) for i in range(network.num_layers)
                if network.get_layer(i).type == trt.LayerType.PLUGIN_V2]
-    assert len(plugins) == 1, f"expected one plugin layer, got {[network.get_layer(i).type for i in range(network.num_layers)]}"
+    kinds = [network.get_layer(i).type for i in range(network.num_layers)]
+    assert len(plugins) == 1, f"expected one plugin layer, got {kinds}"
     plugins[0].__class__ = trt.IPluginV2Layer
     plugin = plugins[0].plugin
-    assert (plugin.plugin_type, plugin.plugin_namespace) == (op_type, trt_plugins.PLUGIN_NAMESPACE)
+    assert (plugin.plugin_type, plugin.plugin_namespace) == (op_type, PLUGIN_NAMESPACE)
     config = builder.create_builder_config()
     config.set_flag(trt.BuilderFlag.FP16)
     if hasattr(trt.TacticSource, "CUDNN"):  # cuDNN may be a stub where this runs; our layer needs none of it
@@ -108,7 +112,7 @@ def attention(q, k, v, scale):  # [B, S, H, D] each, float32
 def test_fmha():
     b, s, h, d, scale = 2, 4096, 8, 40, 0.3  # not 1/sqrt(40) = 0.158
     qkv = randn(b, s, h, 3, d)
-    out = run_plugin("SDPfMHA", [("qkv", qkv)], set(), [b, s, h, d], scale=scale)
+    out = run_plugin(OPS["fMHA"], [("qkv", qkv)], set(), [b, s, h, d], scale=scale)
     q, k, v = (qkv[:, :, :, i].float() for i in range(3))
     assert rel_error(out, attention(q, k, v, scale)) < ATTENTION_BOUND
     assert rel_error(out, attention(q, k, v, 1 / math.sqrt(d))) > 10 * ATTENTION_BOUND
@@ -117,7 +121,7 @@ def test_fmha():
 def test_fmhca():
     b, sq, skv, h, d, scale = 2, 4096, 77, 8, 40, 0.3
     q, kv = randn(b, sq, h, d), randn(b, skv, h, 2, d)
-    out = run_plugin("SDPfMHCA", [("q", q), ("kv", kv)], set(), [b, sq, h, d], scale=scale)
+    out = run_plugin(OPS["fMHCA"], [("q", q), ("kv", kv)], set(), [b, sq, h, d], scale=scale)
     k, v = kv[:, :, :, 0].float(), kv[:, :, :, 1].float()
     assert rel_error(out, attention(q.float(), k, v, scale)) < ATTENTION_BOUND
     assert rel_error(out, attention(q.float(), k, v, 1 / math.sqrt(d))) > 10 * ATTENTION_BOUND
@@ -128,7 +132,7 @@ def test_group_norm(silu):
     b, c, h, w, groups, eps = 2, 320, 64, 64, 32, 0.05
     x = randn(b, c, h, w, scale=0.2, shift=0.5)  # variance 0.04: an epsilon of 0.05 matters
     gamma, beta = randn(c), randn(c)
-    out = run_plugin("SDPGroupNorm", [("x", x), ("gamma", gamma), ("beta", beta)], {"gamma", "beta"}, [b, c, h, w],
+    out = run_plugin(OPS["GroupNorm"], [("x", x), ("gamma", gamma), ("beta", beta)], {"gamma", "beta"}, [b, c, h, w],
                      num_groups=groups, epsilon=eps, silu=silu)
 
     def reference(epsilon):
@@ -143,7 +147,7 @@ def test_layer_norm():
     b, s, n, eps = 2, 4096, 320, 0.05
     x = randn(b, s, n, scale=0.2, shift=-1.0)
     gamma, beta = randn(n), randn(n)
-    out = run_plugin("SDPLayerNorm", [("x", x), ("gamma", gamma), ("beta", beta)], {"gamma", "beta"}, [b, s, n],
+    out = run_plugin(OPS["LayerNorm"], [("x", x), ("gamma", gamma), ("beta", beta)], {"gamma", "beta"}, [b, s, n],
                      epsilon=eps)
 
     def reference(epsilon):
@@ -156,7 +160,7 @@ def test_layer_norm():
 def test_split_gelu():
     b, s, n = 2, 4096, 1280
     x, bias = randn(b, s, 2 * n), randn(2 * n)
-    out = run_plugin("SDPSplitGeLU", [("x", x), ("bias", bias)], {"bias"}, [b, s, n])
+    out = run_plugin(OPS["SplitGeLU"], [("x", x), ("bias", bias)], {"bias"}, [b, s, n])
     xf = x.float() + bias.float()
     assert rel_error(out, xf[..., :n] * F.gelu(xf[..., n:])) < NORM_BOUND
 
@@ -164,7 +168,7 @@ def test_split_gelu():
 def test_seq2spatial_with_an_nchw_residual():  # SD 2.x: linear proj_out
     b, c, h, w = 2, 320, 64, 64
     x, bias, residual = randn(b, h * w, c), randn(c), randn(b, c, h, w)
-    out = run_plugin("SDPSeq2Spatial", [("x", x), ("bias", bias), ("residual", residual)], {"bias"}, [b, c, h, w],
+    out = run_plugin(OPS["Seq2Spatial"], [("x", x), ("bias", bias), ("residual", residual)], {"bias"}, [b, c, h, w],
                      residual_layout=0)
     ref = (x.float() + bias.float()).permute(0, 2, 1).reshape(b, c, h, w) + residual.float()
     assert rel_error(out, ref) < NORM_BOUND
@@ -174,7 +178,7 @@ def test_seq2spatial_with_a_sequence_residual():  # SD 1.x: the residual before 
     b, c, h, w = 2, 320, 32, 128  # H != W: H and W come from `spatial`, in that order
     x, bias, residual = randn(b, h * w, c), randn(c), randn(b, h * w, c)
     spatial = randn(b, 4, h, w)
-    out = run_plugin("SDPSeq2Spatial", [("x", x), ("bias", bias), ("residual", residual), ("spatial", spatial)],
+    out = run_plugin(OPS["Seq2Spatial"], [("x", x), ("bias", bias), ("residual", residual), ("spatial", spatial)],
                      {"bias"}, [b, c, h, w], residual_layout=1)
     ref = (x.float() + bias.float() + residual.float()).permute(0, 2, 1).reshape(b, c, h, w)
     assert rel_error(out, ref) < NORM_BOUND

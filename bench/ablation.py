@@ -1,0 +1,266 @@
+"""Plugin ablation on one GPU, in one run: engines with none of our plugins, each family added in turn, each alone.
+
+CLIP, UNet x N, VAE and pipeline latency per configuration (CONFIGS), and TensorRT's own plugins as the peer.
+
+    sd-ablation --disable-tactic-sources CUDNN [--configs LABEL,...] [--update-defaults]
+
+Every engine is built once, by build-engines in a folder of its own under --work-dir, several at a time
+(--parallel-builds, bench/jobs.py): each stage gets only the plugin families the passes find in it, so the
+text encoder and the VAE engines are shared by the configurations that differ elsewhere. Then each
+configuration runs the same request (the request flags every command takes; the seed and scheduler used are
+recorded) --runs times after warm-up; the medians are reported. For every engine the plugin layers TensorRT's
+engine inspector lists are counted against what the ONNX passes reported replacing, and every image is
+compared with the no-plugin one. Writes JSON, a markdown table and PNG charts into --results-dir; with
+--update-defaults, records which plugins measured faster than none on this GPU's compute capability in the
+tuned defaults (plugins/tuned_defaults.json, or --defaults-file), which --plugins auto reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from bench.charts import ablation_chart, kernel_chart
+from bench.common import ResultsFlags, log, slug
+from bench.jobs import ALL, ATTENTION, BUILT_STAGES, BuildPlan, build_all, config_jobs, export_and_probe
+from bench.runner import compare_images, run_config
+from bench.tables import ablation_table, kernel_table
+from core.errors import UsageError
+from demo.settings import EngineFlags, ModelFlags, RequestFlags, at_least, flag, same_as
+from plugins.contract import OURS, TENSORRT
+
+PROG = "sd-ablation"
+say = partial(log, PROG)
+# (label, plugins, convention): demoDiffusion 8.5's order, each family alone, then the peer: TensorRT
+# 8.6's own Stable Diffusion plugins (libnvinfer_plugin) emitted by the same passes.
+CONFIGS = (
+    ("none", (), OURS),
+    ("+fMHA/fMHCA", ATTENTION, OURS),
+    ("+LayerNorm", ATTENTION + ("LayerNorm",), OURS),
+    ("+GroupNorm", ATTENTION + ("LayerNorm", "GroupNorm"), OURS),
+    ("+SplitGeLU", ATTENTION + ("LayerNorm", "GroupNorm", "SplitGeLU"), OURS),
+    ("+Seq2Spatial", ALL, OURS),
+    ("LayerNorm alone", ("LayerNorm",), OURS),
+    ("GroupNorm alone", ("GroupNorm",), OURS),
+    ("SplitGeLU alone", ("SplitGeLU",), OURS),
+    ("Seq2Spatial alone", ("Seq2Spatial",), OURS),
+    ("TensorRT's fMHA_V2/fMHCA", ATTENTION, TENSORRT),
+    ("TensorRT's plugins (all six)", ALL, TENSORRT),
+    # TensorRT 8.6's fMHA_V2 has no Hopper kernels: there the peer is the other four, against ours.
+    ("ours without attention", ALL[2:], OURS),
+    ("TensorRT's without attention", ALL[2:], TENSORRT),
+)
+# Our configuration and its TensorRT-plugin peer: the same families, in the same passes, in either convention.
+PEERS = (("+fMHA/fMHCA", "TensorRT's fMHA_V2/fMHCA"), ("+Seq2Spatial", "TensorRT's plugins (all six)"),
+         ("ours without attention", "TensorRT's without attention"))
+# What each configuration shows alone (for --plugins auto): the attention pair is measured as a pair.
+ALONE = {"+fMHA/fMHCA": ATTENTION, "LayerNorm alone": ("LayerNorm",), "GroupNorm alone": ("GroupNorm",),
+         "SplitGeLU alone": ("SplitGeLU",), "Seq2Spatial alone": ("Seq2Spatial",)}
+
+
+@dataclass(frozen=True)
+class AblationFlags:
+    runs: int = flag("timed runs per configuration; medians reported (default: %(default)s)", 5)
+    configs: str | None = flag("comma list of configuration labels, in the order to build them (runs and the table "
+                               f"keep this order: {', '.join(c[0] for c in CONFIGS)}; default: all)", metavar="LABELS")
+    work_dir: str = flag("per-configuration ONNX and engines (default: %(default)s)", "ablation")
+    parallel_builds: int = flag("engine builds at a time (default: %(default)s)", 4)
+    build_gpus: int = flag("spread the builds over this many GPUs (CUDA_VISIBLE_DEVICES, in turn), so that their "
+                           "tactic timing does not share one; the runs use the first (default: %(default)s)", 1)
+    build_only: bool = flag("build every configuration's engines, run none", False)
+    build_budget_s: float | None = flag("stop building after this many seconds: builds still running are stopped, and "
+                                        "their configurations reported as not built (default: no limit). --configs "
+                                        "gives the order", metavar="SECONDS")
+    # The engine flags that apply to every configuration (the ablation sets the others per job).
+    optimization_level: int = same_as(EngineFlags, "optimization_level")
+    disable_tactic_sources: str | None = same_as(EngineFlags, "disable_tactic_sources")
+
+
+def build_parser():
+    from demo.arguments import Parser
+    from demo.settings import add_flags
+
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    add_flags(p, ModelFlags, model="sd1.5-arch")
+    add_flags(p, RequestFlags)
+    add_flags(p, AblationFlags)
+    add_flags(p, ResultsFlags)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo.arguments import run_command
+    from demo.settings import parse_flags
+
+    def run(flags) -> int:
+        return ablate(flags[ModelFlags], flags[RequestFlags], flags[AblationFlags], flags[ResultsFlags])
+
+    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv)))
+
+
+def select_configs(text: str | None) -> list[tuple[str, tuple[str, ...], str]]:
+    if not text:
+        return list(CONFIGS)
+    known = {config[0]: config for config in CONFIGS}
+    labels = [label.strip() for label in text.split(",") if label.strip()]
+    unknown = [label for label in labels if label not in known]
+    if unknown or not labels:
+        raise UsageError(f"unknown configuration(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}")
+    return [known[label] for label in labels]
+
+
+def faster_than_none(rows: list[dict]) -> list[str]:
+    """Plugins whose configuration alone ran the pipeline faster than no plugins (median against median)."""
+    by_label = {row["label"]: row for row in rows}
+    if "none" not in by_label:
+        return []
+    baseline = by_label["none"]["latency_ms"]["pipeline"]
+    chosen = []
+    for label, plugins in ALONE.items():
+        if label in by_label and by_label[label]["latency_ms"]["pipeline"] < baseline:
+            chosen += plugins
+    return sorted(chosen)
+
+
+def kernel_comparisons(rows: list[dict]) -> list[dict]:
+    """Per plugin family, our layers' time against TensorRT's in each peer pair that ran (families both
+    engines have)."""
+    by_label = {row["label"]: row for row in rows}
+    found = []
+    for ours, theirs in PEERS:
+        if ours in by_label and theirs in by_label:
+            mine, other = by_label[ours]["unet_ms_by_kind"], by_label[theirs]["unet_ms_by_kind"]
+            found += [{"family": family, "ours": ours, "tensorrt": theirs, "ours_ms": mine[family],
+                       "tensorrt_ms": other[family]} for family in ALL if mine.get(family) and other.get(family)]
+    return found
+
+
+def check_flags(ablation: AblationFlags, output: ResultsFlags) -> None:
+    """What can be checked before the model is resolved (which may generate a built-in one)."""
+    import torch
+
+    from demo.arguments import check_writable_directory, check_writable_file
+
+    at_least("--runs", ablation.runs, 1)
+    at_least("--parallel-builds", ablation.parallel_builds, 1)
+    if not 1 <= ablation.build_gpus <= max(torch.cuda.device_count(), 1):
+        raise UsageError(f"--build-gpus must be 1 to the {torch.cuda.device_count()} GPUs here, "
+                         f"got {ablation.build_gpus}")
+    if ablation.build_budget_s is not None and ablation.build_budget_s <= 0:
+        raise UsageError(f"--build-budget-s must be positive, got {ablation.build_budget_s}")
+    if not 0 <= ablation.optimization_level <= 5:
+        raise UsageError(f"--optimization-level must be 0..5, got {ablation.optimization_level}")
+    check_writable_directory("results directory", Path(output.results_dir))
+    check_writable_directory("work directory", Path(ablation.work_dir))
+    if output.update_defaults:
+        check_writable_file("tuned-defaults file", output.defaults_path)
+
+
+def ablate(model: ModelFlags, request: RequestFlags, ablation: AblationFlags, output: ResultsFlags) -> int:
+    import torch
+    from PIL import Image
+
+    from demo.logs import configure_library_logging
+    from demo.pipeline import check_request, resolve_request
+    from demo.trt_flavour import version
+    from models.plugin_set import local_compute_capability
+    from models.source import resolve_model
+
+    configs = select_configs(ablation.configs)
+    check_flags(ablation, output)
+    configure_library_logging(model.verbose)
+    source = resolve_model(model.model)
+    request = resolve_request(request, source)
+    check_request(request, source)
+    work = Path(ablation.work_dir)
+    plan = BuildPlan(model.model, work, request.height, request.width, request.batch_size, request.guided,
+                     ablation.optimization_level, ablation.disable_tactic_sources)
+    start = time.perf_counter()
+    families = export_and_probe(plan, source, sorted({c for _, plugins, c in configs if plugins}), say)
+    jobs = config_jobs(configs, families)
+    # In --configs order, so that a --build-budget-s stops the last configurations, not parts of all of them
+    order = list(dict.fromkeys(jobs[label][stage] for label, _, _ in configs for stage in BUILT_STAGES))
+    build_s, failed_jobs = build_all(plan, order, ablation.parallel_builds, ablation.build_gpus,
+                                     ablation.build_budget_s, say)
+    failed = {label: "; ".join(failed_jobs[job] for job in jobs[label].values() if job in failed_jobs)
+              for label, _, _ in configs if any(job in failed_jobs for job in jobs[label].values())}
+    say(f"{len(order)} engines of {len(configs)} configurations ready in {time.perf_counter() - start:.0f} s")
+    if ablation.build_only:
+        return 0
+    rows, images = [], {}
+    for label, plugins, convention in sorted(configs, key=CONFIGS.index):
+        if label in failed:
+            continue
+        say(f"running '{label}' ...")
+        row = run_config(plan, source, request, ablation.runs, label, plugins, convention, jobs[label])
+        row["build_s"] = {stage: build_s.get(job) for stage, job in jobs[label].items()}
+        images[label] = row.pop("image")
+        Image.fromarray(images[label]).save(work / f"{slug(label)}.png")
+        rows.append(row)
+        (work / "rows.json").write_text(json.dumps(rows, indent=1))  # what is done so far, for long runs
+        say(f"'{label}': pipeline {row['latency_ms']['pipeline']:.2f} ms, UNet {row['latency_ms']['unet']:.2f} ms")
+    if not rows:
+        print(f"{PROG}: error: no configuration was built, so none ran", file=sys.stderr)
+        return 1
+    for row in rows:
+        row["psnr_vs_none"], row["max_pixel_diff_vs_none"] = compare_images(images[row["label"]], images.get("none"))
+    gpu = torch.cuda.get_device_name()
+    meta = {"gpu": gpu, "compute_capability": local_compute_capability(), "tensorrt": version("tensorrt"),
+            "model": source.name, "height": request.height, "width": request.width,
+            "batch_size": request.batch_size, "steps": request.denoising_steps, "scheduler": request.scheduler,
+            "guidance_scale": request.guidance_scale, "seed": request.seed, "prompt": request.prompt,
+            "runs": ablation.runs, "optimization_level": ablation.optimization_level,
+            "date": datetime.date.today().isoformat(), "parallel_builds": ablation.parallel_builds,
+            "build_budget_s": ablation.build_budget_s, "build_gpus": ablation.build_gpus}
+    json_path = write_results(Path(output.results_dir), rows, failed, meta)
+    if output.update_defaults:
+        update_plugins_auto(output.defaults_path, rows, meta, json_path)
+    return 0
+
+
+def write_results(results: Path, rows: list[dict], failed: dict, meta: dict) -> Path:
+    """The ablation's JSON, markdown table and charts in `results`; the table is printed too."""
+    from core.atomic import atomic_write_bytes
+
+    gpu, trt_version = meta["gpu"], meta["tensorrt"]
+    name = f"ablation-{slug(gpu)}"
+    comparisons = kernel_comparisons(rows)
+    table = (ablation_table(rows, gpu, trt_version)
+             + "".join(f"\n'{label}' not run: {why}\n" for label, why in failed.items())
+             + "\n" + kernel_table(rows, comparisons))
+    json_path = results / f"{name}.json"
+    atomic_write_bytes(json_path, json.dumps({**meta, "rows": rows, "failed": failed,
+                                              "kernel_comparisons": comparisons}, indent=1).encode())
+    atomic_write_bytes(results / f"{name}.md", table.encode())
+    atomic_write_bytes(results / f"{name}.png", ablation_chart(
+        rows, f"Plugin ablation, {meta['model']} {meta['width']}x{meta['height']}, {meta['steps']} steps — {gpu}, "
+              f"TensorRT {trt_version}"))
+    if comparisons:
+        atomic_write_bytes(results / f"{name}-kernels.png", kernel_chart(
+            comparisons, f"Our plugins against TensorRT's, kernel for kernel, in the UNet\n{gpu}, "
+                         f"TensorRT {trt_version}"))
+    print(table)
+    return json_path
+
+
+def update_plugins_auto(path: Path, rows: list[dict], meta: dict, json_path: Path) -> None:
+    """Record the plugins that measured faster alone than none as this compute capability's `--plugins auto`."""
+    from plugins.tuned import PLUGINS_AUTO, write_entry
+
+    if meta["compute_capability"] is None:
+        say("no GPU here: the tuned defaults are left as they are")
+        return
+    if not any(row["label"] == "none" for row in rows):
+        say("no 'none' configuration ran, so nothing was measured against it: the tuned defaults are left as they are")
+        return
+    plugins = faster_than_none(rows)
+    write_entry(PLUGINS_AUTO, meta["compute_capability"], {
+        "plugins": plugins, "gpu": meta["gpu"], "date": meta["date"], "tensorrt": meta["tensorrt"],
+        "source": f"sd-ablation, {json_path.parent.name}/{json_path.name}"}, path)
+    say(f"--plugins auto for compute capability {meta['compute_capability']}: {', '.join(plugins) or 'none'}, "
+        f"written to {path}")

@@ -1,0 +1,289 @@
+"""Benchmark every contender on one GPU, in one process, on the same request.
+
+    sd-benchmark [PROMPT] [--contenders LABEL,...] [--extra-shapes] [--runs 5] [--update-defaults]
+
+Contenders (bench/contenders.py): diffusers' own modules, the strongest PyTorch peer (channels-last +
+torch.compile reduce-overhead), our torch backend at its best and with each toggle off, TensorRT with and
+without our plugins. Everyone gets the same request (the request flags every command takes: the model's
+native size and own scheduler, batch 1, 50 steps, guidance 7.5 and a random seed unless given; the seed and
+scheduler used are recorded); --extra-shapes adds 1.5x the size at batch 1, and batch 4. Per contender: load,
+then get ready (torch.compile compiling and CUDA-graph capture, engine builds), timed apart; --warmup-runs
+untimed runs; --runs timed runs, whose CLIP, UNet, VAE and pipeline medians are reported, with the peak of
+torch.cuda.max_memory_allocated (reset per contender), device memory in use, and the image's PSNR and largest
+pixel difference against diffusers-eager's for the same request. A contender that cannot run here is reported
+as skipped, one that fails as failed, each with its one-line reason; the others go on.
+
+Writes, into --results-dir (file names carry a GPU slug), after every contender: benchmark-<gpu>.json (rows in
+the shape report-gpus merges; rows already there for other contenders or workloads are kept, --fresh drops
+them), benchmark-<gpu>.md and benchmark-<gpu>.png. With --update-defaults, on a GPU, it then records the
+fastest torch-backend combination measured at the first workload as this compute capability's torch defaults
+(plugins/tuned_defaults.json, or --defaults-file), which the torch backend's unset flags take.
+
+Engines: plugin-free engines for the first workload live in --onnx-dir / --engine-dir (so engines that
+build-engines built with the same flags are reused); with plugins in <dir>-plugins, other workloads in
+<dir>[-plugins]-<W>x<H>-b<batch>. Build them ahead with build-engines (--build-static-batch and the same
+--disable-tactic-sources and --optimization-level) when a build would not fit a session, or run those
+sd-ablation built (--engines-from-ablation).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import traceback
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+
+from bench.common import ResultsFlags, log, one_line, slug
+from bench.contenders import DEFAULT_CONTENDERS, DEFAULTS, EAGER, resolve_defaults, select_contenders, why_skip
+from bench.runner import Setup, Workload, compare_images, free_memory, load_image, run_contender, save_image
+from bench.tables import KINDS, benchmark_table
+from core.errors import UsageError
+from demo.settings import EngineFlags, ModelFlags, RequestFlags, at_least, changed, flag, option_name
+
+PROG = "sd-benchmark"
+say = partial(log, PROG)
+# Engine flags each TensorRT contender sets itself.
+PER_CONTENDER = ("build_static_batch", "build_dynamic_shape", "use_cuda_graph", "plugins", "plugin_convention")
+
+
+@dataclass(frozen=True)
+class BenchmarkFlags:
+    runs: int = flag("timed runs per contender; medians reported (default: %(default)s)", 5)
+    warmup_runs: int = flag("untimed runs after getting ready (default: %(default)s)", 1)
+    contenders: str | None = flag(f"comma list (default: {','.join(DEFAULT_CONTENDERS)}); all; ours+<plugin>+... "
+                                  "for ours with exactly those plugins", metavar="LABELS")
+    extra_shapes: bool = flag("also 1.5x the height and width at batch 1, and batch 4 at the first size", False)
+    work_dir: str = flag("images per contender (default: %(default)s)", "output/benchmark")
+    fresh: bool = flag("drop rows an earlier run left in the results JSON", False)
+    engines_from_ablation: str | None = flag(
+        "run the TensorRT contenders on the engines sd-ablation built in its --work-dir DIR (its 'none' and "
+        "'+Seq2Spatial' configurations, with the same --optimization-level and --disable-tactic-sources) instead "
+        "of building; a missing engine fails the contender", metavar="DIR")
+
+
+def build_parser():
+    from demo.arguments import Parser
+    from demo.settings import add_flags
+
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    add_flags(p, ModelFlags, model="sd1.5-arch")
+    add_flags(p, RequestFlags)
+    add_flags(p, BenchmarkFlags)
+    add_flags(p, ResultsFlags)
+    add_flags(p, EngineFlags, "engines (as build-engines takes them)",
+              description=", ".join(option_name(item) for item in fields(EngineFlags) if item.name in PER_CONTENDER)
+              + ": set per contender")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo.arguments import run_command
+    from demo.settings import parse_flags
+
+    def run(flags) -> int:
+        return benchmark(flags[ModelFlags], flags[RequestFlags], flags[BenchmarkFlags], flags[ResultsFlags],
+                         flags[EngineFlags])
+
+    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv)))
+
+
+def check_flags(bench: BenchmarkFlags, output: ResultsFlags, engine: EngineFlags) -> None:
+    """What can be checked before the model is resolved (which may generate a built-in one)."""
+    from demo.arguments import check_writable_directory, check_writable_file
+
+    at_least("--runs", bench.runs, 1)
+    at_least("--warmup-runs", bench.warmup_runs, 0)
+    if not 0 <= engine.optimization_level <= 5:
+        raise UsageError(f"--optimization-level must be 0..5, got {engine.optimization_level}")
+    ours = changed(engine, ignore=tuple(item.name for item in fields(EngineFlags) if item.name not in PER_CONTENDER))
+    if ours:
+        raise UsageError(f"{', '.join(ours)}: the benchmark sets this per contender; choose them with --contenders")
+    check_writable_directory("results directory", Path(output.results_dir))
+    check_writable_directory("work directory", Path(bench.work_dir))
+    if output.update_defaults:
+        check_writable_file("tuned-defaults file", output.defaults_path)
+    if bench.engines_from_ablation and not Path(bench.engines_from_ablation).is_dir():
+        raise UsageError(f"--engines-from-ablation: no such directory: {bench.engines_from_ablation}")
+
+
+def workloads_of(request: RequestFlags, extra_shapes: bool, source) -> list[Workload]:
+    """The resolved request's size and batch, then (--extra-shapes) 1.5x the size, and batch 4."""
+    from demo.arguments import check_image_size
+
+    workloads = [Workload(request.height, request.width, request.batch_size)]
+    if extra_shapes:
+        workloads += [Workload(request.height * 3 // 2 // 8 * 8, request.width * 3 // 2 // 8 * 8, 1),
+                      Workload(request.height, request.width, 4)]
+    for workload in workloads:
+        check_image_size(source, workload.height, workload.width)
+    return list(dict.fromkeys(workloads))
+
+
+def compute_capability(device) -> str | None:
+    from models.plugin_set import local_compute_capability
+
+    return local_compute_capability() if device.type == "cuda" else None
+
+
+class Results:
+    """The results JSON, markdown and chart of one GPU, rewritten after every contender. Besides rows, skips
+    and failures it keeps "discarded" entries: rows found invalid after the run (the reason says why), until
+    their contender is measured again."""
+
+    def __init__(self, directory: Path, fresh: bool, gpu: str, meta: dict):
+        self.directory = directory
+        self.stem = f"benchmark-{slug(gpu)}"
+        self.json_path = self.directory / f"{self.stem}.json"
+        self.data = {**meta, **{kind: [] for kind in KINDS}}
+        if not fresh and self.json_path.is_file():
+            try:
+                earlier = json.loads(self.json_path.read_text())
+            except ValueError:
+                say(f"{self.json_path} is not JSON: starting afresh")
+                earlier = {}
+            if earlier.get("gpu") == gpu:
+                for kind in KINDS:
+                    self.data[kind] = list(earlier.get(kind, []))
+
+    @staticmethod
+    def _key(entry: dict) -> tuple:
+        return entry["label"], entry["workload"]
+
+    def record(self, kind: str, entry: dict) -> None:
+        """Put a row (or a skip or failure) in, replacing what an earlier run left for its contender and workload."""
+        for other in KINDS:
+            self.data[other] = [e for e in self.data[other] if self._key(e) != self._key(entry)]
+        self.data[kind].append(entry)
+        self.write()
+
+    def write(self) -> None:
+        from core.atomic import atomic_write_bytes
+
+        data = dict(self.data)
+        if not data["rows"]:
+            del data["rows"]  # report-gpus takes a file without rows for no report and skips it
+        atomic_write_bytes(self.json_path, (json.dumps(data, indent=1) + "\n").encode())
+        atomic_write_bytes(self.directory / f"{self.stem}.md", benchmark_table(self.data).encode())
+        if self.data["rows"]:
+            atomic_write_bytes(self.directory / f"{self.stem}.png", self.chart())
+
+    def chart(self) -> bytes:
+        """report-gpus' stacked chart of the rows as it reads them from the JSON."""
+        from bench.charts import gpu_chart
+        from bench.gpu_report import merge, read_report
+
+        return gpu_chart(merge(read_report(self.json_path, self.json_path.name), with_published=False))
+
+
+def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, capability: str, json_path: Path) -> None:
+    """Record the fastest torch-backend combination measured at `workload_name` as the torch defaults of this
+    compute capability in the tuned-defaults file `path`."""
+    from plugins.tuned import TORCH_DEFAULTS, write_entry
+
+    rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == "torch"]
+    if not rows:
+        say(f"no torch-backend row at {workload_name}: the torch defaults are left as they are")
+        return
+    best = min(rows, key=lambda r: r["latency_ms"]["pipeline"])
+    write_entry(TORCH_DEFAULTS, capability, {
+        **best["settings"], "gpu": gpu, "date": datetime.date.today().isoformat(), "label": best["label"],
+        "workload": workload_name, "pipeline_ms": round(best["latency_ms"]["pipeline"], 2),
+        "source": f"sd-benchmark, {json_path.parent.name}/{json_path.name}"}, path)
+    say(f"torch defaults for compute capability {capability}: {best['label']} "
+        f"({best['latency_ms']['pipeline']:.2f} ms) written to {path}")
+
+
+def measure(setup: Setup, results: Results, contender, workload: Workload, first: Workload, images_dir: Path) -> None:
+    """One contender at one workload, recorded as a row, a skip or a failure."""
+    import torch
+
+    source, request = setup.source, setup.request
+    name = workload.title(source.name, request.denoising_steps)
+    entry = {"label": contender.label, "workload": name, "what": contender.what}
+    reason = why_skip(contender, setup.device)
+    if reason:
+        say(f"{contender.label} ({name}): skipped: {reason}")
+        results.record("skipped", {**entry, "reason": reason})
+        return
+    say(f"{contender.label} ({name}): {contender.what}")
+    row = None
+    try:
+        row, image = run_contender(setup, contender, workload, first)
+    except Exception as exc:  # e.g. a compile error or out of memory: reported, and the others go on
+        if setup.verbose:
+            traceback.print_exc()
+        say(f"{contender.label} ({name}): failed: {one_line(exc)}")
+        results.record("failed", {**entry, "reason": one_line(exc)})
+    free_memory(setup.device)  # here, where nothing of the contender is referenced any more
+    if row is None:
+        return
+    image_path = images_dir / f"{contender.label}.png"
+    save_image(image_path, image)
+    psnr, difference = compare_images(load_image(image_path), load_image(images_dir / f"{EAGER}.png"))
+    row = {"device": results.data["gpu"], "label": contender.label, "model": source.name, "height": workload.height,
+           "width": workload.width, "batch_size": workload.batch, "steps": request.denoising_steps,
+           "scheduler": request.scheduler, "seed": request.seed,
+           "precision": "fp16" if setup.dtype == torch.float16 else "fp32", **entry, **row,
+           "backend": contender.backend,
+           "settings": (contender.settings.as_dict() if contender.settings is not None
+                        else {"plugins": list(contender.plugins), "cuda_graph": True}),
+           "psnr_vs_eager_db": psnr, "max_pixel_diff_vs_eager": difference, "image": str(image_path),
+           "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    results.record("rows", row)
+    say(f"{contender.label} ({name}): pipeline {row['latency_ms']['pipeline']:.2f} ms, UNet "
+        f"{row['unet_ms_per_call']:.2f} ms/step, PSNR vs eager {psnr if psnr is not None else '—'}")
+
+
+def benchmark(model: ModelFlags, request: RequestFlags, bench: BenchmarkFlags, output: ResultsFlags,
+              engine: EngineFlags) -> int:
+    from demo.backends import device_and_dtype
+    from demo.logs import configure_library_logging
+    from demo.pipeline import check_request, resolve_request
+    from demo.report import device_name, library_versions
+    from models.source import resolve_model
+
+    chosen = select_contenders(bench.contenders)
+    check_flags(bench, output, engine)
+    source = resolve_model(model.model)
+    request = resolve_request(request, source)
+    check_request(request, source)
+    workloads = workloads_of(request, bench.extra_shapes, source)
+    configure_library_logging(model.verbose)
+    device, dtype = device_and_dtype("torch")
+    gpu = device_name(device)
+    capability = compute_capability(device)
+    try:
+        from demo.trt_flavour import version
+
+        tensorrt = f"TensorRT {version('tensorrt')}"
+    except UsageError:
+        tensorrt = None
+    meta = {"gpu": gpu, "compute_capability": capability, "versions": library_versions(), "tensorrt": tensorrt,
+            "model": source.name, "prompt": request.prompt, "negative_prompt": request.negative_prompt,
+            "seed": request.seed, "scheduler": request.scheduler, "guidance_scale": request.guidance_scale,
+            "runs": bench.runs, "warmup_runs": bench.warmup_runs,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
+    setup = Setup(source, device, dtype, request, engine, bench.runs, bench.warmup_runs, bench.engines_from_ablation,
+                  model.verbose, say)
+    chosen = [resolve_defaults(c, device) if c.label == DEFAULTS else c for c in chosen]
+    results = Results(Path(output.results_dir), bench.fresh, gpu, meta)
+    say(f"{len(chosen)} contender(s) x {len(workloads)} workload(s) on {gpu}: {', '.join(c.label for c in chosen)}; "
+        f"{request.scheduler}, seed {request.seed}")
+    for workload in workloads:
+        images_dir = setup.images_dir(Path(bench.work_dir), gpu, workload)
+        for contender in chosen:
+            measure(setup, results, contender, workload, workloads[0], images_dir)
+    if output.update_defaults:
+        if capability is None:
+            say("no GPU here: the torch defaults are left as they are")
+        elif source.name == "tiny":
+            say("the built-in tiny model does not set the torch defaults: they are left as they are")
+        else:
+            write_defaults(output.defaults_path, results.data, workloads[0].title(source.name, request.denoising_steps),
+                           gpu, capability, results.json_path)
+    print(benchmark_table(results.data), end="")
+    say(f"wrote {results.json_path} and its .md and .png")
+    return 0

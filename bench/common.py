@@ -1,0 +1,54 @@
+"""What the bench commands share: their output flags, stage names, file-name slugs, workload titles and
+one-line failure reasons."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from demo.settings import flag
+from plugins.tuned import TUNED_DEFAULTS_FILE
+
+STAGES = ("clip", "unet", "vae", "pipeline")
+
+
+@dataclass(frozen=True)
+class ResultsFlags:
+    """Where a measuring command writes, and whether it records what it measured fastest as a tuned default."""
+
+    results_dir: str = flag("where the JSON, markdown and charts go, relative to the current directory "
+                            "(default: %(default)s)", "results")
+    update_defaults: bool = flag("record what this run measured fastest on this GPU's compute capability in the "
+                                 "tuned defaults, which the backends' auto settings read (default: leave them)", False)
+    defaults_file: str | None = flag("the tuned-defaults file --update-defaults writes (default: "
+                                     "plugins/tuned_defaults.json, the one the package reads)", metavar="FILE")
+
+    @property
+    def defaults_path(self) -> Path:
+        return Path(self.defaults_file) if self.defaults_file else TUNED_DEFAULTS_FILE
+
+
+def slug(text: str) -> str:
+    """`text` for file and folder names: lower-case letters and digits, anything else between them one '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "none"
+
+
+def workload_title(model: str, height: int, width: int, batch_size: int, steps: int) -> str:
+    """One workload as every table and chart titles it; rows are only compared within one."""
+    return f"{model}, {width}x{height}, batch {batch_size}, {steps} steps"
+
+
+def ms(value: float | None) -> str:
+    """Milliseconds in a table cell ("—": unknown)."""
+    return "—" if value is None else f"{value:.2f}"
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line of at most ~400 characters, for a results file."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
+
+
+def log(prog: str, message: str) -> None:
+    print(f"[{prog}] {message}", flush=True)

@@ -1,0 +1,120 @@
+"""What the benchmark compares: diffusers' modules as they are, the strongest PyTorch peer (channels-last +
+torch.compile reduce-overhead), our torch backend at its best and with each toggle off, and TensorRT engines
+with and without our plugins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from core.errors import UsageError
+from plugins.contract import ATTENTION_KEYS, PLUGIN_KEYS
+
+EAGER = "diffusers-eager"  # the reference every image is compared with
+DEFAULTS = "ours-defaults"  # the torch backend's tuned defaults, resolved on the machine that runs it
+
+
+@dataclass(frozen=True)
+class Contender:
+    label: str
+    what: str
+    backend: str = "torch"  # or "tensorrt"
+    settings: object = None  # demo.torch_accel.TorchSettings, for the torch backend
+    plugins: tuple[str, ...] = ()  # for engines
+
+
+def contenders() -> dict[str, Contender]:
+    """Every named contender. DEFAULT_CONTENDERS run unless --contenders says otherwise."""
+    from demo.torch_accel import TorchSettings
+
+    every = tuple(sorted(PLUGIN_KEYS))
+    ours = TorchSettings(every, channels_last=True, cuda_graph=True, compile="default")
+    named = [
+        Contender(EAGER, "diffusers' modules as they are (our pipeline, plain torch stages)", settings=TorchSettings()),
+        Contender("diffusers-channels-last", "diffusers' modules in channels-last memory",
+                  settings=TorchSettings(channels_last=True)),
+        Contender("diffusers-compile", "diffusers + channels-last + torch.compile(mode=\"reduce-overhead\")",
+                  settings=TorchSettings(channels_last=True, compile="reduce-overhead")),
+        Contender("ours", "torch backend: all plugins, channels-last, CUDA graphs, compile default", settings=ours),
+        Contender("ours-no-plugins", "ours without plugins", settings=replace(ours, plugins=())),
+        Contender("ours-no-channels-last", "ours without channels-last", settings=replace(ours, channels_last=False)),
+        Contender("ours-no-cuda-graph", "ours without CUDA graphs", settings=replace(ours, cuda_graph=False)),
+        Contender("ours-no-compile", "ours without torch.compile", settings=replace(ours, compile="none")),
+        Contender("ours-max-autotune", "ours, compile max-autotune-no-cudagraphs",
+                  settings=replace(ours, compile="max-autotune-no-cudagraphs")),
+        Contender(DEFAULTS, "torch backend with its tuned defaults for this GPU"),
+    ]
+    families = {"attention": ATTENTION_KEYS,
+                **{key.lower(): (key,) for key in PLUGIN_KEYS if key not in ATTENTION_KEYS}}
+    for family, keys in families.items():
+        named.append(Contender(f"ours-no-{family}", f"ours without {'/'.join(keys)}",
+                               settings=replace(ours, plugins=tuple(k for k in every if k not in keys))))
+    named += [Contender("tensorrt", "TensorRT engines, CUDA graphs", "tensorrt"),
+              Contender("tensorrt-plugins", "TensorRT engines with all our plugins, CUDA graphs", "tensorrt",
+                        plugins=every)]
+    return {c.label: c for c in named}
+
+
+DEFAULT_CONTENDERS = (EAGER, "diffusers-compile", "ours", "ours-no-plugins", "ours-no-channels-last",
+                      "ours-no-cuda-graph", "ours-no-compile", "tensorrt", "tensorrt-plugins")
+
+
+def select_contenders(text: str | None) -> list[Contender]:
+    """--contenders: a comma list of labels, `all`, or `ours+KEY+KEY` (ours with exactly those plugins;
+    `ours+none` for none). diffusers-eager always runs first when chosen: every image is compared with it."""
+    from models.plugin_set import parse_plugin_set
+
+    known = contenders()
+    labels = [label.strip() for label in (text or ",".join(DEFAULT_CONTENDERS)).split(",") if label.strip()]
+    if labels == ["all"]:
+        labels = list(known)
+    chosen, unknown = [], []
+    for label in labels:
+        if label in known:
+            chosen.append(known[label])
+        elif label.startswith("ours+") and label != "ours+auto":
+            try:
+                plugins = parse_plugin_set(label.removeprefix("ours+").replace("+", ","))
+            except UsageError:
+                unknown.append(label)
+                continue
+            chosen.append(Contender(label, f"ours with plugins {', '.join(plugins) or 'none'}",
+                                    settings=replace(known["ours"].settings, plugins=plugins)))
+        else:
+            unknown.append(label)
+    if unknown or not chosen:
+        raise UsageError(f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}, "
+                         "all, or ours+<plugin>+<plugin>")
+    if len({c.label for c in chosen}) != len(chosen):
+        raise UsageError("--contenders names a contender twice")
+    return sorted(chosen, key=lambda c: c.label != EAGER)
+
+
+def resolve_defaults(contender: Contender, device) -> Contender:
+    """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot run)."""
+    from demo.torch_accel import resolve_torch_settings
+
+    try:
+        settings, source = resolve_torch_settings(device=device)
+    except UsageError as exc:
+        return replace(contender, what=f"{contender.what}: {exc}")
+    return replace(contender, settings=settings, what=f"torch backend defaults here: {settings.describe()} ({source})")
+
+
+def why_skip(contender: Contender, device) -> str | None:
+    """Why a contender cannot run here (None: it can), decided before anything is loaded."""
+    from demo.torch_accel import check_torch_settings
+    from demo.trt_flavour import current_cc, why_cannot_run
+    from plugins import trt_plugins
+
+    if contender.backend == "torch":
+        if contender.settings is None:
+            return contender.what
+        try:
+            check_torch_settings(contender.settings, device)
+        except UsageError as exc:
+            return str(exc)
+        return None
+    reason = why_cannot_run(contender.backend, current_cc())
+    if reason is None and contender.plugins and trt_plugins.status() != "built":
+        reason = trt_plugins.status()
+    return reason

@@ -1,0 +1,276 @@
+"""Merge per-stage latency reports taken on several GPUs into one markdown table and one chart.
+
+    report-gpus h100/ a10/tiny-seed0.json results/benchmark-nvidia-h200.json \\
+        --out-md gpus.md --out-png gpus.png --out-json gpus.json
+
+Each input is a JSON file, or a directory whose *.json files are read (there, JSON files that are no
+latency report, such as plugin benchmarks, are skipped with a note). A file holds either
+
+- a demo-diffusion report (the JSON written beside the images), or
+- rows: {"rows": [{"device": "NVIDIA H200", "label": "diffusers + compile", "model": "sd1.5-arch",
+  "height": 512, "width": 512, "batch_size": 1, "steps": 50,
+  "latency_ms": {"clip": 1.9, "unet": 370.2, "vae": 5.8, "pipeline": 380.4}}, ...]}
+  with optional "precision", "unet_calls" (default: steps), "source" (default: the file's path) and
+  "published" (default: false). "backend" may stand in for "label". A stage time of null is unknown;
+  pipeline must be known.
+
+--out-json writes the merged rows in that rows shape, so merges can be merged again (rows that
+differ only in their source are shown once). Rows are compared only within one workload: the same
+model, image size, batch size and steps; each workload gets its own table and chart panel, fastest
+first. The TensorRT 8.5 + plugins figures NVIDIA published for demoDiffusion are added as reference
+rows unless --no-published. The table is always printed; --out-md, --out-png and --out-json also
+write it, the chart and the merged rows (atomically, and only once every input has been read).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.charts import gpu_chart
+from bench.common import STAGES, ms, workload_title
+from core.atomic import atomic_write_bytes
+from core.errors import UsageError
+from demo.settings import flag
+
+PROG = "report-gpus"
+PUBLISHED_SOURCE = "published"
+PUBLISHED_NOTE = ("† Published by NVIDIA for demoDiffusion with TensorRT 8.5 and its plugins (fp16, 512x512, "
+                  "batch 1, 50 steps, UNet x 50; an SD 1.x model, taken here as the sd1.5-arch architecture); "
+                  "not measured here. — : not published.")
+
+
+@dataclass(frozen=True)
+class Row:
+    device: str
+    label: str
+    precision: str
+    model: str
+    height: int
+    width: int
+    batch_size: int
+    steps: int
+    unet_calls: int
+    clip_ms: float | None
+    unet_ms: float | None
+    vae_ms: float | None
+    pipeline_ms: float
+    source: str
+    published: bool = False
+
+    @property
+    def workload(self) -> tuple:
+        return self.model, self.height, self.width, self.batch_size, self.steps
+
+    @property
+    def stages_known(self) -> bool:
+        return None not in (self.clip_ms, self.unet_ms, self.vae_ms)
+
+    def identity(self) -> tuple:
+        """Everything but the source: the same measurement read from two files is one row."""
+        return tuple(value for name, value in asdict(self).items() if name != "source")
+
+    def as_json(self) -> dict:
+        data = {name: value for name, value in asdict(self).items() if not name.endswith("_ms")}
+        data["latency_ms"] = {stage: getattr(self, f"{stage}_ms") for stage in STAGES}
+        return data
+
+
+def _published(device: str, clip, unet, vae, pipeline) -> Row:
+    return Row(device, "TensorRT 8.5 + plugins", "fp16", "sd1.5-arch", 512, 512, 1, 50, 50, clip, unet, vae,
+               pipeline, PUBLISHED_SOURCE, published=True)
+
+
+PUBLISHED_ROWS = (
+    _published("L40", 2.42, 973.56, 23.98, 999.98),
+    _published("A10", 5.14, 1892.14, 40.18, 1937.50),
+    _published("A30", 4.97, 1368.08, 30.34, 1403.43),
+    _published("T4", 9.70, 4536.41, 104.94, 4651.09),
+    _published("A100", None, None, None, 815.18),
+)
+
+
+class NotAReport(UsageError):
+    """Valid JSON that is neither a demo_diffusion report nor rows (skipped inside directories)."""
+
+
+def _text(record: dict, key: str, where: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
+    return value
+
+
+def _count(record: dict, key: str, where: str) -> int:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _latency(record: dict, where: str) -> dict[str, float | None]:
+    latency = record.get("latency_ms")
+    if not isinstance(latency, dict):
+        raise UsageError(f"{where}: 'latency_ms' must be an object with {', '.join(STAGES)}")
+    missing = [stage for stage in STAGES if stage not in latency]
+    if missing:
+        raise UsageError(f"{where}: 'latency_ms' lacks {', '.join(missing)}")
+    for stage in STAGES:
+        value = latency[stage]
+        if value is None and stage != "pipeline":
+            continue
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        if not number or value < 0 or (stage == "pipeline" and value == 0):
+            raise UsageError(f"{where}: latency_ms.{stage} must be a number of milliseconds, got {value!r}")
+    return {stage: latency[stage] for stage in STAGES}
+
+
+def _row(record: dict, where: str, label: str, precision: str, unet_calls: int, source: str,
+         published: bool) -> Row:
+    latency = _latency(record, where)
+    return Row(_text(record, "device", where), label, precision, _text(record, "model", where),
+               _count(record, "height", where), _count(record, "width", where), _count(record, "batch_size", where),
+               _count(record, "steps", where), unet_calls, latency["clip"], latency["unet"], latency["vae"],
+               latency["pipeline"], source, published)
+
+
+def _demo_report_row(report: dict, shown: str) -> Row:
+    return _row(report, shown, _text(report, "backend", shown), _text(report, "precision", shown),
+                _count(report, "unet_calls", shown), shown, published=False)
+
+
+def _table_row(record, where: str, shown: str) -> Row:
+    if not isinstance(record, dict):
+        raise UsageError(f"{where}: a row must be an object, got {type(record).__name__}")
+    label_key = "backend" if "label" not in record and "backend" in record else "label"
+    precision = record.get("precision", "")
+    if not isinstance(precision, str):
+        raise UsageError(f"{where}: 'precision' must be a string, got {precision!r}")
+    unet_calls = _count(record, "unet_calls", where) if "unet_calls" in record else _count(record, "steps", where)
+    published = record.get("published", False)
+    if not isinstance(published, bool):
+        raise UsageError(f"{where}: 'published' must be true or false, got {published!r}")
+    source = _text(record, "source", where) if "source" in record else shown
+    return _row(record, where, _text(record, label_key, where), precision, unet_calls, source, published)
+
+
+def read_report(path: Path, shown: str) -> list[Row]:
+    """The rows of one report file; `shown` is its path as the user gave it, for messages and sources."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"{shown}: cannot read: {exc.strerror}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{shown}: not JSON ({exc})") from exc
+    if isinstance(data, dict) and "rows" in data:
+        if not isinstance(data["rows"], list) or not data["rows"]:
+            raise UsageError(f"{shown}: 'rows' must be a non-empty list")
+        return [_table_row(record, f"{shown}: row {i}", shown) for i, record in enumerate(data["rows"], 1)]
+    if isinstance(data, dict) and "latency_ms" in data:
+        return [_demo_report_row(data, shown)]
+    raise NotAReport(f"{shown}: not a latency report (neither a demo_diffusion report nor {{\"rows\": [...]}})")
+
+
+def read_inputs(inputs: list[str]) -> list[Row]:
+    rows: list[Row] = []
+    seen_files: set[Path] = set()
+    for given in inputs:
+        path = Path(given)
+        if path.is_dir():
+            files = sorted(path.glob("*.json"))
+            found = 0
+            for file in files:
+                if file.resolve() in seen_files:
+                    continue
+                seen_files.add(file.resolve())
+                try:
+                    found_rows = read_report(file, str(file))
+                except NotAReport as exc:
+                    print(f"{PROG}: skipped {exc}", file=sys.stderr)
+                    continue
+                rows += found_rows
+                found += 1
+            if not found:
+                raise UsageError(f"{given}: no latency report among its {len(files)} *.json file(s)")
+        elif path.is_file():
+            if path.resolve() not in seen_files:
+                seen_files.add(path.resolve())
+                rows += read_report(path, given)
+        else:
+            raise UsageError(f"{given}: no such file or directory")
+    return rows
+
+
+def merge(rows: list[Row], with_published: bool) -> dict[tuple, list[Row]]:
+    """Rows by workload (sorted), each workload fastest first; duplicates shown once."""
+    unique: dict[tuple, Row] = {}
+    for row in [*rows, *(PUBLISHED_ROWS if with_published else ())]:
+        unique.setdefault(row.identity(), row)
+    by_workload: dict[tuple, list[Row]] = {}
+    for row in unique.values():
+        by_workload.setdefault(row.workload, []).append(row)
+    return {workload: sorted(group, key=lambda r: (r.pipeline_ms, r.device, r.label))
+            for workload, group in sorted(by_workload.items())}
+
+
+def markdown(groups: dict[tuple, list[Row]]) -> str:
+    header = ("| GPU | Backend | Precision | CLIP ms | UNet ms | UNet calls | ms / UNet call | VAE ms | Pipeline ms "
+              "| Source |\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    parts = []
+    for workload, rows in groups.items():
+        lines = [f"**{workload_title(*workload)}**", "", header]
+        for r in rows:
+            per_call = None if r.unet_ms is None else r.unet_ms / r.unet_calls
+            source = f"{PUBLISHED_SOURCE} †" if r.published else r.source
+            lines.append(f"| {r.device} | {r.label} | {r.precision or '—'} | {ms(r.clip_ms)} | {ms(r.unet_ms)} "
+                         f"| {r.unet_calls} | {ms(per_call)} | {ms(r.vae_ms)} | {ms(r.pipeline_ms)} | {source} |")
+        parts.append("\n".join(lines))
+    if any(r.published for rows in groups.values() for r in rows):
+        parts.append(PUBLISHED_NOTE)
+    return "\n\n".join(parts) + "\n"
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        atomic_write_bytes(Path(path), data)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot write: {exc.strerror or exc}") from exc
+
+
+@dataclass(frozen=True)
+class ReportFlags:
+    inputs: tuple[str, ...] = flag("report JSON files or directories of them", (), positional=True)
+    out_md: str | None = flag("write the markdown table here", metavar="FILE")
+    out_png: str | None = flag("write the chart here", metavar="FILE")
+    out_json: str | None = flag("write the merged rows here (the rows shape, readable as input)", metavar="FILE")
+    no_published: bool = flag("leave out NVIDIA's published TensorRT 8.5 reference rows", False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo.arguments import Parser, run_command
+    from demo.settings import add_flags, parse_flags
+
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    add_flags(p, ReportFlags, required=("inputs",))
+    return run_command(PROG, lambda: report(parse_flags(p, argv)[ReportFlags]))
+
+
+def report(flags: ReportFlags) -> int:
+    groups = merge(read_inputs(list(flags.inputs)), with_published=not flags.no_published)
+    table = markdown(groups)
+    # Everything is rendered before anything is written: bad input leaves no output file.
+    outputs = []
+    if flags.out_md:
+        outputs.append((flags.out_md, table.encode()))
+    if flags.out_json:
+        rows = [r.as_json() for group in groups.values() for r in group]
+        outputs.append((flags.out_json, (json.dumps({"rows": rows}, indent=1) + "\n").encode()))
+    if flags.out_png:
+        outputs.append((flags.out_png, gpu_chart(groups)))
+    for path, data in outputs:
+        _write(path, data)
+    print(table, end="")
+    return 0

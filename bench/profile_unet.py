@@ -1,0 +1,217 @@
+"""Where the UNet's GPU time goes at one torch-backend setting, kernel family by family.
+
+torch.profiler over N guided UNet steps: the CUDA kernels grouped by family (attention, GEMM, convolution,
+normalization, elementwise/other, memcpy), each family's share of kernel time, and the busiest kernels.
+
+    python scripts/profile_unet.py --steps 10 [--plugins all] [--channels-last] [--use-cuda-graph]
+        [--compile default]
+
+The settings flags are the torch backend's (demo-diffusion's), defaults included (the tuned torch defaults).
+Writes profile-unet-<gpu>-<label>.md and .json into --results-dir. Kernels inside CUDA graphs are listed
+one by one (CUPTI traces graph launches kernel by kernel). Our kernels (namespace sdp::) are counted in their
+family and also on their own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from bench.common import ResultsFlags, log, slug
+from core.errors import UsageError
+from demo.settings import EngineFlags, ModelFlags, RequestFlags, TorchFlags, at_least, flag, same_as
+
+PROG = "profile_unet"
+say = partial(log, PROG)
+FAMILIES = ("attention", "gemm", "conv", "norm", "elementwise/other", "memcpy")
+
+# Tried in this order: attention before conv (cuDNN's SDPA kernels say "fprop") and conv before gemm
+# (implicit-GEMM convolutions say "gemm").
+_PATTERNS = (
+    ("memcpy", re.compile(r"^(memcpy|memset)\b|\b(memcpy|memset) (dtod|htod|dtoh|\(device\))", re.IGNORECASE)),
+    ("attention", re.compile(r"flash|fmha|\bmha|mha_|attention|attn|sdpa|softmax", re.IGNORECASE)),
+    ("conv", re.compile(r"conv|fprop|dgrad|wgrad|winograd|implicit_gemm|nchwtonhwc|nhwctonchw|im2col", re.IGNORECASE)),
+    ("norm", re.compile(r"norm(?!al)|rowwisemoments|computefusedparams|welford", re.IGNORECASE)),
+    ("gemm", re.compile(r"gemm|gemv|matmul|cublas|cutlass|nvjet|xmma|tensorop|s16816|h16816|h1688|splitkreduce",
+                        re.IGNORECASE)),
+)
+# Inductor names its Triton kernels after the aten ops they fuse: a pointwise kernel "fused_convolution" is a
+# convolution's bias epilogue, not a convolution. Only its templates (tem) do matrix or convolution work.
+_TRITON = re.compile(r"^triton_(poi|per|red|tem)_")
+_TRITON_TEMPLATE = (("gemm", re.compile(r"(^|_)(addmm|mm|bmm|baddbmm)(_|$)")), ("conv", re.compile(r"convolution")),
+                    ("attention", re.compile(r"attention|sdpa")))
+
+
+def is_ours(name: str) -> bool:
+    """One of our kernels (plugins/src, namespace sdp)."""
+    return "sdp::" in name
+
+
+def kernel_family(name: str) -> str:
+    """The family a CUDA kernel (as the profiler names it) belongs to."""
+    if is_ours(name):
+        if "attention" in name:
+            return "attention"
+        if re.search(r"layer_norm|nchw_|nhwc_|finalize", name):  # layer_norm.cu, group_norm.cu
+            return "norm"
+        return "elementwise/other"  # split_gelu, seq2spatial
+    triton = _TRITON.match(name)
+    if triton:
+        if "norm" in name:
+            return "norm"
+        if triton.group(1) == "tem":
+            return next((family for family, pattern in _TRITON_TEMPLATE if pattern.search(name)), "elementwise/other")
+        return "attention" if re.search(r"attention|sdpa|softmax", name) else "elementwise/other"
+    return next((family for family, pattern in _PATTERNS if pattern.search(name)), "elementwise/other")
+
+
+def summarize(kernels: list[tuple[str, float, int]], steps: int, elapsed_ms: float) -> dict:
+    """Kernels as (name, total device µs, calls) -> families with time shares, the busiest kernels, totals."""
+    total_us = sum(us for _, us, _ in kernels) or 1.0
+    families = {family: {"ms": 0.0, "share": 0.0, "kernels": 0, "calls": 0, "ours_ms": 0.0} for family in FAMILIES}
+    rows = []
+    for name, us, calls in kernels:
+        family = kernel_family(name)
+        entry = families[family]
+        entry["ms"] += us / 1e3
+        entry["kernels"] += 1
+        entry["calls"] += calls
+        entry["ours_ms"] += us / 1e3 if is_ours(name) else 0.0
+        rows.append({"name": name, "family": family, "ms": us / 1e3, "calls": calls, "share": us / total_us,
+                     "ours": is_ours(name)})
+    for entry in families.values():
+        entry["share"] = entry["ms"] * 1e3 / total_us
+    kernel_ms = total_us / 1e3 if kernels else 0.0
+    return {"steps": steps, "kernel_ms": kernel_ms, "kernel_ms_per_step": kernel_ms / steps,
+            "elapsed_ms_per_step": elapsed_ms / steps, "gpu_busy": kernel_ms / elapsed_ms if elapsed_ms else None,
+            "ours_ms": sum(e["ours_ms"] for e in families.values()), "families": families,
+            "kernels": sorted(rows, key=lambda r: -r["ms"])}
+
+
+def markdown(profile: dict, top: int = 25) -> str:
+    lines = [f"UNet profile on {profile['gpu']}: {profile['workload']}, torch backend with {profile['settings_text']}; "
+             f"{profile['steps']} guided UNet steps; torch {profile['torch']}.", "",
+             f"Per step: {profile['elapsed_ms_per_step']:.2f} ms elapsed (without the profiler), "
+             f"{profile['kernel_ms_per_step']:.2f} ms in kernels"
+             + (f" (GPU busy {profile['gpu_busy']:.0%})" if profile["gpu_busy"] else "")
+             + f"; our kernels {profile['ours_ms'] / profile['steps']:.2f} ms.", "",
+             "| family | ms / step | share | kernels | launches / step | of which ours, ms / step |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for family, entry in sorted(profile["families"].items(), key=lambda item: -item[1]["ms"]):
+        lines.append(f"| {family} | {entry['ms'] / profile['steps']:.3f} | {entry['share']:.1%} | {entry['kernels']} "
+                     f"| {entry['calls'] / profile['steps']:.1f} | {entry['ours_ms'] / profile['steps']:.3f} |")
+    lines += ["", f"Busiest {min(top, len(profile['kernels']))} kernels:", "",
+              "| kernel | family | ms / step | share | launches / step |", "| --- | --- | ---: | ---: | ---: |"]
+    for row in profile["kernels"][:top]:
+        name = row["name"] if len(row["name"]) <= 110 else row["name"][:107] + "..."
+        lines.append(f"| `{name.replace('|', '/')}` | {row['family']} | {row['ms'] / profile['steps']:.3f} "
+                     f"| {row['share']:.1%} | {row['calls'] / profile['steps']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class ProfileFlags:
+    height: int | None = same_as(RequestFlags, "height")
+    width: int | None = same_as(RequestFlags, "width")
+    batch_size: int = same_as(RequestFlags, "batch_size")  # the UNet sees twice as many (guidance)
+    steps: int = flag("UNet steps profiled (default: %(default)s)", 10)
+    warmup_steps: int = flag("UNet steps before profiling (default: %(default)s)", 3)
+    plugins: str = same_as(EngineFlags, "plugins")
+    use_cuda_graph: bool | None = same_as(EngineFlags, "use_cuda_graph")
+    label: str | None = flag("name of this setting in the output file names (default: from the settings)")
+    results_dir: str = same_as(ResultsFlags, "results_dir")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo.arguments import Parser, run_command
+    from demo.settings import add_flags, parse_flags
+
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    add_flags(p, ModelFlags, model="sd1.5-arch")
+    add_flags(p, ProfileFlags)
+    add_flags(p, TorchFlags, "PyTorch backend")
+
+    def run(flags) -> int:
+        return profile_unet(flags[ModelFlags], flags[ProfileFlags], flags[TorchFlags])
+
+    return run_command(PROG, lambda: run(parse_flags(p, argv)))
+
+
+def profile_unet(model: ModelFlags, options: ProfileFlags, torch_flags: TorchFlags) -> int:
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from core.atomic import atomic_write_bytes
+    from demo.arguments import check_image_size, check_writable_directory
+    from demo.logs import configure_library_logging
+    from demo.stages import TorchStage
+    from demo.torch_accel import resolve_torch_settings
+    from models import STAGE_MODELS, stage_batch
+    from models.source import resolve_model
+
+    at_least("--steps", options.steps, 1)
+    at_least("--warmup-steps", options.warmup_steps, 0)
+    at_least("--batch-size", options.batch_size, 1)
+    if not torch.cuda.is_available():
+        raise UsageError("profile_unet profiles CUDA kernels and needs a CUDA GPU; none is visible")
+    check_writable_directory("results directory", Path(options.results_dir))
+    device = torch.device("cuda")
+    settings, reason = resolve_torch_settings(options.plugins, torch_flags.channels_last, options.use_cuda_graph,
+                                              torch_flags.compile, device)
+    configure_library_logging(model.verbose)
+    source = resolve_model(model.model)
+    height, width = options.height or source.native_image_size, options.width or source.native_image_size
+    check_image_size(source, height, width)
+    batch = stage_batch("unet", options.batch_size, guided=True)
+    say(f"UNet of {source.name}, {width}x{height}, batch {batch}: {settings.describe()} ({reason})")
+    stage = TorchStage(STAGE_MODELS["unet"](source), device, torch.float16, settings)
+    if stage.substitution is not None:
+        print(stage.substitution.line("unet"), flush=True)
+    feed = stage.model.sample_inputs(batch, height, width, device, torch.float16,
+                                     torch.Generator().manual_seed(0))
+    say(f"getting ready (compiling, capturing) and {options.warmup_steps} warm-up steps ...")
+    stage.prepare(batch, height, width)
+    for _ in range(options.warmup_steps):
+        stage(feed)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(options.steps):  # timed without the profiler, whose own overhead would count
+        stage(feed)
+    end.record()
+    end.synchronize()
+    elapsed_ms = begin.elapsed_time(end)
+    say(f"{elapsed_ms / options.steps:.2f} ms per step; profiling {options.steps} steps ...")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(options.steps):
+            stage(feed)
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(event, "self_device_time_total", None)
+        us = us if us is not None else event.self_cuda_time_total
+        if us > 0:
+            kernels.append((event.key, float(us), int(event.count)))
+    if not kernels:
+        raise RuntimeError("the profiler recorded no CUDA kernels (is CUPTI available?)")
+    gpu = torch.cuda.get_device_name()
+    result = {"gpu": gpu, "model": source.name, "workload": f"{width}x{height}, UNet batch {batch}",
+              "settings": settings.as_dict(), "settings_text": settings.describe(), "settings_reason": reason,
+              "torch": torch.__version__, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+              **summarize(kernels, options.steps, elapsed_ms)}
+    stem = f"profile-unet-{slug(gpu)}-{options.label or slug(settings.describe())}"
+    table = markdown(result)
+    results = Path(options.results_dir)
+    atomic_write_bytes(results / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())
+    atomic_write_bytes(results / f"{stem}.md", table.encode())
+    print(table, end="")
+    say(f"wrote {results / stem}.md and .json")
+    return 0
+

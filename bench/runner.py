@@ -1,0 +1,254 @@
+"""Running one benchmark contender, or one ablation configuration: its stages loaded (engines built or found),
+made ready (compiled, captured), warmed up, timed run by run; memory, and images compared."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import io
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from bench.common import STAGES, slug, workload_title
+from bench.contenders import Contender
+from bench.jobs import BuildPlan, Job, ablation_engine_stages, create_config_stages
+from demo.settings import EngineFlags, RequestFlags
+from plugins.contract import OURS
+
+PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per ablation configuration
+ABLATION_WARMUP_RUNS = 2
+
+
+@dataclass(frozen=True)
+class Workload:
+    height: int
+    width: int
+    batch: int
+
+    def title(self, model: str, steps: int) -> str:
+        return workload_title(model, self.height, self.width, self.batch, steps)
+
+    def slug(self) -> str:
+        return f"{self.width}x{self.height}-b{self.batch}"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every contender of one benchmark run shares."""
+
+    source: object  # models.source.ModelSource
+    device: object  # torch.device
+    dtype: object  # torch.dtype
+    request: RequestFlags  # resolved: size, scheduler and seed filled in
+    engine: EngineFlags  # the engines' flags, before each contender's own
+    runs: int
+    warmup_runs: int
+    engines_from_ablation: str | None = None
+    verbose: bool = False
+    say: Callable[[str], None] = print
+
+    def request_at(self, workload: Workload) -> RequestFlags:
+        return replace(self.request, height=workload.height, width=workload.width, batch_size=workload.batch)
+
+    def images_dir(self, work: Path, gpu: str, workload: Workload) -> Path:
+        """Where a workload's images go: the name carries everything the images depend on besides the
+        contender, so an image is only ever compared with a reference made for the same request."""
+        r = self.request
+        return work / (f"{slug(gpu)}-{slug(self.source.name)}-{workload.slug()}-{r.denoising_steps}steps-"
+                       f"{slug(r.scheduler)}-cfg{r.guidance_scale:g}-seed{r.seed}-{prompt_digest(r)}")
+
+
+def prompt_digest(request: RequestFlags) -> str:
+    return hashlib.sha256(f"{request.prompt}\0{request.negative_prompt}".encode()).hexdigest()[:8]
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device) -> None:
+    import torch
+
+    gc.collect()
+    if hasattr(torch, "_dynamo"):
+        torch._dynamo.reset()  # compiled code and cudagraph trees of the last contender
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def contender_engine_flags(engine: EngineFlags, contender: Contender, workload: Workload,
+                           first: Workload) -> EngineFlags:
+    """A TensorRT contender's engine flags: plugin-free engines for the first workload in --onnx-dir and
+    --engine-dir (so engines build-engines made with the same flags are reused), with plugins in
+    <dir>-plugins, other workloads in <dir>[-plugins]-<W>x<H>-b<batch>; static shapes, CUDA graphs."""
+    suffix = ("-plugins" if contender.plugins else "") + ("" if workload == first else f"-{workload.slug()}")
+    return replace(engine, onnx_dir=engine.onnx_dir + suffix, engine_dir=engine.engine_dir + suffix,
+                   build_static_batch=True, build_dynamic_shape=False, use_cuda_graph=True,
+                   plugins=",".join(contender.plugins) or "none", plugin_convention=OURS)
+
+
+def _engine_row(stages: dict, engine_dir, **measured) -> dict:
+    return {**measured, "engine_device_memory_bytes": max(stage.engine.device_memory_size for stage in stages.values()),
+            "engine_dir": str(engine_dir)}
+
+
+def load_stages(setup: Setup, contender: Contender, workload: Workload, first: Workload) -> tuple[dict, dict]:
+    """The contender's stages, and what getting them took: load (and engine build) seconds."""
+    from demo.arguments import engine_settings
+    from demo.backends import create_stages
+    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+
+    source, say = setup.source, setup.say
+    models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
+    quiet = print if setup.verbose else (lambda *_: None)
+    start = time.perf_counter()
+    if contender.backend == "torch":
+        stages = create_stages("torch", models, setup.device, setup.dtype, log=quiet, progress=say,
+                               torch_settings=contender.settings)
+        return stages, {"load_s": time.perf_counter() - start,
+                        "substitution": {name: s.substitution.as_dict() for name, s in stages.items()
+                                         if s.substitution is not None}}
+    if setup.engines_from_ablation:
+        plan = BuildPlan(source.name, Path(setup.engines_from_ablation), workload.height, workload.width,
+                         workload.batch, setup.request.guided, setup.engine.optimization_level,
+                         setup.engine.disable_tactic_sources)
+        say(f"{contender.label}: engines from the ablation in {plan.work}")
+        stages = ablation_engine_stages(plan, source, contender.plugins, OURS, use_cuda_graph=True)
+        return stages, _engine_row(stages, plan.work, load_s=time.perf_counter() - start, build_s=None,
+                                   engines_reused=True)
+    flags = contender_engine_flags(setup.engine, contender, workload, first)
+    settings = engine_settings(flags, source, contender.backend, workload.batch, workload.height, workload.width,
+                               guided=setup.request.guided)
+    say(f"{contender.label}: engines in {flags.engine_dir} (ONNX in {flags.onnx_dir})")
+    stages = create_stages(contender.backend, models, setup.device, setup.dtype, settings, log=quiet, progress=say)
+    stats = settings.stats
+    built = any(stat["onnx_bytes"] is not None for stat in stats.values())
+    return stages, _engine_row(
+        stages, flags.engine_dir, load_s=time.perf_counter() - start,
+        build_s=sum((stat["onnx_s"] or 0.0) + stat["engine_s"] for stat in stats.values()) if built else None,
+        engines_reused=not built, engine_bytes=sum(stat["engine_bytes"] for stat in stats.values()))
+
+
+def run_contender(setup: Setup, contender: Contender, workload: Workload, first: Workload) -> tuple[dict, object]:
+    """One contender at one workload: (the row's measurements, the image of its last run)."""
+    import torch
+
+    from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
+    from models import stage_batch
+
+    device, say = setup.device, setup.say
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+    stages, row = load_stages(setup, contender, workload, first)
+    try:
+        request = setup.request_at(workload)
+        pipeline = Text2ImagePipeline(setup.source, stages, request.scheduler, device, setup.dtype)
+        say(f"{contender.label}: getting ready (compiling, capturing) ...")
+        start = time.perf_counter()
+        for name, stage in stages.items():
+            stage.prepare(stage_batch(name, workload.batch, request.guided), workload.height, workload.width)
+        sync(device)
+        row["ready_s"] = time.perf_counter() - start
+        if contender.backend == "torch":
+            settings = contender.settings
+            first_calls = sum(s.prepare_seconds["first_calls"] for s in stages.values())
+            row["compile_s"] = first_calls if settings.compile != "none" else None
+            captures = sum(s.prepare_seconds["capture"] for s in stages.values())
+            row["capture_s"] = captures if settings.cuda_graph else None
+        else:
+            row["capture_s"] = row["ready_s"]
+        images, timings = pipeline.timed_runs(GenerationRequest.from_flags(request), setup.warmup_runs, setup.runs,
+                                              say=lambda line: say(f"{contender.label}: {line}"))
+        row["unet_calls"] = pipeline.unet_calls(request.denoising_steps)
+        row["latency_ms"] = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
+        row["latency_ms_runs"] = timings
+        row["unet_ms_per_call"] = row["latency_ms"]["unet"] / row["unet_calls"]
+        if cuda:
+            row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["device_used_bytes"] = free_before - torch.cuda.mem_get_info(device)[0]
+        return row, to_uint8(images)
+    finally:
+        for stage in stages.values():
+            if hasattr(stage, "close"):  # engines: contexts, graphs, streams
+                stage.close()
+
+
+def run_config(plan: BuildPlan, source, request: RequestFlags, runs: int, label: str, plugins: tuple[str, ...],
+               convention: str, jobs: dict[str, Job]) -> dict:
+    """One ablation configuration on its jobs' engines: medians of `runs` timed runs after warm-up, the
+    UNet's time per layer kind (TensorRT's per-layer profiler), and each engine's plugin layers against what
+    the ONNX passes reported replacing; "image" is the last run's first image."""
+    import torch
+
+    from demo.backends import device_and_dtype
+    from demo.engine_runtime import plugin_counts, time_by_kind
+    from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
+    from models.plugin_passes import read_pass_report
+
+    device, dtype = device_and_dtype("tensorrt")
+    stages = create_config_stages(plan, source, jobs)
+    pipeline = Text2ImagePipeline(source, stages, request.scheduler, device, dtype)
+    images, timings = pipeline.timed_runs(GenerationRequest.from_flags(request), ABLATION_WARMUP_RUNS, runs)
+    unet_calls = pipeline.unet_calls(request.denoising_steps)
+    kinds = {stage: stages[stage].engine.layer_kinds() for stage in jobs}
+    # Kernel for kernel: the UNet's layers timed one by one on the last step's inputs, summed per kind
+    unet_ms_by_kind = time_by_kind(stages["unet"].engine.layer_times(PROFILED_UNET_CALLS), kinds["unet"])
+    layers = {}
+    for stage, job in jobs.items():
+        found = plugin_counts(kinds[stage])
+        report = read_pass_report(stages[stage].model.optimized_onnx_path(plan.work / job.folder / "onnx"))
+        reported = {k: v["replaced"] for k, v in report.items() if v["replaced"]}
+        layers[stage] = {"engine": dict(found), "passes": reported, "match": dict(found) == reported}
+    for stage in stages.values():
+        stage.close()
+    del stages, pipeline
+    torch.cuda.empty_cache()
+    return {
+        "label": label, "plugins": list(plugins), "convention": convention,
+        "engines": {stage: job.folder for stage, job in jobs.items()},
+        "latency_ms": {s: statistics.median(t[s] for t in timings) for s in STAGES},
+        "latency_ms_runs": timings, "unet_calls": unet_calls,
+        "plugin_layers": layers, "unet_ms_by_kind": unet_ms_by_kind, "image": to_uint8(images)[0],
+    }
+
+
+# ---- images -------------------------------------------------------------------------------------------------
+
+def compare_images(image, reference) -> tuple[float | None, int | None]:
+    """`image` against `reference`: PSNR in dB (None where identical, or without a reference) and the largest
+    pixel difference (0-255; None without a reference)."""
+    import numpy as np
+
+    from demo.pipeline import image_psnr
+
+    if reference is None:
+        return None, None
+    psnr = image_psnr(image, reference)
+    difference = int(np.abs(image.astype(int) - reference.astype(int)).max())
+    return (None if psnr == float("inf") else round(psnr, 3)), difference
+
+
+def save_image(path: Path, pixels) -> None:
+    from PIL import Image
+
+    from core.atomic import atomic_write_bytes
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.reshape(-1, *pixels.shape[2:]) if pixels.ndim == 4 else pixels).save(buffer, format="PNG")
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_image(path: Path):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path)) if path.is_file() else None

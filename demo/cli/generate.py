@@ -1,0 +1,180 @@
+"""demo-diffusion: text-to-image with Stable Diffusion, with a per-stage latency report.
+
+    demo-diffusion "a photo of an astronaut riding a horse" --model tiny
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from demo.settings import EngineFlags, ModelFlags, RequestFlags, TorchFlags, at_least, changed, flag
+
+PROG = "demo-diffusion"
+
+
+def _backends_help() -> str:
+    from demo.backends import BACKENDS
+
+    return f"one of {', '.join(BACKENDS)} (default: %(default)s)"
+
+
+@dataclass(frozen=True)
+class DemoFlags:
+    backend: str = flag(_backends_help, "auto")
+    output_dir: str = flag("where images and the report go (default: %(default)s)", "output")
+    num_warmup_runs: int = flag("untimed runs before the timed one (default: %(default)s)", 1)
+
+
+def build_parser():
+    from demo.arguments import Parser
+    from demo.settings import TORCH_USES_ENGINE_FLAGS, add_flags
+
+    p = Parser(prog=PROG, description="Stable Diffusion text-to-image with per-stage latency report.")
+    add_flags(p, ModelFlags)
+    add_flags(p, RequestFlags, required=("prompt",))
+    add_flags(p, DemoFlags)
+    add_flags(p, EngineFlags, "ONNX and TensorRT engines")
+    shared = ", ".join("--" + name.replace("_", "-") for name in TORCH_USES_ENGINE_FLAGS)
+    add_flags(p, TorchFlags, "PyTorch backend", description=f"unset, each comes from the torch defaults measured "
+              f"on this GPU's compute capability; {shared} apply to it too")
+    return p
+
+
+def validate(request: RequestFlags, demo: DemoFlags, source) -> None:
+    """The demo's own checks of a request whose size is resolved; run() makes these and the engine checks before
+    loading or writing."""
+    from demo.arguments import check_writable_directory
+    from demo.pipeline import check_request
+
+    check_request(request, source)
+    at_least("--num-warmup-runs", demo.num_warmup_runs, 0)
+    check_writable_directory("output directory", Path(demo.output_dir))  # made when the images are saved
+
+
+def accel_options(settings) -> list[str]:
+    """The torch backend's settings other than plugins, as the report lists them."""
+    options = [name for name, on in (("channels-last", settings.channels_last), ("CUDA graphs", settings.cuda_graph))
+               if on]
+    return options + ([f"compile {settings.compile}"] if settings.compile != "none" else [])
+
+
+def output_stem(model_name: str, seed: int) -> str:
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", Path(model_name).name or model_name).strip("-") or "model"
+    return f"{slug}-seed{seed}"
+
+
+def save_outputs(directory: Path, stem: str, images, report) -> list[Path]:
+    """Write the PNGs and the JSON report as one set, all or nothing, under names no other run has: `<stem>-<i>.png`
+    and `<stem>.json`, or with `-run<N>` after the stem where those exist. A full disk is one line (exit 1)."""
+    from PIL import Image
+
+    from core.atomic import write_new_set
+    from core.errors import RunFailure
+    from demo.pipeline import to_uint8
+
+    pngs = []
+    for pixels in to_uint8(images):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        pngs.append(buffer.getvalue())
+    run = 1
+    while True:
+        name = stem if run == 1 else f"{stem}-run{run}"
+        report.images = [f"{name}-{i}.png" for i in range(len(pngs))]
+        files = {**dict(zip(report.images, pngs)), f"{name}.json": report.to_json().encode()}
+        try:
+            if write_new_set(directory, files):
+                return [directory / file for file in files]
+        except OSError as exc:
+            raise RunFailure(f"cannot save the images in {directory}: {exc.strerror or exc} (nothing was "
+                             "written)") from None
+        run += 1
+
+
+def run(flags) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from demo.arguments import engine_settings, torch_settings
+    from demo.backends import create_stages, device_and_dtype, select_backend
+    from demo.logs import configure_library_logging
+    from demo.memory import check_memory
+    from demo.pipeline import GenerationRequest, Text2ImagePipeline, resolve_request
+    from demo.report import LatencyReport, StageTimer, device_name, library_versions
+    from demo.settings import TORCH_USES_ENGINE_FLAGS
+    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+    from models.source import resolve_model
+
+    model, demo, engine, torch_flags = flags[ModelFlags], flags[DemoFlags], flags[EngineFlags], flags[TorchFlags]
+    configure_library_logging(model.verbose)
+    log = print if model.verbose else (lambda *_: None)
+
+    def progress(message: str) -> None:  # always shown: a first run may build engines for many minutes
+        print(message, file=sys.stderr, flush=True)
+
+    backend, reason = select_backend(demo.backend)
+    source = resolve_model(model.model)
+    request = resolve_request(flags[RequestFlags], source)
+    validate(request, demo, source)
+    device, dtype = device_and_dtype(backend)
+    check_memory(source, request.batch_size, request.height, request.width, device, dtype)
+    settings = accel = None
+    accel_reason = ""
+    if backend == "torch":
+        accel, accel_reason = torch_settings(engine, torch_flags, device)
+        unused = changed(engine, ignore=TORCH_USES_ENGINE_FLAGS)
+    else:
+        settings = engine_settings(engine, source, backend, request.batch_size, request.height, request.width,
+                                   guided=request.guided)
+        unused = changed(torch_flags)
+    if unused:
+        print(f"note: {', '.join(unused)} unused by the {backend} backend", file=sys.stderr)
+
+    log(f"[{PROG}] model {source.name} ({source.path}), backend {backend} ({reason}), {device} {dtype}")
+    if accel is not None:
+        log(f"[{PROG}] torch backend: {accel.describe()} ({accel_reason})")
+    models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
+    stages = create_stages(backend, models, device, dtype, settings, log=log, progress=progress, torch_settings=accel)
+    pipeline = Text2ImagePipeline(source, stages, request.scheduler, device, dtype)
+    for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt)):
+        dropped = pipeline.dropped_text(text)
+        if dropped:
+            print(f"warning: the {what} is longer than the text encoder's {source.text_length} tokens; dropped: "
+                  f"{dropped!r}", file=sys.stderr)
+    generation = GenerationRequest.from_flags(request)
+    for run in range(demo.num_warmup_runs):
+        progress(f"[{PROG}] warm-up run {run + 1}/{demo.num_warmup_runs} (untimed) ...")
+        pipeline(generation, StageTimer(device))
+    timer = StageTimer(device)
+    unet_calls = pipeline.unet_calls(request.denoising_steps)
+    with tqdm(total=unet_calls, desc="denoising", disable=not sys.stderr.isatty(), leave=False) as bar:
+        images = pipeline(generation, timer, progress=bar)
+
+    report = LatencyReport(
+        prompt=request.prompt, negative_prompt=request.negative_prompt,
+        model=source.name, backend=backend, backend_reason=reason, device=device_name(device),
+        precision="fp16" if dtype == torch.float16 else "fp32", scheduler=request.scheduler,
+        steps=request.denoising_steps, unet_calls=unet_calls, guidance_scale=request.guidance_scale,
+        seed=request.seed, batch_size=request.batch_size, height=request.height, width=request.width,
+        latent_shape=list(source.latent_shape(request.batch_size, request.height, request.width)),
+        latency_ms=timer.milliseconds(), versions=library_versions(backend),
+        plugins=list(settings.plugins if settings else accel.plugins),
+        options=accel_options(accel) if accel is not None else (["CUDA graphs"] if settings.use_cuda_graph else []),
+        options_reason=accel_reason,
+    )
+    written = save_outputs(Path(demo.output_dir), output_stem(source.name, request.seed), images, report)
+    print(report.table())
+    for path in written:
+        print(f"saved {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo.arguments import run_command
+    from demo.settings import parse_flags
+
+    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv)))

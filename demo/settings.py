@@ -1,0 +1,235 @@
+"""Typed command-line settings: each group of flags is a frozen dataclass whose fields declare their flags.
+
+    parser = Parser(prog="demo-diffusion")
+    add_flags(parser, ModelFlags)
+    add_flags(parser, RequestFlags, required=("prompt",))
+    add_flags(parser, EngineFlags, "ONNX and TensorRT engines")
+    flags = parse_flags(parser, argv)
+    flags[EngineFlags].onnx_dir, changed(flags[EngineFlags])
+
+A field's flag, help, type and choices are written once, on the field; every command that takes the group
+gets the same flags with the same defaults (a command may override a default, e.g. the benchmark's model).
+Library code takes the dataclasses, never an argparse.Namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from core.errors import UsageError
+from plugins.contract import CONVENTIONS, OURS
+
+DEFAULT_PROMPT = "a photo of an astronaut riding a horse on mars"
+Group = TypeVar("Group")
+
+
+def flag(help: str | Callable[[], str], default: Any = None, *, name: str | None = None, metavar: str | None = None,
+         choices: tuple | None = None, positional: bool = False) -> Any:
+    """A dataclass field that declares its flag: `--field-name` unless `name` says otherwise; booleans that
+    default to False are switches, those that default to None take --x / --no-x. A callable `help` is called
+    when the flag is declared (for help that names what another module defines)."""
+    return field(default=default, metadata={"help": help, "name": name, "metavar": metavar, "choices": choices,
+                                            "positional": positional})
+
+
+def same_as(group: type, name: str) -> Any:
+    """A field declaring the same flag, help and default as `group`'s field `name` (for a command that takes
+    that one flag of a group and not the rest)."""
+    item = group.__dataclass_fields__[name]
+    return field(default=item.default, metadata=item.metadata)
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    model: str = flag(lambda: f"built-in ({', '.join(_builtin_models())}), a diffusers-format directory, or a hub id "
+                              "(default: %(default)s)", "tiny")
+    verbose: bool = flag("show library logs and build details", False)
+
+
+@dataclass(frozen=True)
+class RequestFlags:
+    """What one generation asks for: the same flags and defaults in every command that renders."""
+
+    prompt: str = flag("text prompt", DEFAULT_PROMPT, positional=True)
+    negative_prompt: str = flag("negative prompt (default: empty)", "")
+    batch_size: int = flag("images per run (default: %(default)s)", 1)
+    height: int | None = flag("image height in pixels, a multiple of 8 (default: model's native)")
+    width: int | None = flag("image width in pixels, a multiple of 8 (default: model's native)")
+    denoising_steps: int = flag("scheduler steps (default: %(default)s)", 50)
+    guidance_scale: float = flag("classifier-free guidance scale; <= 1 disables guidance (default: %(default)s)", 7.5)
+    scheduler: str | None = flag(lambda: f"one of {', '.join(_schedulers())} (default: the model's own)")
+    seed: int | None = flag("random seed (default: a random one, reported)")
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance_scale > 1.0
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """How ONNX and engines are made and found, and what goes into them."""
+
+    onnx_dir: str = flag("ONNX artifact directory (default: %(default)s)", "onnx")
+    engine_dir: str = flag("TensorRT engine directory (default: %(default)s)", "engine")
+    force_onnx_export: bool = flag("re-export ONNX even if cached", False)
+    force_onnx_optimize: bool = flag("re-optimize ONNX even if cached", False)
+    force_engine_build: bool = flag("rebuild engines even if cached", False)
+    build_static_batch: bool = flag("engines for exactly --batch-size", False)
+    build_dynamic_shape: bool = flag("engines for any height/width in the model's range (default: exactly "
+                                     "--height/--width)", False)
+    optimization_level: int = flag("TensorRT builder level 0-5 (default: %(default)s)", 3)
+    timing_cache: str | None = flag("timing cache file, read and updated by builds")
+    use_cuda_graph: bool | None = flag("replay each engine from a CUDA graph (static shapes; default: off); with "
+                                       "--backend torch, each stage from a graph captured per input shape "
+                                       "(default: the torch defaults)")
+    plugins: str = flag(lambda: f"{_plugins_help()}; with --backend torch, the kernels substituted into the diffusers "
+                                "modules (auto: the torch defaults)", "auto")
+    plugin_convention: str = flag("whose plugin nodes the passes emit: ours (sdplugins, default) or TensorRT "
+                                  "8.5/8.6's own Stable Diffusion plugins in libnvinfer_plugin (tensorrt), for "
+                                  "comparison", OURS, choices=CONVENTIONS)
+    disable_tactic_sources: str | None = flag("TensorRT tactic sources the builder must not use, e.g. CUDNN where "
+                                              "cuDNN is missing", metavar="NAMES")
+    target_cc: str | None = flag("target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 (default: this "
+                                 "machine's GPU)")
+
+
+@dataclass(frozen=True)
+class TorchFlags:
+    """The torch backend's own flags; EngineFlags.plugins and .use_cuda_graph apply to it too. Unset, each comes
+    from the torch defaults measured on this GPU's compute capability (plugins/tuned_defaults.json)."""
+
+    channels_last: bool | None = flag("run the modules in channels-last memory")
+    compile: str = flag(lambda: f"torch.compile mode: {', '.join(_compile_modes())} (default: auto, from the torch "
+                                "defaults)", "auto", metavar="MODE")
+
+
+def _builtin_models() -> tuple[str, ...]:
+    from models.builtin import BUILTIN_MODELS
+
+    return tuple(BUILTIN_MODELS)
+
+
+def _schedulers() -> tuple[str, ...]:
+    from demo.pipeline import SCHEDULERS
+
+    return tuple(SCHEDULERS)
+
+
+def _plugins_help() -> str:
+    from models.plugin_set import PLUGINS_HELP
+
+    return PLUGINS_HELP
+
+
+def _compile_modes() -> tuple[str, ...]:
+    from demo.torch_accel import COMPILE_MODES
+
+    return tuple(COMPILE_MODES)
+
+
+# Engine flags the torch backend uses as well.
+TORCH_USES_ENGINE_FLAGS = ("plugins", "use_cuda_graph")
+
+
+def _value_type(annotation: str | type) -> tuple[type, bool]:
+    """The flag's value type from a field's annotation ("int | None" -> int), and whether it takes several values
+    ("tuple[str, ...]")."""
+    hint = annotation
+    if isinstance(hint, str):  # under `from __future__ import annotations`
+        hint = eval(hint, {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple})  # noqa: S307
+    if isinstance(hint, types.UnionType):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if typing.get_origin(hint) is tuple:
+        return typing.get_args(hint)[0], True
+    return hint, False
+
+
+def option_name(item: dataclasses.Field) -> str:
+    return item.metadata["name"] or "--" + item.name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, group: type, title: str | None = None,
+              required: tuple[str, ...] = (), description: str | None = None, **defaults: Any) -> None:
+    """Declare `group`'s flags on `parser` (in an argument group titled `title`, with `description`), with this
+    command's `defaults` where it differs; `required` names fields the command needs given (a positional
+    becomes mandatory)."""
+    target = parser.add_argument_group(title, description) if title else parser
+    registered = getattr(parser, "flag_groups", [])
+    parser.flag_groups = [*registered, group]
+    unknown = set(defaults) - {item.name for item in dataclasses.fields(group)}
+    if unknown:
+        raise TypeError(f"{group.__name__} has no field(s) {', '.join(sorted(unknown))}")
+    for item in dataclasses.fields(group):
+        meta = item.metadata
+        default = defaults.get(item.name, item.default)
+        kind, several = _value_type(item.type)
+        help_text = meta["help"]() if callable(meta["help"]) else meta["help"]
+        options: dict[str, Any] = {"help": help_text, "default": default, "dest": item.name}
+        if kind is bool:
+            options["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
+        else:
+            options.update(type=kind, metavar=meta["metavar"], choices=meta["choices"])
+        if several:
+            options["nargs"] = "+" if item.name in required else "*"
+        if meta["positional"]:
+            del options["dest"]
+            if item.name not in required and not several:
+                options["nargs"] = "?"
+            target.add_argument(item.name, **options)
+        else:
+            target.add_argument(option_name(item), required=item.name in required, **options)
+
+
+class Flags:
+    """The parsed groups of one command line: `flags[EngineFlags]` is an EngineFlags."""
+
+    def __init__(self, groups: dict[type, Any]):
+        self._groups = groups
+
+    def __getitem__(self, group: type[Group]) -> Group:
+        return self._groups[group]
+
+    def __contains__(self, group: type) -> bool:
+        return group in self._groups
+
+
+def parse_flags(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> Flags:
+    """Parse a command line into the groups add_flags declared on `parser` (usage errors: UsageError, via Parser)."""
+    namespace = {name: tuple(value) if isinstance(value, list) else value
+                 for name, value in vars(parser.parse_args(argv)).items()}
+    return Flags({group: group(**{item.name: namespace[item.name] for item in dataclasses.fields(group)})
+                  for group in getattr(parser, "flag_groups", [])})
+
+
+def changed(settings: Any, ignore: tuple[str, ...] = ()) -> list[str]:
+    """The flags of a group given a value other than the group's default (less `ignore`), as typed."""
+    return [option_name(item) for item in dataclasses.fields(settings)
+            if item.name not in ignore and getattr(settings, item.name) != item.default]
+
+
+def to_argv(settings: Any) -> list[str]:
+    """Command-line arguments that parse back into `settings` (for a command run in another process)."""
+    argv = []
+    for item in dataclasses.fields(settings):
+        value = getattr(settings, item.name)
+        if value == item.default:
+            continue
+        values = [str(v) for v in value] if isinstance(value, tuple) else [str(value)]
+        if item.metadata["positional"]:
+            argv += values
+        elif isinstance(value, bool):
+            argv.append(option_name(item) if value else "--no-" + option_name(item)[2:])
+        else:
+            argv += [option_name(item), *values]
+    return argv
+
+
+def at_least(flag_name: str, value: int | float, low: int | float) -> None:
+    """A UsageError unless `value` >= `low`."""
+    if value < low:
+        raise UsageError(f"{flag_name} must be {'0 or more' if low == 0 else f'at least {low}'}, got {value}")

@@ -1,0 +1,90 @@
+"""Tuned defaults: what was measured fastest on a GPU of each compute capability, shipped with the package.
+
+One data file, plugins/tuned_defaults.json (TUNED_DEFAULTS_FILE), with two sections:
+
+- PLUGINS_AUTO ("plugins_auto"): the plugins `--plugins auto` puts into TensorRT engines, written by the
+  ablation: {"<major>.<minor>": {"plugins": [...], "gpu": "...", "date": "...", "source": "..."}};
+- TORCH_DEFAULTS ("torch_defaults"): the torch backend's settings where their flags are unset, written
+  by the benchmark: {"<major>.<minor>": {"plugins": [...], "channels_last": bool, "cuda_graph": bool,
+  "compile": "...", "gpu": "...", "date": "...", "source": "..."}}.
+
+Read and written only through `read_entry` and `write_entry`. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from core.atomic import atomic_write_bytes
+from core.errors import UsageError
+from plugins.contract import PLUGIN_KEYS
+
+TUNED_DEFAULTS_FILE = Path(__file__).resolve().parent / "tuned_defaults.json"
+PLUGINS_AUTO = "plugins_auto"
+TORCH_DEFAULTS = "torch_defaults"
+SECTIONS = (PLUGINS_AUTO, TORCH_DEFAULTS)
+
+_PLUGINS_FIELD = f"\"plugins\" (a list of {', '.join(PLUGIN_KEYS)})"
+# What each section's entries need beyond their free-form notes (gpu, date, source, ...).
+_REQUIRES = {
+    PLUGINS_AUTO: _PLUGINS_FIELD,
+    TORCH_DEFAULTS: f"{_PLUGINS_FIELD}, \"channels_last\" and \"cuda_graph\" (true/false) and \"compile\" "
+                    "(a torch.compile mode)",
+}
+
+
+def _check_section(section: str) -> None:
+    if section not in SECTIONS:
+        raise ValueError(f"unknown tuned-defaults section {section!r}; one of {', '.join(SECTIONS)}")
+
+
+def _well_formed(section: str, entry) -> bool:
+    if not (isinstance(entry, dict) and isinstance(entry.get("plugins"), list)
+            and all(name in PLUGIN_KEYS for name in entry["plugins"])):
+        return False
+    if section == TORCH_DEFAULTS:
+        return (isinstance(entry.get("channels_last"), bool) and isinstance(entry.get("cuda_graph"), bool)
+                and isinstance(entry.get("compile"), str))
+    return True
+
+
+def _load(path: Path) -> dict:
+    """The file's sections ({} where there is no file); UsageError naming the file where it is broken."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        raise UsageError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or set(data) - set(SECTIONS) or any(not isinstance(v, dict) for v in data.values()):
+        raise UsageError(f"{path}: expected a JSON object of sections ({', '.join(SECTIONS)}), each an object "
+                         "keyed by compute capability")
+    return data
+
+
+def read_entry(section: str, compute_capability: str, path: Path = TUNED_DEFAULTS_FILE) -> dict | None:
+    """The section's entry for a compute capability ("9.0"), checked; None where it has none (or there is
+    no file). A file that is not valid JSON, or an entry of the wrong shape, is a UsageError naming the file."""
+    _check_section(section)
+    entry = _load(Path(path)).get(section, {}).get(compute_capability)
+    if entry is None:
+        return None
+    if not _well_formed(section, entry):
+        raise UsageError(f"{path}: \"{section}\" entry '{compute_capability}' needs {_REQUIRES[section]}")
+    return entry
+
+
+def write_entry(section: str, compute_capability: str, entry: dict, path: Path = TUNED_DEFAULTS_FILE) -> None:
+    """Set the section's entry for a compute capability ("9.0"), keeping the other section and entries;
+    the file is replaced atomically (a reader sees the old file or the new one, never half of one)."""
+    _check_section(section)
+    if not re.fullmatch(r"\d+\.\d+", compute_capability):
+        raise ValueError(f"compute capability {compute_capability!r} is not <major>.<minor>")
+    if not _well_formed(section, entry):
+        raise ValueError(f"a \"{section}\" entry needs {_REQUIRES[section]}, got {entry!r}")
+    path = Path(path)
+    data = _load(path)
+    data.setdefault(section, {})[compute_capability] = entry
+    atomic_write_bytes(path, (json.dumps(data, indent=1) + "\n").encode())
