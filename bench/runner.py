@@ -62,7 +62,7 @@ class Setup:
 
 
 def prompt_digest(request: RequestFlags) -> str:
-    return hashlib.sha256(f"{request.prompt}\0{request.negative_prompt}".encode()).hexdigest()[:8]
+    return hashlib.sha256(f"{request.prompt}\0{request.negative_prompt!r}".encode()).hexdigest()[:8]
 
 
 def sync(device) -> None:
@@ -103,10 +103,10 @@ def load_stages(setup: Setup, contender: Contender, workload: Workload, first: W
     """The contender's stages, and what getting them took: load (and engine build) seconds."""
     from demo.arguments import engine_settings
     from demo.backends import create_stages
-    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+    from models import STAGE_MODELS, text_to_image_stages
 
     source, say = setup.source, setup.say
-    models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
+    models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
     quiet = print if setup.verbose else (lambda *_: None)
     start = time.perf_counter()
     if contender.backend == "torch":
@@ -140,7 +140,7 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
     """One contender at one workload: (the row's measurements, the image of its last run)."""
     import torch
 
-    from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
+    from demo.pipeline import GenerationRequest, make_pipeline, to_uint8
     from models import stage_batch
 
     device, say = setup.device, setup.say
@@ -151,7 +151,7 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
     stages, row = load_stages(setup, contender, workload, first)
     try:
         request = setup.request_at(workload)
-        pipeline = Text2ImagePipeline(setup.source, stages, request.scheduler, device, setup.dtype)
+        pipeline = make_pipeline(setup.source, stages, request.scheduler, device, setup.dtype)
         say(f"{contender.label}: getting ready (compiling, capturing) ...")
         start = time.perf_counter()
         for name, stage in stages.items():
@@ -191,12 +191,12 @@ def run_config(plan: BuildPlan, source, request: RequestFlags, runs: int, label:
 
     from demo.backends import device_and_dtype
     from demo.engine_runtime import plugin_counts, time_by_kind
-    from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
+    from demo.pipeline import GenerationRequest, make_pipeline, to_uint8
     from models.plugin_passes import read_pass_report
 
     device, dtype = device_and_dtype("tensorrt")
     stages = create_config_stages(plan, source, jobs)
-    pipeline = Text2ImagePipeline(source, stages, request.scheduler, device, dtype)
+    pipeline = make_pipeline(source, stages, request.scheduler, device, dtype)
     images, timings = pipeline.timed_runs(GenerationRequest.from_flags(request), ABLATION_WARMUP_RUNS, runs)
     unet_calls = pipeline.unet_calls(request.denoising_steps)
     kinds = {stage: stages[stage].engine.layer_kinds() for stage in jobs}

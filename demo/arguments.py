@@ -65,6 +65,19 @@ def torch_settings(engine: EngineFlags, torch_flags: TorchFlags, device):
                                   torch_flags.compile, device)
 
 
+def stages_of(source, chosen: list[str] | None) -> list[str]:
+    """The stages a command works on: those chosen (each must be one this model has), or its text-to-image ones."""
+    from models import STAGE_MODELS, text_to_image_stages
+
+    if chosen is None:
+        return list(text_to_image_stages(source))
+    for stage in chosen:
+        component = STAGE_MODELS[stage].component
+        if component not in source.components:
+            raise UsageError(f"stage {stage} needs component '{component}', which model '{source.name}' does not have")
+    return chosen
+
+
 def parse_stages(text: str) -> list[str]:
     """A --stages value (comma-separated stage names) as a list, or a UsageError naming the unknown ones."""
     from models import STAGE_MODELS

@@ -58,7 +58,7 @@ def create_stages(backend: str, models: list[StageModel], device: torch.device, 
     """The pipeline's stages: the modules themselves (torch, as `torch_settings` say; default: unchanged)
     or engines (built or found as `engine_settings` say)."""
     if backend == "torch":
-        stages = {m.name: TorchStage(m, device, dtype, torch_settings or FALLBACK) for m in models}
+        stages = {m.name: TorchStage(m, device, m.stage_dtype(dtype), torch_settings or FALLBACK) for m in models}
         for stage in stages.values():
             if stage.substitution is not None:
                 progress(stage.substitution.line(stage.name))

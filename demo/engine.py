@@ -327,8 +327,10 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
     for model in models:
         stat: dict = {"onnx_bytes": None, "onnx_s": None}
 
+        model_dtype = model.stage_dtype(dtype)
+
         @contextlib.contextmanager
-        def make_onnx(model=model, stat=stat) -> Iterator[Path]:
+        def make_onnx(model=model, stat=stat, dtype=model_dtype) -> Iterator[Path]:
             start = time.perf_counter()
             progress(f"[build] {model.name}: exporting and optimizing ONNX ({dtype}) ...")
             with model.optimized_onnx(settings.onnx_dir, device, dtype, settings.force_onnx_export,
@@ -339,7 +341,7 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
 
         start = time.perf_counter()
         shapes = settings.profile.stage_shapes(model, settings.guided)
-        onnx_key = model.optimized_onnx_key(dtype, settings.plugins, settings.plugin_convention)
+        onnx_key = model.optimized_onnx_key(model_dtype, settings.plugins, settings.plugin_convention)
         engines[model.name] = prepare_engine(model, onnx_key, make_onnx, settings.engine_dir, shapes, settings.options,
                                              settings.force_engine_build, log, progress, settings.build_missing)
         stat["engine_s"] = time.perf_counter() - start - (stat["onnx_s"] or 0.0)

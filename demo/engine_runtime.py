@@ -328,7 +328,7 @@ def create_engine_stages(models: list[StageModel], engines: dict[str, Path], api
     loaded = {}
     for model in models:
         engine = Engine(api, engines[model.name], model.name, torch.device(device), use_cuda_graph)
-        engine.check_model(model, dtype)
+        engine.check_model(model, model.stage_dtype(dtype))
         loaded[model.name] = engine
     size = max(e.device_memory_size for e in loaded.values())
     block = torch.empty(max(size, 1), dtype=torch.uint8, device=device)

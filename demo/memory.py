@@ -42,7 +42,7 @@ def weight_bytes(source: ModelSource, dtype: torch.dtype) -> int:
     """The text encoder's, UNet's and VAE's weights in `dtype` (PyTorch .bin files: as stored)."""
     element = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for component in WEIGHTED:
+    for component in (c for c in WEIGHTED if c in source.components):
         for path in sorted((source.path / component).iterdir()):
             if path.suffix == ".safetensors":
                 total += _safetensors_parameters(path)[0] * element

@@ -21,7 +21,7 @@ from core.errors import UsageError
 from demo.report import StageTimer
 from demo.settings import RequestFlags, at_least
 from demo.stages import Stage
-from models import CLIPModel, UNetModel, VAEDecoderModel, stage_batch
+from models import CLIP2Model, CLIPModel, UNetModel, VAEDecoderModel, stage_batch
 from models.base import StageModel
 from models.source import ModelSource
 
@@ -111,7 +111,7 @@ def check_steps(scheduler, name: str, steps: int) -> None:
 @dataclass(frozen=True)
 class GenerationRequest:
     prompts: list[str]
-    negative_prompts: list[str]
+    negative_prompts: list[str] | None  # None: not given (an empty prompt, or zeros where an SDXL config says so)
     height: int
     width: int
     steps: int
@@ -121,8 +121,9 @@ class GenerationRequest:
     @classmethod
     def from_flags(cls, flags: RequestFlags) -> "GenerationRequest":
         """A resolved request's batch: its prompt and negative prompt repeated --batch-size times."""
-        return cls([flags.prompt] * flags.batch_size, [flags.negative_prompt] * flags.batch_size, flags.height,
-                   flags.width, flags.denoising_steps, flags.guidance_scale, flags.seed)
+        negatives = None if flags.negative_prompt is None else [flags.negative_prompt] * flags.batch_size
+        return cls([flags.prompt] * flags.batch_size, negatives, flags.height, flags.width, flags.denoising_steps,
+                   flags.guidance_scale, flags.seed)
 
     @property
     def batch_size(self) -> int:
@@ -181,11 +182,16 @@ class Text2ImagePipeline:
             return None
         return self.tokenizer.decode(ids[limit - 1:-1])  # the kept part ends with the end-of-text token
 
-    def _token_ids(self, texts: list[str]) -> torch.Tensor:
-        ids = self.tokenizer(
+    def _token_ids(self, texts: list[str], tokenizer=None) -> torch.Tensor:
+        ids = (tokenizer or self.tokenizer)(
             texts, padding="max_length", max_length=self.source.text_length, truncation=True, return_tensors="pt"
         ).input_ids
         return ids.to(device=self.device, dtype=torch.int32)
+
+    def _texts(self, request: GenerationRequest) -> list[str]:
+        """What the text encoders take: the negative prompts, then the prompts, in one batch under guidance."""
+        negatives = request.negative_prompts or [""] * request.batch_size
+        return (negatives + request.prompts) if request.guided else request.prompts
 
     def _step_kwargs(self, generator: torch.Generator) -> dict:
         # As diffusers does: stochastic schedulers (e.g. Euler ancestral) draw from the same generator.
@@ -202,10 +208,10 @@ class Text2ImagePipeline:
         for name, stage in self.stages.items():
             stage.prepare(stage_batch(name, request.batch_size, request.guided), request.height, request.width)
 
-    def encode_prompt(self, request: GenerationRequest) -> torch.Tensor:
-        """Text embeddings: the negative prompts' then the prompts' under guidance (one batch), else the prompts'."""
-        texts = (request.negative_prompts + request.prompts) if request.guided else request.prompts
-        return self.stage(CLIPModel).call(self._token_ids(texts)).to(self.dtype)
+    def encode_prompt(self, request: GenerationRequest) -> tuple[torch.Tensor, ...]:
+        """The UNet's conditioning, its inputs after sample and timestep: here the text embeddings (the negative
+        prompts' then the prompts' under guidance, one batch; else the prompts')."""
+        return (self.stage(CLIPModel).call(self._token_ids(self._texts(request))).to(self.dtype),)
 
     def prepare_latents(self, request: GenerationRequest, generator: torch.Generator) -> torch.Tensor:
         """The initial noise as diffusers draws it (CPU generator, fp32), scaled by the scheduler; sets its
@@ -218,16 +224,17 @@ class Text2ImagePipeline:
                                generator=generator, device=self.device, dtype=torch.float32)
         return latents * self.scheduler.init_noise_sigma
 
-    def denoise(self, request: GenerationRequest, latents: torch.Tensor, embeddings: torch.Tensor,
+    def denoise(self, request: GenerationRequest, latents: torch.Tensor, conditioning: tuple[torch.Tensor, ...],
                 generator: torch.Generator, timesteps=None, progress=None) -> torch.Tensor:
-        """The scheduler's loop over `timesteps` (default: all it set), with classifier-free guidance."""
+        """The scheduler's loop over `timesteps` (default: all it set), with classifier-free guidance;
+        `conditioning` as encode_prompt gives it."""
         unet = self.stage(UNetModel)
         step_kwargs = self._step_kwargs(generator)
         for t in self.scheduler.timesteps if timesteps is None else timesteps:
             model_input = torch.cat([latents] * 2) if request.guided else latents
             model_input = self.scheduler.scale_model_input(model_input, t)
             timestep = t.reshape(1).to(device=self.device, dtype=torch.float32)
-            prediction = unet.call(model_input.to(self.dtype), timestep, embeddings).float()
+            prediction = unet.call(model_input.to(self.dtype), timestep, *conditioning).float()
             if request.guided:
                 uncond, cond = prediction.chunk(2)
                 prediction = uncond + request.guidance_scale * (cond - uncond)
@@ -237,19 +244,20 @@ class Text2ImagePipeline:
         return latents
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images in [-1, 1] from the VAE decoder, in the stages' dtype and device."""
-        return self.stage(VAEDecoderModel).call((latents / self.scaling_factor).to(self.dtype))
+        """Images in [-1, 1] from the VAE decoder, in its stage's dtype (fp32 where an SDXL config asks) and device."""
+        vae = self.stage(VAEDecoderModel)
+        return vae.call((latents / self.scaling_factor).to(vae.model.stage_dtype(self.dtype)))
 
     def __call__(self, request: GenerationRequest, timer: StageTimer, progress=None) -> np.ndarray:
         """Images as float32 [B, H, W, 3] in [0, 1] (diffusers' output_type="np")."""
         self.prepare(request)
         with timer.measure("pipeline"):
             with timer.measure("clip"):
-                embeddings = self.encode_prompt(request)
+                conditioning = self.encode_prompt(request)
             generator = torch.Generator("cpu").manual_seed(request.seed)
             latents = self.prepare_latents(request, generator)
             with timer.measure("unet"):
-                latents = self.denoise(request, latents, embeddings, generator, progress=progress)
+                latents = self.denoise(request, latents, conditioning, generator, progress=progress)
             with timer.measure("vae"):
                 images = self.decode(latents)
             images = images.float().cpu()
@@ -257,6 +265,40 @@ class Text2ImagePipeline:
             warnings.warn(f"non-finite values in the decoded images ({self.dtype}); they will be saved clamped",
                           RuntimeWarning, stacklevel=2)
         return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+class SDXLPipeline(Text2ImagePipeline):
+    """diffusers' StableDiffusionXLPipeline on the same steps: two text encoders, whose penultimate states are
+    concatenated, and the UNet's added conditions (the second encoder's pooled embeddings and the time ids)."""
+
+    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
+                 device: torch.device, dtype: torch.dtype):
+        from transformers import CLIPTokenizer
+
+        super().__init__(source, stages, scheduler_name, device, dtype)
+        self.tokenizer_2 = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer_2")
+        # No negative prompt given: zero embeddings instead of an empty prompt's (SDXL's pipeline config).
+        self.zero_negatives = source.index.get("force_zeros_for_empty_prompt", True)
+
+    def encode_prompt(self, request: GenerationRequest) -> tuple[torch.Tensor, ...]:
+        """Text embeddings (the two encoders' penultimate states side by side), pooled text embeddings and time
+        ids: the original size, the crop's top-left corner (0, 0) and the target size, all the request's."""
+        texts = self._texts(request)
+        first = self.stage(CLIPModel).call(self._token_ids(texts))
+        second, pooled = self.stage(CLIP2Model).call(self._token_ids(texts, self.tokenizer_2))
+        embeddings = torch.cat([first, second], dim=-1)
+        if request.guided and request.negative_prompts is None and self.zero_negatives:
+            keep = (torch.arange(len(texts), device=embeddings.device) >= request.batch_size)  # the prompts' half
+            embeddings, pooled = embeddings * keep[:, None, None], pooled * keep[:, None]
+        size = [request.height, request.width]
+        time_ids = torch.tensor([size + [0, 0] + size] * len(texts), device=self.device)
+        return embeddings.to(self.dtype), pooled.to(self.dtype), time_ids.to(self.dtype)
+
+
+def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler_name: str, device: torch.device,
+                  dtype: torch.dtype) -> Text2ImagePipeline:
+    """The text-to-image pipeline this model needs."""
+    return (SDXLPipeline if source.is_xl else Text2ImagePipeline)(source, stages, scheduler_name, device, dtype)
 
 
 def to_uint8(images: np.ndarray) -> np.ndarray:

@@ -59,7 +59,7 @@ class LatencyReport:
     options: list[str] = field(default_factory=list)  # e.g. channels-last, CUDA graphs, compile <mode>
     options_reason: str = ""  # where the torch backend's settings came from
     prompt: str = ""  # with the negative prompt, seed, scheduler, steps and guidance: what makes the image again
-    negative_prompt: str = ""
+    negative_prompt: str | None = None  # None: not given (see RequestFlags)
     images: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
 

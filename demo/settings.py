@@ -56,7 +56,8 @@ class RequestFlags:
     """What one generation asks for: the same flags and defaults in every command that renders."""
 
     prompt: str = flag("text prompt", DEFAULT_PROMPT, positional=True)
-    negative_prompt: str = flag("negative prompt (default: empty)", "")
+    negative_prompt: str | None = flag("negative prompt (default: none, which is an empty prompt, or zero "
+                                       "embeddings where an SDXL model's config says so)")
     batch_size: int = flag("images per run (default: %(default)s)", 1)
     height: int | None = flag("image height in pixels, a multiple of 8 (default: model's native)")
     width: int | None = flag("image width in pixels, a multiple of 8 (default: model's native)")

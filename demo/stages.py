@@ -35,11 +35,14 @@ class Stage(abc.ABC):
     def __call__(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the stage on inputs named as in model.input_names; outputs are named as in output_names."""
 
-    def call(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """The stage's first output for inputs given in model.input_names order."""
+    def call(self, *inputs: torch.Tensor):
+        """The stage's output (a tuple in model.output_names order where it has several) for inputs given in
+        model.input_names order."""
         if len(inputs) != len(self.model.input_names):
             raise TypeError(f"{self.name} takes {', '.join(self.model.input_names)}; got {len(inputs)} input(s)")
-        return self(dict(zip(self.model.input_names, inputs)))[self.model.output_names[0]]
+        outputs = self(dict(zip(self.model.input_names, inputs)))
+        values = tuple(outputs[name] for name in self.model.output_names)
+        return values if len(values) > 1 else values[0]
 
 
 class TorchStage(Stage):
@@ -69,16 +72,17 @@ class TorchStage(Stage):
         self._prepared: set[tuple] = set()
         self.prepare_seconds = {"first_calls": 0.0, "capture": 0.0}
 
-    def _run(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.settings.channels_last:
             inputs = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs)
         graphed_by_compile = self.settings.compile in GRAPHING_COMPILE_MODES
         if graphed_by_compile:
             torch.compiler.cudagraph_mark_step_begin()
-        output = self._forward(*inputs)
-        if graphed_by_compile:  # its graph's next replay overwrites this output
-            return output.clone(memory_format=torch.contiguous_format)
-        return output.contiguous() if self.settings.channels_last else output
+        outputs = self._forward(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if graphed_by_compile:  # its graph's next replay overwrites these outputs
+            return tuple(t.clone(memory_format=torch.contiguous_format) for t in outputs)
+        return tuple(t.contiguous() for t in outputs) if self.settings.channels_last else outputs
 
     def _inputs(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return tuple(feed[name] for name in self.model.input_names)
@@ -115,7 +119,7 @@ class TorchStage(Stage):
             if self.settings.cuda_graph:
                 if shape_key(inputs) not in self._graphs:  # a shape nobody prepared for
                     self._get_ready(inputs)
-                output = self._graphs[shape_key(inputs)](*inputs)
+                outputs = self._graphs[shape_key(inputs)](*inputs)
             else:
-                output = self._run(*inputs)
-        return {self.model.output_names[0]: output}
+                outputs = self._run(*inputs)
+        return dict(zip(self.model.output_names, outputs))

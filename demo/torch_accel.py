@@ -130,7 +130,7 @@ class GraphedCall:
 
     Warm-up runs on a side stream first (cuBLAS/cuDNN workspaces, lazy initialisation), as PyTorch's
     CUDA-graph guide asks. Each call copies its inputs into the static buffers, replays, and returns a
-    clone of the output, so a later replay never changes what an earlier call returned."""
+    clone of the outputs, so a later replay never changes what an earlier call returned."""
 
     def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2):
         self.inputs = tuple(t.clone() for t in inputs)
@@ -144,10 +144,12 @@ class GraphedCall:
         with torch.cuda.graph(self.graph):
             self.output = fn(*self.inputs)
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *inputs: torch.Tensor):
         for buffer, value in zip(self.inputs, inputs):
             buffer.copy_(value)
         self.graph.replay()
+        if isinstance(self.output, tuple):
+            return tuple(t.clone() for t in self.output)
         return self.output.clone()
 
 

@@ -1,17 +1,23 @@
 """Per-stage model classes sharing one interface (see models.base.StageModel)."""
 
 from models.base import StageModel
-from models.clip import CLIPModel
+from models.clip import CLIP2Model, CLIPModel
 from models.unet import UNetModel
 from models.vae import VAEDecoderModel, VAEEncoderModel
 
 STAGE_MODELS: dict[str, type[StageModel]] = {
-    cls.name: cls for cls in (CLIPModel, UNetModel, VAEDecoderModel, VAEEncoderModel)
+    cls.name: cls for cls in (CLIPModel, CLIP2Model, UNetModel, VAEDecoderModel, VAEEncoderModel)
 }
-# The stages text-to-image runs, in order.
+# The stages text-to-image runs, in order (SD 1.x/2.x; SDXL adds its second text encoder).
 TEXT_TO_IMAGE_STAGES = ("clip", "unet", "vae")
+XL_TEXT_TO_IMAGE_STAGES = ("clip", "clip2", "unet", "vae")
 # Under classifier-free guidance these run the unconditional and conditional halves in one batch.
-GUIDED_STAGES = ("clip", "unet")
+GUIDED_STAGES = ("clip", "clip2", "unet")
+
+
+def text_to_image_stages(source) -> tuple[str, ...]:
+    """The stages text-to-image runs for this model."""
+    return XL_TEXT_TO_IMAGE_STAGES if source.is_xl else TEXT_TO_IMAGE_STAGES
 
 
 def stage_batch(stage: str, images: int, guided: bool) -> int:

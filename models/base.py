@@ -52,6 +52,11 @@ class StageModel(abc.ABC):
     def output_shapes(self, batch: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
         """Concrete shape of every output for this batch and image size."""
 
+    def stage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The precision this stage runs in when the pipeline runs in `dtype` (the same, unless its config asks for
+        more)."""
+        return dtype
+
     def input_dtypes(self, dtype: torch.dtype) -> dict[str, torch.dtype]:
         """Inputs are in the model's precision unless a stage says otherwise."""
         return {name: dtype for name in self.input_names}

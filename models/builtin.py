@@ -120,6 +120,98 @@ BUILTIN_MODELS = {
     },
 }
 
+# SDXL 1.0's scheduler configuration (Euler, scaled-linear betas, leading timestep spacing, epsilon prediction).
+SDXL_SCHEDULER = {
+    "_class_name": "EulerDiscreteScheduler",
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "num_train_timesteps": 1000,
+    "steps_offset": 1,
+    "timestep_spacing": "leading",
+    "interpolation_type": "linear",
+    "use_karras_sigmas": False,
+    "prediction_type": "epsilon",
+}
+
+# SDXL: two text encoders (CLIP ViT-L's penultimate states, concatenated with OpenCLIP bigG's, whose pooled and
+# projected output joins the time ids as the UNet's added conditions), linear projections in the transformers.
+BUILTIN_MODELS.update({
+    # Seconds on a CPU: both text encoders, text-time added conditions, linear projections, two transformer
+    # layers in the attention block, 16-wide attention heads (our kernels take them).
+    "tiny-xl": {
+        "unet": {
+            "sample_size": 32,
+            "in_channels": 4,
+            "out_channels": 4,
+            "block_out_channels": [32, 64],
+            "layers_per_block": 2,
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+            "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+            "attention_head_dim": [2, 4],  # diffusers' name for the number of heads (SDXL: 5, 10, 20)
+            "transformer_layers_per_block": [1, 2],
+            "use_linear_projection": True,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 8,
+            "projection_class_embeddings_input_dim": 6 * 8 + 32,  # six time ids, and text_encoder_2's projection
+            "cross_attention_dim": 64,  # the two text encoders' widths, concatenated
+            "norm_num_groups": 8,
+        },
+        "vae": BUILTIN_MODELS["tiny"]["vae"],
+        "text_encoder": BUILTIN_MODELS["tiny"]["text_encoder"],
+        "text_encoder_2": {
+            "hidden_size": 32,
+            "intermediate_size": 37,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 77,
+            "projection_dim": 32,
+            "vocab_size": 1000,
+            "hidden_act": "gelu",
+        },
+        "vocab_size": 1000,
+        "scheduler": SDXL_SCHEDULER,
+    },
+    # The exact SDXL 1.0 base architecture (UNet 2.6B, CLIP ViT-L text 123M, OpenCLIP bigG text 695M, VAE 84M
+    # parameters), saved in fp16.
+    "sdxl-arch": {
+        "unet": {
+            "sample_size": 128,
+            "in_channels": 4,
+            "out_channels": 4,
+            "block_out_channels": [320, 640, 1280],
+            "layers_per_block": 2,
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+            "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+            "attention_head_dim": [5, 10, 20],
+            "transformer_layers_per_block": [1, 2, 10],
+            "use_linear_projection": True,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 256,
+            "projection_class_embeddings_input_dim": 2816,
+            "cross_attention_dim": 2048,
+            "norm_num_groups": 32,
+        },
+        "vae": {**BUILTIN_MODELS["sd1.5-arch"]["vae"], "sample_size": 1024, "scaling_factor": 0.13025},
+        "text_encoder": BUILTIN_MODELS["sd1.5-arch"]["text_encoder"],
+        "text_encoder_2": {
+            "hidden_size": 1280,
+            "intermediate_size": 5120,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 20,
+            "max_position_embeddings": 77,
+            "projection_dim": 1280,
+            "vocab_size": 49408,
+            "hidden_act": "gelu",
+        },
+        "vocab_size": 4096,
+        "scheduler": SDXL_SCHEDULER,
+        "dtype": "float16",
+    },
+})
+XL_PAD = "!"  # SDXL's second tokenizer pads with "!" where the first pads with its end-of-text token
+
+
 # A fixed corpus for the generated tokenizer's merges: prompt-like English, so common words become tokens.
 _CORPUS = """
 a photo of a cat sitting on a table, a painting of a mountain landscape at sunset, an astronaut riding
@@ -185,23 +277,24 @@ def generate_bpe_vocabulary(vocab_size: int) -> tuple[dict[str, int], list[tuple
     return {tok: i for i, tok in enumerate(vocab)}, merges
 
 
+def _tokenizer(spec: dict, pad: str):
+    from transformers import CLIPTokenizer
+
+    vocab, merges = generate_bpe_vocabulary(spec["vocab_size"])
+    return CLIPTokenizer(vocab=vocab, merges=merges, bos_token=BOS, eos_token=EOS, pad_token=pad, unk_token=EOS,
+                         model_max_length=spec["text_encoder"]["max_position_embeddings"])
+
+
 def build_builtin_model(name: str, directory: Path) -> None:
     """Write the built-in model `name` into `directory` in diffusers' save_pretrained layout."""
+    import diffusers
     import torch
-    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     spec = BUILTIN_MODELS[name]
-    vocab, merges = generate_bpe_vocabulary(spec["vocab_size"])
-    tokenizer = CLIPTokenizer(
-        vocab=vocab,
-        merges=merges,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=EOS,
-        unk_token=EOS,
-        model_max_length=spec["text_encoder"]["max_position_embeddings"],
-    )
+    xl = "text_encoder_2" in spec
+    tokenizer = _tokenizer(spec, EOS)
     special = {"bos_token_id": tokenizer.convert_tokens_to_ids(BOS),
                "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
     special["pad_token_id"] = special["eos_token_id"]
@@ -209,22 +302,22 @@ def build_builtin_model(name: str, directory: Path) -> None:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
-        text_encoder = CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special))
-        unet = UNet2DConditionModel(**spec["unet"])
-        vae = AutoencoderKL(**spec["vae"])
+        parts = {"text_encoder": CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)),
+                 "unet": UNet2DConditionModel(**spec["unet"]), "vae": AutoencoderKL(**spec["vae"])}
+        if xl:
+            parts["text_encoder_2"] = CLIPTextModelWithProjection(CLIPTextConfig(**spec["text_encoder_2"], **special))
     finally:
         torch.random.set_rng_state(generator_state)
-    scheduler = PNDMScheduler.from_config({k: v for k, v in spec["scheduler"].items() if k != "_class_name"})
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    scheduler_class = getattr(diffusers, spec["scheduler"]["_class_name"])
+    scheduler = scheduler_class.from_config({k: v for k, v in spec["scheduler"].items() if k != "_class_name"})
+    if xl:
+        pipe = diffusers.StableDiffusionXLPipeline(**parts, tokenizer=tokenizer, tokenizer_2=_tokenizer(spec, XL_PAD),
+                                                   scheduler=scheduler)
+    else:
+        pipe = diffusers.StableDiffusionPipeline(**parts, tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
+                                                 feature_extractor=None, requires_safety_checker=False)
+    if "dtype" in spec:
+        pipe.to(getattr(torch, spec["dtype"]))
     pipe.save_pretrained(directory)
 
 

@@ -1,4 +1,9 @@
-"""CLIP text encoder: token ids -> per-token text embeddings (the UNet's cross-attention context)."""
+"""CLIP text encoders: token ids -> per-token text embeddings (the UNet's cross-attention context).
+
+SD 1.x/2.x take the last layer's states of one encoder. SDXL takes the penultimate layer's states of two
+(`clip`: CLIP ViT-L, `clip2`: OpenCLIP bigG, concatenated by the pipeline) and the second one's pooled,
+projected output (`text_embeds`), one of the UNet's added conditions.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,15 @@ from models.base import StageModel
 
 
 class _TextEmbeddings(torch.nn.Module):
-    def __init__(self, text_encoder):
+    def __init__(self, text_encoder, penultimate: bool, pooled: bool):
         super().__init__()
-        self.text_encoder = text_encoder
+        self.text_encoder, self.penultimate, self.pooled = text_encoder, penultimate, pooled
 
     def forward(self, input_ids):
         # int32 ids keep TensorRT bindings simple; the embedding gather wants int64.
-        return self.text_encoder(input_ids.long(), return_dict=False)[0]
+        outputs = self.text_encoder(input_ids.long(), output_hidden_states=self.penultimate, return_dict=True)
+        states = outputs.hidden_states[-2] if self.penultimate else outputs[0]
+        return (states, outputs.text_embeds) if self.pooled else states
 
 
 class CLIPModel(StageModel):
@@ -23,6 +30,7 @@ class CLIPModel(StageModel):
     input_names = ("input_ids",)
     output_names = ("text_embeddings",)
     dynamic_axes = {"input_ids": {0: "B"}, "text_embeddings": {0: "B"}}
+    encoder_class = "CLIPTextModel"
 
     def input_shapes(self, batch, height, width):
         return {"input_ids": (batch, self.source.text_length)}
@@ -37,14 +45,27 @@ class CLIPModel(StageModel):
         return self.config["vocab_size"]
 
     def load_module(self, attn_implementation: str | None = None):
-        from transformers import CLIPTextModel
+        import transformers
 
-        encoder = CLIPTextModel.from_pretrained(self.source.path, subfolder=self.component,
-                                                attn_implementation=attn_implementation)
-        return _TextEmbeddings(encoder)
+        encoder = getattr(transformers, self.encoder_class).from_pretrained(
+            self.source.path, subfolder=self.component, attn_implementation=attn_implementation)
+        return _TextEmbeddings(encoder, penultimate=self.source.is_xl, pooled=len(self.output_names) > 1)
 
     def export_module(self):
         # Traced through SDPA, the float32 causal mask promotes fp16 scores, and the residual stream of
         # an fp16 export turns float32 after the first layer (mixed-type LayerNorms that strongly typed
         # TensorRT rejects). The eager attention path keeps every layer in the model's precision.
         return self.load_module(attn_implementation="eager")
+
+
+class CLIP2Model(CLIPModel):
+    """SDXL's second text encoder: penultimate states, and the pooled output projected (`text_embeds`)."""
+
+    name = "clip2"
+    component = "text_encoder_2"
+    output_names = ("text_embeddings", "text_embeds")
+    dynamic_axes = {"input_ids": {0: "B"}, "text_embeddings": {0: "B"}, "text_embeds": {0: "B"}}
+    encoder_class = "CLIPTextModelWithProjection"
+
+    def output_shapes(self, batch, height, width):
+        return {**super().output_shapes(batch, height, width), "text_embeds": (batch, self.config["projection_dim"])}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from core.errors import UsageError
 from models.builtin import BUILTIN_MODELS, builtin_model_dir
-from models.validate import COMPONENTS, read_config, validate_model_folder
+from models.validate import COMPONENTS, is_xl_index, model_components, read_config, validate_model_folder
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -34,6 +34,21 @@ class ModelSource:
 
     def config(self, component: str) -> dict:
         return read_config(self.path / component / COMPONENTS[component][0], component)
+
+    @functools.cached_property
+    def index(self) -> dict:
+        """model_index.json: the pipeline class and its options (empty for a folder without one)."""
+        path = self.path / "model_index.json"
+        return read_config(path, "model_index") if path.exists() else {}
+
+    @property
+    def is_xl(self) -> bool:
+        """An SDXL model: two text encoders, and text embeddings and time ids as the UNet's added conditions."""
+        return is_xl_index(self.index)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return model_components(self.index)
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -1,4 +1,8 @@
-"""UNet: noisy latents, timestep and text embeddings -> the model's prediction (noise or v)."""
+"""UNet: noisy latents, timestep and text embeddings -> the model's prediction (noise or v).
+
+An SDXL UNet (`addition_embed_type` "text_time" in its config) also takes the added conditions: the second
+text encoder's pooled embeddings (`text_embeds`) and the six time ids (original size, crop corner, target size).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,19 @@ import torch
 
 from models.base import StageModel
 
+ADDED_CONDITIONS = ("text_embeds", "time_ids")
+TIME_IDS = 6  # original height and width, crop top and left, target height and width
+
 
 class _Denoiser(torch.nn.Module):
     def __init__(self, unet):
         super().__init__()
         self.unet = unet
 
-    def forward(self, sample, timestep, encoder_hidden_states):
-        return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+    def forward(self, sample, timestep, encoder_hidden_states, *added):
+        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
+        return self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
+                         return_dict=False)[0]
 
 
 class UNetModel(StageModel):
@@ -27,13 +36,31 @@ class UNetModel(StageModel):
         "latent": {0: "B", 2: "latent_height", 3: "latent_width"},
     }
 
+    def __init__(self, source):
+        super().__init__(source)
+        if self.added_conditions:  # the config decides the inputs
+            self.input_names = (*UNetModel.input_names, *ADDED_CONDITIONS)
+            self.dynamic_axes = {**UNetModel.dynamic_axes, **{name: {0: "B"} for name in ADDED_CONDITIONS}}
+
+    @property
+    def added_conditions(self) -> bool:
+        return self.config.get("addition_embed_type") == "text_time"
+
+    @property
+    def text_embeds_width(self) -> int:
+        """The pooled text embeddings' width: what the added-embedding projection takes beyond the time ids."""
+        return self.config["projection_class_embeddings_input_dim"] - TIME_IDS * self.config["addition_time_embed_dim"]
+
     def input_shapes(self, batch, height, width):
         h, w = self.latent_size(height, width)
-        return {
+        shapes = {
             "sample": (batch, self.config["in_channels"], h, w),
             "timestep": (1,),
             "encoder_hidden_states": (batch, self.source.text_length, self.config["cross_attention_dim"]),
         }
+        if self.added_conditions:
+            shapes.update(text_embeds=(batch, self.text_embeds_width), time_ids=(batch, TIME_IDS))
+        return shapes
 
     def output_shapes(self, batch, height, width):
         h, w = self.latent_size(height, width)
@@ -41,11 +68,14 @@ class UNetModel(StageModel):
 
     def input_dtypes(self, dtype):
         # Timesteps reach 999 and some schedulers use fractional ones: keep them in float32.
-        return {"sample": dtype, "timestep": torch.float32, "encoder_hidden_states": dtype}
+        return {**{name: dtype for name in self.input_names}, "timestep": torch.float32}
 
     def sample_inputs(self, batch, height, width, device="cpu", dtype=torch.float32, generator=None):
         inputs = super().sample_inputs(batch, height, width, device, dtype, generator)
         inputs["timestep"] = (torch.rand((1,), generator=generator) * 999).to(device)
+        if self.added_conditions:  # sizes and crop corners, as the pipeline gives them
+            inputs["time_ids"] = (torch.rand((batch, TIME_IDS), generator=generator) * 1024).round().to(
+                device=device, dtype=dtype)
         return inputs
 
     def load_module(self):

@@ -47,6 +47,11 @@ class VAEDecoderModel(StageModel):
     def output_shapes(self, batch, height, width):
         return {"images": (batch, self.config["out_channels"], height, width)}
 
+    def stage_dtype(self, dtype):
+        # SDXL's VAE overflows in fp16: its pipeline decodes in fp32 where the config says force_upcast.
+        upcast = self.source.is_xl and dtype == torch.float16 and self.config.get("force_upcast", True)
+        return torch.float32 if upcast else dtype
+
     def load_module(self):
         return _Decoder(_load_vae(self.source, self.component))
 

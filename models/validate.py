@@ -16,11 +16,24 @@ from core.errors import UsageError
 COMPONENTS = {
     "text_encoder": ("config.json", "architectures", "transformers"),
     "tokenizer": ("tokenizer_config.json", "tokenizer_class", "transformers"),
+    "text_encoder_2": ("config.json", "architectures", "transformers"),
+    "tokenizer_2": ("tokenizer_config.json", "tokenizer_class", "transformers"),
     "unet": ("config.json", "_class_name", "diffusers"),
     "vae": ("config.json", "_class_name", "diffusers"),
     "scheduler": ("scheduler_config.json", "_class_name", "diffusers"),
 }
-WEIGHTED = ("text_encoder", "unet", "vae")
+XL_ONLY = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder
+WEIGHTED = ("text_encoder", "text_encoder_2", "unet", "vae")
+
+
+def is_xl_index(index: dict) -> bool:
+    """Whether a model_index.json describes an SDXL pipeline (two text encoders, added conditions)."""
+    return str(index.get("_class_name", "")).startswith("StableDiffusionXL")
+
+
+def model_components(index: dict) -> tuple[str, ...]:
+    """The components a model of this model_index.json has."""
+    return tuple(c for c in COMPONENTS if is_xl_index(index) or c not in XL_ONLY)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
@@ -86,7 +99,8 @@ def validate_model_folder(path: Path, name: str) -> None:
     index_file = path / "model_index.json"
     index = read_config(index_file, "model_index") if index_file.exists() else {}
     configs = {}
-    for component, (file_name, key, library) in COMPONENTS.items():
+    for component in model_components(index):
+        file_name, key, library = COMPONENTS[component]
         file = path / component / file_name
         if not file.exists():
             raise UsageError(f"model '{name}' is missing component '{component}' (no {component}/{file_name} in "
@@ -97,7 +111,7 @@ def validate_model_folder(path: Path, name: str) -> None:
             raise UsageError(f"component '{component}': {file} names class {class_name!r} ({key}), which "
                              f"{library} {libraries[library].__version__} does not have")
     _check_scheduler(configs["scheduler"], path / "scheduler" / COMPONENTS["scheduler"][0])
-    for component in WEIGHTED:
+    for component in (c for c in WEIGHTED if c in configs):
         weights = [p for p in sorted((path / component).iterdir()) if p.suffix in WEIGHT_SUFFIXES]
         if not weights:
             raise UsageError(f"component '{component}': no weights ({' or '.join(WEIGHT_SUFFIXES)}) in "

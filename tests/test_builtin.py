@@ -24,6 +24,24 @@ def test_sd15_arch_parameter_counts():
     assert _parameters(clip) == 123_060_480
 
 
+def test_sdxl_arch_parameter_counts():
+    """SDXL 1.0 base: UNet 2.6B, CLIP ViT-L, OpenCLIP bigG with its projection, the VAE."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    spec = BUILTIN_MODELS["sdxl-arch"]
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**spec["unet"])
+        vae = AutoencoderKL(**spec["vae"])
+        clip = CLIPTextModel(CLIPTextConfig(**spec["text_encoder"]))
+        clip2 = CLIPTextModelWithProjection(CLIPTextConfig(**spec["text_encoder_2"]))
+    assert _parameters(unet) == 2_567_463_684
+    assert _parameters(vae) == 83_653_863
+    assert _parameters(clip) == 123_060_480
+    assert _parameters(clip2) == 694_659_840
+    assert spec["dtype"] == "float16" and spec["scheduler"]["_class_name"] == "EulerDiscreteScheduler"
+
+
 def test_tokenizer_is_deterministic_and_tokenizes_words():
     vocab_a, merges_a = generate_bpe_vocabulary(1000)
     vocab_b, merges_b = generate_bpe_vocabulary(1000)

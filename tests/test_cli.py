@@ -37,7 +37,7 @@ def test_demo_writes_png_table_and_report(tmp_path):
         assert field in report
     assert report["backend"] == "torch" and report["scheduler"] == "DDIM" and report["steps"] == 4
     # What the image can be made again from.
-    assert report["prompt"] == "a photo of a cat" and report["negative_prompt"] == "" and report["seed"] == 0
+    assert report["prompt"] == "a photo of a cat" and report["negative_prompt"] is None and report["seed"] == 0
     assert report["guidance_scale"] == 7.5
     assert report["latent_shape"] == [2, 4, 32, 24]  # tiny's VAE downsamples by 2
     assert set(report["latency_ms"]) >= {"clip", "unet", "vae", "pipeline"}

@@ -197,3 +197,25 @@ def test_cuda_graphs_get_the_static_engines_they_need(tiny, tmp_path, capsys):
     plain = engine_settings(dataclasses.replace(flags, use_cuda_graph=None), tiny, "tensorrt-rtx", 2, 64, 64,
                             guided=True)
     assert not plain.profile.static and capsys.readouterr().err == ""
+
+
+def test_sdxl_engines_build_for_every_stage(tmp_path, capsys):
+    """tiny-xl: both text encoders, the UNet with its added conditions, and the VAE in fp32 (force_upcast) while
+    the rest is fp16, built by TensorRT for RTX on the CPU."""
+    import onnx
+
+    from demo.cli.build_engines import main
+
+    args = ["--model", "tiny-xl", "--target-cc", "8.6", "--optimization-level", "0", "--plugins", "none",
+            "--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine")]
+    assert main(args) == 0
+    for stage in ("clip", "clip2", "unet", "vae"):
+        assert (tmp_path / "engine" / f"{stage}.engine").stat().st_size > 0
+    inputs = {stage: {i.name: i.type.tensor_type.elem_type for i in
+                      onnx.load(str(tmp_path / "onnx" / f"{stage}.opt.onnx"), load_external_data=False).graph.input}
+              for stage in ("unet", "vae")}
+    assert set(inputs["unet"]) == {"sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"}
+    assert inputs["unet"]["text_embeds"] == onnx.TensorProto.FLOAT16
+    assert inputs["vae"]["latent"] == onnx.TensorProto.FLOAT
+    outputs = [o.name for o in onnx.load(str(tmp_path / "onnx" / "clip2.opt.onnx")).graph.output]
+    assert outputs == ["text_embeddings", "text_embeds"]

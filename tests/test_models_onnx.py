@@ -19,12 +19,19 @@ def onnx_dir(tmp_path_factory):
 
 def _run_onnx(path, inputs):
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run(None, {k: v.numpy() for k, v in inputs.items()})[0]
+    return session.run(None, {k: v.numpy() for k, v in inputs.items()})
 
 
-@pytest.mark.parametrize("stage", list(STAGE_MODELS))
-def test_export_matches_torch(stage, tiny, onnx_dir):
-    model = STAGE_MODELS[stage](tiny)
+EXPORTS = [("tiny", stage) for stage in STAGE_MODELS if stage != "clip2"] + \
+    [("tiny-xl", stage) for stage in ("clip", "clip2", "unet", "vae")]  # SDXL: penultimate states, added conditions
+
+
+@pytest.mark.parametrize("builtin, stage", EXPORTS)
+def test_export_matches_torch(builtin, stage, onnx_dir):
+    from models.source import resolve_model
+
+    model = STAGE_MODELS[stage](resolve_model(builtin))
+    onnx_dir = onnx_dir if builtin == "tiny" else onnx_dir / builtin  # later tests reuse tiny's exports
     optimized = model.prepare_onnx(onnx_dir, "cpu", torch.float32, log=lambda *_: None)
     exported = onnx_dir / f"{stage}.onnx"
     for path in (exported, optimized):
@@ -36,16 +43,17 @@ def test_export_matches_torch(stage, tiny, onnx_dir):
 
     inputs = model.sample_inputs(BATCH, HEIGHT, WIDTH, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        reference = model.load_module()(*(inputs[n] for n in model.input_names)).numpy()
-    expected_shape = model.output_shapes(BATCH, HEIGHT, WIDTH)[model.output_names[0]]
-    assert reference.shape == expected_shape
-    scale = np.abs(reference).max()
-    raw_out = _run_onnx(exported, inputs)
-    opt_out = _run_onnx(optimized, inputs)
-    assert raw_out.shape == expected_shape
-    assert np.abs(raw_out - reference).max() <= 1e-4 * scale
-    # The optimizer must not change what the graph computes.
-    assert np.abs(opt_out - raw_out).max() <= 1e-5 * scale
+        references = model.load_module()(*(inputs[n] for n in model.input_names))
+    references = references if isinstance(references, tuple) else (references,)
+    expected_shapes = model.output_shapes(BATCH, HEIGHT, WIDTH)
+    raw_outs, opt_outs = _run_onnx(exported, inputs), _run_onnx(optimized, inputs)
+    for name, reference, raw_out, opt_out in zip(model.output_names, references, raw_outs, opt_outs, strict=True):
+        reference = reference.numpy()
+        assert reference.shape == raw_out.shape == expected_shapes[name]
+        scale = np.abs(reference).max()
+        assert np.abs(raw_out - reference).max() <= 1e-4 * scale
+        # The optimizer must not change what the graph computes.
+        assert np.abs(opt_out - raw_out).max() <= 1e-5 * scale
 
 
 def test_optimizer_reports_and_shrinks(tiny, onnx_dir, capsys):
@@ -116,4 +124,4 @@ def test_large_models_keep_weights_in_one_external_file(tiny, tmp_path, monkeypa
     inputs = model.sample_inputs(1, 32, 40, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         reference = model.load_module()(inputs["latent"]).numpy()
-    assert np.abs(_run_onnx(optimized, inputs) - reference).max() <= 1e-4 * np.abs(reference).max()
+    assert np.abs(_run_onnx(optimized, inputs)[0] - reference).max() <= 1e-4 * np.abs(reference).max()

@@ -112,8 +112,9 @@ def _runnable_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def run_onnx(model: onnx.ModelProto | str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-    """The first output, in float32, of a model or a model file (run from the file where it can be)."""
+def run_onnx(model: onnx.ModelProto | str, inputs: dict[str, np.ndarray], every_output: bool = False):
+    """The first output (or, with `every_output`, all of them), in float32, of a model or a model file (run from
+    the file where it can be)."""
     options = ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     source = model
@@ -124,7 +125,8 @@ def run_onnx(model: onnx.ModelProto | str, inputs: dict[str, np.ndarray]) -> np.
         source = _runnable_copy(onnx.load(source) if isinstance(source, str) else model).SerializeToString()
     session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in inputs.items()}
-    return session.run(None, feeds)[0]
+    outputs = session.run(None, feeds)
+    return outputs if every_output else outputs[0]
 
 
 def test_references_follow_the_contract():
@@ -147,19 +149,20 @@ def test_references_follow_the_contract():
 
 def _network(stage: str, module: torch.nn.Module) -> torch.nn.Module:
     """The part of a stage's module that its ONNX graph computes."""
-    return {"clip": lambda m: m.text_encoder, "unet": lambda m: m.unet, "vae": lambda m: m.vae.decoder,
-            "vae_encoder": lambda m: m.vae.encoder}[stage](module)
+    return {"clip": lambda m: m.text_encoder, "clip2": lambda m: m.text_encoder, "unet": lambda m: m.unet,
+            "vae": lambda m: m.vae.decoder, "vae_encoder": lambda m: m.vae.encoder}[stage](module)
 
 
-def expected_passes(network: torch.nn.Module) -> dict:
+def expected_passes(network: torch.nn.Module, unused: tuple[str, ...] = ()) -> dict:
     """Per plugin, how many matches the kernels take and how many they cannot (attention head sizes
-    must be multiples of 8 up to 256), plus how many GroupNorms are followed by SiLU."""
+    must be multiples of 8 up to 256), plus how many GroupNorms are followed by SiLU; modules whose names start
+    with one of `unused` compute nothing the graph returns, so the export has none of them."""
     from diffusers.models.activations import GEGLU
     from diffusers.models.attention_processor import Attention
     from diffusers.models.resnet import ResnetBlock2D
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
-    modules = list(network.named_modules())
+    modules = [(name, m) for name, m in network.named_modules() if not (unused and name.startswith(unused))]
 
     def count(kind):
         return sum(isinstance(m, kind) for _, m in modules)
@@ -207,9 +210,11 @@ def check_passes(optimized, expected) -> dict[str, list[onnx.NodeProto]]:
 
 
 def assert_same_outputs(exported, rewritten, inputs, tolerance=1e-4):
-    reference, actual = run_onnx(exported, inputs), run_onnx(rewritten, inputs)
-    assert actual.shape == reference.shape
-    assert np.abs(actual - reference).max() <= tolerance * np.abs(reference).max()
+    references, actuals = run_onnx(exported, inputs, every_output=True), run_onnx(rewritten, inputs, every_output=True)
+    assert len(actuals) == len(references)
+    for actual, reference in zip(actuals, references):
+        assert actual.shape == reference.shape
+        assert np.abs(actual - reference).max() <= tolerance * np.abs(reference).max()
 
 
 def check_stage(model, stage_dir, expected, inputs, tolerance=1e-4):
@@ -261,6 +266,42 @@ def test_tiny_unet_has_every_plugin(tiny_fp32, tiny_expected):
     assert {attribute(n, "residual_layout") for n in nodes["Seq2Spatial"]} == {1}
     graph = onnx.load(str(tiny_fp32 / "unet.opt.onnx")).graph
     assert not {"Softmax", "InstanceNormalization", "LayerNormalization", "Erf"} & {n.op_type for n in graph.node}
+
+
+# ---- tiny-xl: SDXL's stages (two text encoders, added conditions, linear projections, 2-layer blocks) -------
+
+XL_STAGES = ("clip", "clip2", "unet", "vae")
+
+
+@pytest.fixture(scope="module")
+def tiny_xl_fp32(tmp_path_factory):
+    from models.source import resolve_model
+
+    source = resolve_model("tiny-xl")
+    onnx_dir = tmp_path_factory.mktemp("tinyxl32")
+    for stage in XL_STAGES:
+        prepare(STAGE_MODELS[stage](source), onnx_dir)
+    return source, onnx_dir
+
+
+@pytest.mark.parametrize("stage", XL_STAGES)
+def test_tiny_xl_rewrites_every_pattern_and_computes_the_same(stage, tiny_xl_fp32):
+    """Counts from the module types, and every output of the rewritten graph (clip2's pooled embeddings too)
+    against the export's, on the CPU reference ops."""
+    source, onnx_dir = tiny_xl_fp32
+    model = STAGE_MODELS[stage](source)
+    # The first encoder gives its penultimate layer's states: its last layer and final norm are not exported.
+    last = model.config["num_hidden_layers"] - 1 if stage == "clip" else None
+    unused = (f"encoder.layers.{last}.", "final_layer_norm") if stage == "clip" else ()
+    expected = expected_passes(_network(stage, model.load_module()), unused)
+    check_stage(model, onnx_dir, expected, sample(model, 3, 48, 80))
+    if stage == "unet":  # every family, the two-layer blocks' attention, norms and GEGLU included
+        counts = expected["counts"]
+        assert all(counts[key]["replaced"] > 0 and counts[key]["skipped"] == 0 for key in PLUGIN_KEYS)
+        assert counts["fMHA"]["replaced"] == counts["fMHCA"]["replaced"] == 2 * counts["Seq2Spatial"]["replaced"]
+        nodes = plugin_nodes(onnx_dir / "unet.opt.onnx")
+        # Linear projections (SDXL): proj_out is a matmul on the sequence, the residual is NCHW.
+        assert {attribute(n, "residual_layout") for n in nodes["Seq2Spatial"]} == {0}
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,13 @@ def _flavours_help() -> str:
 def _stages_help() -> str:
     from models import STAGE_MODELS
 
-    return f"comma-separated subset of {', '.join(STAGE_MODELS)} (default: %(default)s)"
+    return f"comma-separated subset of {', '.join(STAGE_MODELS)} (default: the model's text-to-image stages)"
 
 
 @dataclass(frozen=True)
 class BuildFlags:
     backend: str = flag(_flavours_help, "tensorrt-rtx")
-    stages: str = flag(_stages_help, "clip,unet,vae")
+    stages: str | None = flag(_stages_help)
     batch_size: int = flag("images per run the engines serve (default: %(default)s)", 1)
     height: int | None = flag("image height (default: model's native)")
     width: int | None = flag("image width (default: model's native)")
@@ -67,7 +67,7 @@ def build(flags) -> int:
     import torch
 
     from core.atomic import atomic_write_bytes
-    from demo.arguments import check_image_size, check_writable_file, engine_settings, parse_stages
+    from demo.arguments import check_image_size, check_writable_file, engine_settings, parse_stages, stages_of
     from demo.backends import device_and_dtype
     from demo.engine import prepare_stage_engines
     from demo.logs import configure_library_logging
@@ -76,7 +76,7 @@ def build(flags) -> int:
     from models.source import resolve_model
 
     model, build_flags, engine = flags[ModelFlags], flags[BuildFlags], flags[EngineFlags]
-    stages = parse_stages(build_flags.stages)
+    stages = parse_stages(build_flags.stages) if build_flags.stages else None
     at_least("--batch-size", build_flags.batch_size, 1)
     if build_flags.report:
         check_writable_file("report file", Path(build_flags.report))
@@ -91,6 +91,7 @@ def build(flags) -> int:
     precision = "fp16" if dtype == torch.float16 else "fp32"
     start = time.perf_counter()
     log = print if model.verbose else (lambda *_: None)
+    stages = stages_of(source, stages)
     prepare_stage_engines([STAGE_MODELS[name](source) for name in stages], settings, device, dtype, log=log)
     targets = ",".join(f"{a}.{b}" for a, b in settings.options.resolved_targets())
     print(f"\n{build_flags.backend} engines for {source.name}, {precision}, targets {targets}, "

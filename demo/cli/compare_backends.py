@@ -49,14 +49,14 @@ def compare(flags) -> int:
     from demo.logs import configure_library_logging
     from demo.pipeline import (
         GenerationRequest,
-        Text2ImagePipeline,
         check_request,
         image_psnr,
+        make_pipeline,
         resolve_request,
         to_uint8,
     )
     from demo.report import StageTimer
-    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES, stage_batch
+    from models import STAGE_MODELS, stage_batch, text_to_image_stages
     from models.source import resolve_model
 
     compare_flags = flags[CompareFlags]
@@ -70,7 +70,7 @@ def compare(flags) -> int:
     height, width, guided = request.height, request.width, request.guided
     settings = engine_settings(flags[EngineFlags], source, backend, request.batch_size, height, width, guided=guided)
     device, dtype = device_and_dtype(backend)
-    models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
+    models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
     progress = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     stages = {"torch": create_stages("torch", models, device, dtype),
               backend: create_stages(backend, models, device, dtype, settings, log=lambda *_: None, progress=progress)}
@@ -94,7 +94,7 @@ def compare(flags) -> int:
         }
 
     generation = GenerationRequest.from_flags(request)
-    images = {name: to_uint8(Text2ImagePipeline(source, used, request.scheduler, device, dtype)(generation,
+    images = {name: to_uint8(make_pipeline(source, used, request.scheduler, device, dtype)(generation,
                                                                                                StageTimer(device)))
               for name, used in stages.items()}
     difference = np.abs(images[backend].astype(np.int16) - images["torch"].astype(np.int16))

@@ -47,7 +47,7 @@ def export(flags) -> int:
 
     from core.artifacts import artifact_bytes
     from core.atomic import atomic_write_bytes
-    from demo.arguments import check_writable_directory, check_writable_file, parse_stages
+    from demo.arguments import check_writable_directory, check_writable_file, parse_stages, stages_of
     from demo.logs import configure_library_logging
     from models import STAGE_MODELS
     from models.plugin_passes import format_report_line, read_pass_report
@@ -56,13 +56,14 @@ def export(flags) -> int:
     from plugins.contract import PLUGIN_KEYS
 
     model, export_flags = flags[ModelFlags], flags[ExportFlags]
-    stages = parse_stages(export_flags.stages)
+    stages = parse_stages(export_flags.stages) if export_flags.stages else None
     check_writable_directory("ONNX directory", Path(export_flags.onnx_dir))
     plugins = parse_plugin_set(export_flags.plugins)
     if export_flags.report_json:
         check_writable_file("--report-json", Path(export_flags.report_json))
     configure_library_logging(model.verbose)
     source = resolve_model(model.model)
+    stages = stages_of(source, stages)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32
     onnx_dir = Path(export_flags.onnx_dir)

@@ -103,10 +103,10 @@ def run(flags) -> int:
     from demo.backends import create_stages, device_and_dtype, select_backend
     from demo.logs import configure_library_logging
     from demo.memory import check_memory
-    from demo.pipeline import GenerationRequest, Text2ImagePipeline, resolve_request
+    from demo.pipeline import GenerationRequest, make_pipeline, resolve_request
     from demo.report import LatencyReport, StageTimer, device_name, library_versions
     from demo.settings import TORCH_USES_ENGINE_FLAGS
-    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+    from models import STAGE_MODELS, text_to_image_stages
     from models.source import resolve_model
 
     model, demo, engine, torch_flags = flags[ModelFlags], flags[DemoFlags], flags[EngineFlags], flags[TorchFlags]
@@ -137,10 +137,10 @@ def run(flags) -> int:
     log(f"[{PROG}] model {source.name} ({source.path}), backend {backend} ({reason}), {device} {dtype}")
     if accel is not None:
         log(f"[{PROG}] torch backend: {accel.describe()} ({accel_reason})")
-    models = [STAGE_MODELS[name](source) for name in TEXT_TO_IMAGE_STAGES]
+    models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
     stages = create_stages(backend, models, device, dtype, settings, log=log, progress=progress, torch_settings=accel)
-    pipeline = Text2ImagePipeline(source, stages, request.scheduler, device, dtype)
-    for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt)):
+    pipeline = make_pipeline(source, stages, request.scheduler, device, dtype)
+    for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt or "")):
         dropped = pipeline.dropped_text(text)
         if dropped:
             print(f"warning: the {what} is longer than the text encoder's {source.text_length} tokens; dropped: "

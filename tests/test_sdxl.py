@@ -1,0 +1,130 @@
+"""SDXL on the CPU (issue 22, items 1-3): the built-in tiny-xl, its stages, and same seed, same image as diffusers'
+StableDiffusionXLPipeline on a model directory the test writes."""
+
+import json
+import shutil
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+from demo.pipeline import SCHEDULERS, GenerationRequest, SDXLPipeline, make_pipeline, to_uint8
+from demo.report import StageTimer
+from models import STAGE_MODELS, text_to_image_stages
+from models.source import resolve_model
+
+CPU = torch.device("cpu")
+PROMPTS = ["a photo of an astronaut riding a horse", "a red car"]
+
+
+@pytest.fixture(scope="module")
+def tiny_xl():
+    return resolve_model("tiny-xl")
+
+
+@pytest.fixture(scope="module")
+def xl_stages(tiny_xl):
+    from demo.backends import create_stages
+
+    models = [STAGE_MODELS[name](tiny_xl) for name in text_to_image_stages(tiny_xl)]
+    return create_stages("torch", models, CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def no_zeros_dir(tiny_xl, tmp_path_factory):
+    """A model directory the test writes: tiny-xl whose pipeline config encodes a missing negative prompt as ""."""
+    directory = tmp_path_factory.mktemp("xl") / "model"
+    shutil.copytree(tiny_xl.path, directory)
+    (directory / "manifest.json").unlink()
+    index = json.loads((directory / "model_index.json").read_text())
+    (directory / "model_index.json").write_text(json.dumps({**index, "force_zeros_for_empty_prompt": False}))
+    return directory
+
+
+def test_tiny_xl_is_an_sdxl_model_with_both_encoders_and_added_conditions(tiny_xl):
+    assert tiny_xl.is_xl and tiny_xl.index["_class_name"] == "StableDiffusionXLPipeline"
+    assert text_to_image_stages(tiny_xl) == ("clip", "clip2", "unet", "vae")
+    unet = STAGE_MODELS["unet"](tiny_xl)
+    assert unet.input_names == ("sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids")
+    shapes = unet.input_shapes(2, 64, 48)
+    assert shapes["text_embeds"] == (2, 32) and shapes["time_ids"] == (2, 6)
+    assert shapes["encoder_hidden_states"] == (2, 77, 64)  # 32 + 32: the two encoders side by side
+    config = tiny_xl.config("unet")
+    assert config["transformer_layers_per_block"] == [1, 2] and config["use_linear_projection"]
+    assert STAGE_MODELS["vae"](tiny_xl).stage_dtype(torch.float16) == torch.float32  # force_upcast
+    assert STAGE_MODELS["vae"](resolve_model("tiny")).stage_dtype(torch.float16) == torch.float16  # SD ignores it
+
+
+def test_the_text_encoder_stages_give_penultimate_states_and_pooled_embeddings(tiny_xl, xl_stages):
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    ids = torch.randint(0, 1000, (3, 77), generator=torch.Generator().manual_seed(5))
+    first = CLIPTextModel.from_pretrained(tiny_xl.path, subfolder="text_encoder")
+    second = CLIPTextModelWithProjection.from_pretrained(tiny_xl.path, subfolder="text_encoder_2")
+    with torch.no_grad():
+        expected_first = first(ids, output_hidden_states=True).hidden_states[-2]
+        out = second(ids, output_hidden_states=True)
+    states, pooled = xl_stages["clip2"].call(ids.to(torch.int32))
+    torch.testing.assert_close(xl_stages["clip"].call(ids.to(torch.int32)), expected_first)
+    torch.testing.assert_close(states, out.hidden_states[-2])
+    torch.testing.assert_close(pooled, out.text_embeds)
+    assert not torch.equal(states, out.last_hidden_state)  # not the last layer (SD 1.x's)
+
+
+def _diffusers_images(model_dir, scheduler, request):
+    ref = diffusers.StableDiffusionXLPipeline.from_pretrained(model_dir)
+    ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config)
+    ref.set_progress_bar_config(disable=True)
+    images = ref(
+        request.prompts, negative_prompt=request.negative_prompts, height=request.height, width=request.width,
+        num_inference_steps=request.steps, guidance_scale=request.guidance_scale,
+        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
+    ).images
+    return (images * 255).round().astype(np.uint8)
+
+
+def _check_parity(source, stages, scheduler, request):
+    pipeline = make_pipeline(source, stages, scheduler, CPU, torch.float32)
+    assert isinstance(pipeline, SDXLPipeline)
+    ours = to_uint8(pipeline(request, StageTimer(CPU)))
+    theirs = _diffusers_images(source.path, scheduler, request)
+    assert ours.shape == theirs.shape == (request.batch_size, request.height, request.width, 3)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2
+    assert ours.std() > 5  # a real image, not a constant
+    return ours
+
+
+@pytest.mark.parametrize("scheduler", ["Euler", "DDIM", "DPM++2M"])
+def test_matches_diffusers_sdxl(tiny_xl, xl_stages, scheduler):
+    """No negative prompt (None): zero embeddings, as the config's force_zeros_for_empty_prompt says. A non-square,
+    non-native size checks the time ids and the latent arithmetic."""
+    request = GenerationRequest(PROMPTS, None, height=48, width=80, steps=5, guidance_scale=6.0, seed=0)
+    _check_parity(tiny_xl, xl_stages, scheduler, request)
+
+
+def test_an_explicit_empty_negative_prompt_is_encoded_not_zeroed(tiny_xl, xl_stages):
+    base = dict(height=64, width=64, steps=4, guidance_scale=6.0, seed=7)
+    empty = _check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], [""], **base))
+    zeros = _check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], None, **base))
+    assert not np.array_equal(empty, zeros)
+    _check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], ["blurry"], **base))
+
+
+def test_without_zeros_in_the_config_no_negative_prompt_is_the_empty_one(no_zeros_dir, xl_stages):
+    source = resolve_model(str(no_zeros_dir))
+    base = dict(height=64, width=64, steps=3, guidance_scale=5.0, seed=2)
+    unset = _check_parity(source, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], None, **base))
+    empty = to_uint8(make_pipeline(source, xl_stages, "Euler", CPU, torch.float32)(
+        GenerationRequest(PROMPTS[:1], [""], **base), StageTimer(CPU)))
+    assert np.array_equal(unset, empty)
+
+
+def test_demo_renders_tiny_xl(tmp_path):
+    from demo.cli.generate import main
+
+    out = tmp_path / "out"
+    assert main(["a castle", "--model", "tiny-xl", "--output-dir", str(out), "--denoising-steps", "3",
+                 "--seed", "4", "--num-warmup-runs", "0"]) == 0
+    report = json.loads((out / "tiny-xl-seed4.json").read_text())
+    assert report["scheduler"] == "Euler" and report["model"] == "tiny-xl" and report["negative_prompt"] is None
