@@ -169,12 +169,11 @@ def ablate(model: ModelFlags, request: RequestFlags, ablation: AblationFlags, ou
     from demo.pipeline import check_request, resolve_request
     from demo.trt_flavour import version
     from models.plugin_set import local_compute_capability
-    from models.source import resolve_model
 
     configs = select_configs(ablation.configs)
     check_flags(ablation, output)
     configure_library_logging(model.verbose)
-    source = resolve_model(model.model)
+    source = model.resolve()
     request = resolve_request(request, source)
     check_request(request, source)
     work = Path(ablation.work_dir)

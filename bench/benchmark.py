@@ -243,11 +243,10 @@ def benchmark(model: ModelFlags, request: RequestFlags, bench: BenchmarkFlags, o
     from demo.logs import configure_library_logging
     from demo.pipeline import check_request, resolve_request
     from demo.report import device_name, library_versions
-    from models.source import resolve_model
 
     chosen = select_contenders(bench.contenders)
     check_flags(bench, output, engine)
-    source = resolve_model(model.model)
+    source = model.resolve()
     request = resolve_request(request, source)
     check_request(request, source)
     workloads = workloads_of(request, bench.extra_shapes, source)

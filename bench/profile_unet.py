@@ -153,7 +153,6 @@ def profile_unet(model: ModelFlags, options: ProfileFlags, torch_flags: TorchFla
     from demo.stages import TorchStage
     from demo.torch_accel import resolve_torch_settings
     from models import STAGE_MODELS, stage_batch
-    from models.source import resolve_model
 
     at_least("--steps", options.steps, 1)
     at_least("--warmup-steps", options.warmup_steps, 0)
@@ -165,7 +164,7 @@ def profile_unet(model: ModelFlags, options: ProfileFlags, torch_flags: TorchFla
     settings, reason = resolve_torch_settings(options.plugins, torch_flags.channels_last, options.use_cuda_graph,
                                               torch_flags.compile, device)
     configure_library_logging(model.verbose)
-    source = resolve_model(model.model)
+    source = model.resolve()
     height, width = options.height or source.native_image_size, options.width or source.native_image_size
     check_image_size(source, height, width)
     batch = stage_batch("unet", options.batch_size, guided=True)

@@ -43,7 +43,7 @@ def weight_bytes(source: ModelSource, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     total = 0
     for component in (c for c in WEIGHTED if c in source.components):
-        for path in sorted((source.path / component).iterdir()):
+        for path in sorted(source.component_dir(component).iterdir()):
             if path.suffix == ".safetensors":
                 total += _safetensors_parameters(path)[0] * element
             elif path.suffix == ".bin":

@@ -48,7 +48,15 @@ def same_as(group: type, name: str) -> Any:
 class ModelFlags:
     model: str = flag(lambda: f"built-in ({', '.join(_builtin_models())}), a diffusers-format directory, or a hub id "
                               "(default: %(default)s)", "tiny")
+    vae: str | None = flag("decode with another VAE: an AutoencoderKL folder, or a model folder with one in vae/ "
+                           "(default: the model's own)", metavar="DIR")
     verbose: bool = flag("show library logs and build details", False)
+
+    def resolve(self):
+        """The model these flags name (a models.source.ModelSource; built-ins are generated on first use)."""
+        from models.source import resolve_model
+
+        return resolve_model(self.model, vae=self.vae)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class CLIPModel(StageModel):
         import transformers
 
         encoder = getattr(transformers, self.encoder_class).from_pretrained(
-            self.source.path, subfolder=self.component, attn_implementation=attn_implementation)
+            self.source.component_dir(self.component), attn_implementation=attn_implementation)
         return _TextEmbeddings(encoder, penultimate=self.source.is_xl, pooled=len(self.output_names) > 1)
 
     def export_module(self):

@@ -11,12 +11,19 @@ import functools
 import hashlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.errors import UsageError
 from models.builtin import BUILTIN_MODELS, builtin_model_dir
-from models.validate import COMPONENTS, is_xl_index, model_components, read_config, validate_model_folder
+from models.validate import (
+    COMPONENTS,
+    is_xl_index,
+    model_components,
+    read_config,
+    validate_component,
+    validate_model_folder,
+)
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -31,9 +38,14 @@ class ModelSource:
 
     name: str
     path: Path
+    vae: Path | None = None  # another VAE's folder (--vae), in place of the model's own
+
+    def component_dir(self, component: str) -> Path:
+        """Where a component's config and weights are."""
+        return self.vae if component == "vae" and self.vae else self.path / component
 
     def config(self, component: str) -> dict:
-        return read_config(self.path / component / COMPONENTS[component][0], component)
+        return read_config(self.component_dir(component) / COMPONENTS[component][0], component)
 
     @functools.cached_property
     def index(self) -> dict:
@@ -58,8 +70,12 @@ class ModelSource:
         gigabytes of weights on every run would cost more than the cache saves).
         """
         digest = hashlib.sha256()
-        for file in sorted(p for p in self.path.rglob("*") if p.is_file()):
-            rel = file.relative_to(self.path).as_posix()
+        files = [(p, p.relative_to(self.path).as_posix()) for p in sorted(self.path.rglob("*")) if p.is_file()]
+        if self.vae:  # the other VAE's files stand in for the model's own
+            files = [(p, rel) for p, rel in files if not rel.startswith("vae/")]
+            files += [(p, f"vae/{p.relative_to(self.vae).as_posix()}") for p in sorted(self.vae.rglob("*"))
+                      if p.is_file()]
+        for file, rel in files:
             if file.suffix in (".json", ".txt"):
                 digest.update(f"{rel}:".encode() + file.read_bytes())
             else:
@@ -105,9 +121,14 @@ class ModelSource:
         return self.native_image_size // 2, self.native_image_size * 2
 
 
-def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelSource:
-    """Turn a --model value into a ModelSource; raises UsageError with the reason when it cannot."""
-    cache_dir = cache_dir or default_cache_dir()
+def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = None) -> ModelSource:
+    """Turn a --model value (and a --vae folder) into a ModelSource; raises UsageError with the reason when it
+    cannot."""
+    source = _resolve_model(spec, cache_dir or default_cache_dir())
+    return replace(source, vae=_vae_folder(vae, source)) if vae else source
+
+
+def _resolve_model(spec: str, cache_dir: Path) -> ModelSource:
     if spec in BUILTIN_MODELS:
         return ModelSource(spec, builtin_model_dir(spec, cache_dir / "builtin"))
     path = Path(spec).expanduser()
@@ -120,6 +141,22 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> ModelSource:
         f"unknown model '{spec}': not a built-in ({', '.join(BUILTIN_MODELS)}), "
         "not a diffusers-format directory, not a hub id"
     )
+
+
+def _vae_folder(spec: str, source: ModelSource) -> Path:
+    """A --vae value as a checked VAE folder: an AutoencoderKL folder, or a model folder holding one in vae/, whose
+    latents are the UNet's."""
+    folder = Path(spec).expanduser()
+    if (folder / "vae" / COMPONENTS["vae"][0]).is_file():
+        folder = folder / "vae"
+    if not (folder / COMPONENTS["vae"][0]).is_file():
+        raise UsageError(f"--vae {spec}: not a VAE folder (no {COMPONENTS['vae'][0]} in it or in its vae/)")
+    config = validate_component(folder, "vae")
+    channels = source.config("unet")["in_channels"]
+    if config.get("latent_channels") != channels:
+        raise UsageError(f"--vae {spec}: its latents have {config.get('latent_channels')} channels, model "
+                         f"'{source.name}''s UNet takes {channels}")
+    return folder.resolve()
 
 
 def _download_from_hub(hub_id: str) -> Path:

@@ -81,4 +81,4 @@ class UNetModel(StageModel):
     def load_module(self):
         from diffusers import UNet2DConditionModel
 
-        return _Denoiser(UNet2DConditionModel.from_pretrained(self.source.path, subfolder=self.component))
+        return _Denoiser(UNet2DConditionModel.from_pretrained(self.source.component_dir(self.component)))

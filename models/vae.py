@@ -30,7 +30,7 @@ class _Encoder(torch.nn.Module):
 def _load_vae(source, component):
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(source.path, subfolder=component)
+    return AutoencoderKL.from_pretrained(source.component_dir(component))
 
 
 class VAEDecoderModel(StageModel):

@@ -92,34 +92,42 @@ def check_weight_file(path: Path) -> str | None:
 
 def validate_model_folder(path: Path, name: str) -> None:
     """Check the folder of model `name` as the module docstring says; the first problem is a UsageError."""
+
+    index_file = path / "model_index.json"
+    index = read_config(index_file, "model_index") if index_file.exists() else {}
+    for component in model_components(index):
+        file_name = COMPONENTS[component][0]
+        if not (path / component / file_name).exists():
+            raise UsageError(f"model '{name}' is missing component '{component}' (no {component}/{file_name} in "
+                             f"{path})")
+        validate_component(path / component, component, index.get(component, [None, None])[1:])
+    _check_scheduler(read_config(path / "scheduler" / COMPONENTS["scheduler"][0], "scheduler"),
+                     path / "scheduler" / COMPONENTS["scheduler"][0])
+
+
+def validate_component(folder: Path, component: str, index_class: list | None = None) -> dict:
+    """One component's folder: its config parses and names a class its library has (else the one model_index.json
+    names, `index_class`), and its weights are whole. Returns the config."""
     import diffusers
     import transformers
 
-    libraries = {"diffusers": diffusers, "transformers": transformers}
-    index_file = path / "model_index.json"
-    index = read_config(index_file, "model_index") if index_file.exists() else {}
-    configs = {}
-    for component in model_components(index):
-        file_name, key, library = COMPONENTS[component]
-        file = path / component / file_name
-        if not file.exists():
-            raise UsageError(f"model '{name}' is missing component '{component}' (no {component}/{file_name} in "
-                             f"{path})")
-        configs[component] = config = read_config(file, component)
-        class_name = _class_name(config, key) or _class_name({key: index.get(component, [None, None])[1:]}, key)
-        if class_name is None or not hasattr(libraries[library], class_name):
-            raise UsageError(f"component '{component}': {file} names class {class_name!r} ({key}), which "
-                             f"{library} {libraries[library].__version__} does not have")
-    _check_scheduler(configs["scheduler"], path / "scheduler" / COMPONENTS["scheduler"][0])
-    for component in (c for c in WEIGHTED if c in configs):
-        weights = [p for p in sorted((path / component).iterdir()) if p.suffix in WEIGHT_SUFFIXES]
+    file_name, key, library = COMPONENTS[component]
+    module = {"diffusers": diffusers, "transformers": transformers}[library]
+    file = folder / file_name
+    config = read_config(file, component)
+    class_name = _class_name(config, key) or _class_name({key: index_class or []}, key)
+    if class_name is None or not hasattr(module, class_name):
+        raise UsageError(f"component '{component}': {file} names class {class_name!r} ({key}), which "
+                         f"{library} {module.__version__} does not have")
+    if component in WEIGHTED:
+        weights = [p for p in sorted(folder.iterdir()) if p.suffix in WEIGHT_SUFFIXES]
         if not weights:
-            raise UsageError(f"component '{component}': no weights ({' or '.join(WEIGHT_SUFFIXES)}) in "
-                             f"{path / component}")
+            raise UsageError(f"component '{component}': no weights ({' or '.join(WEIGHT_SUFFIXES)}) in {folder}")
         for weight in weights:
             reason = check_weight_file(weight)
             if reason:
                 raise UsageError(f"component '{component}': {weight} is damaged: {reason}")
+    return config
 
 
 def _check_scheduler(config: dict, file: Path) -> None:

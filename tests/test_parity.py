@@ -12,6 +12,7 @@ from demo.pipeline import SCHEDULERS, GenerationRequest, Text2ImagePipeline, to_
 from demo.report import StageTimer
 from models.source import resolve_model
 
+CPU = torch.device("cpu")
 PROMPTS = ["a photo of an astronaut riding a horse", "a red car"]
 NEGATIVE = ["blurry", ""]
 
@@ -72,3 +73,54 @@ def test_seed_changes_image(tiny, tiny_stages):
               for seed in (0, 1, 0)]
     assert not np.array_equal(images[0], images[1])
     assert np.array_equal(images[0], images[2])
+
+
+@pytest.fixture(scope="module")
+def other_vae(tiny, tmp_path_factory):
+    """A VAE folder the test writes: tiny's VAE with other decoder weights (a model folder with it in vae/)."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(tiny.path, subfolder="vae")
+    with torch.no_grad():
+        for parameter in vae.decoder.parameters():
+            parameter.mul_(1.1)
+    folder = tmp_path_factory.mktemp("other") / "model"
+    vae.save_pretrained(folder / "vae")
+    return folder
+
+
+def test_another_vae_decodes_as_diffusers_does_with_it(tiny, other_vae):
+    from diffusers import AutoencoderKL
+
+    from demo.backends import create_stages
+    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+
+    source = resolve_model("tiny", vae=str(other_vae))
+    assert source.vae == other_vae / "vae" and source.fingerprint != tiny.fingerprint  # engines are keyed by it
+    stages = create_stages("torch", [STAGE_MODELS[n](source) for n in TEXT_TO_IMAGE_STAGES], CPU, torch.float32)
+    request = GenerationRequest(PROMPTS[:1], NEGATIVE[:1], height=64, width=64, steps=3, guidance_scale=7.5, seed=1)
+    ours = to_uint8(Text2ImagePipeline(source, stages, "DDIM", CPU, torch.float32)(request, StageTimer(CPU)))
+    ref = diffusers.StableDiffusionPipeline.from_pretrained(
+        tiny.path, vae=AutoencoderKL.from_pretrained(other_vae / "vae"), safety_checker=None,
+        requires_safety_checker=False)
+    ref.scheduler = diffusers.DDIMScheduler.from_config(ref.scheduler.config)
+    ref.set_progress_bar_config(disable=True)
+    theirs = ref(request.prompts, negative_prompt=request.negative_prompts, height=64, width=64, num_inference_steps=3,
+                 guidance_scale=7.5, generator=torch.Generator("cpu").manual_seed(1), output_type="np").images
+    assert np.abs(ours.astype(int) - (theirs * 255).round().astype(int)).max() <= 2
+    own = to_uint8(Text2ImagePipeline(tiny, create_stages("torch", [STAGE_MODELS[n](tiny) for n in TEXT_TO_IMAGE_STAGES],
+                                                           CPU, torch.float32), "DDIM", CPU, torch.float32)(
+        request, StageTimer(CPU)))
+    assert np.abs(own.astype(int) - ours.astype(int)).max() > 10  # the other VAE was used
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda folder: None, "not a VAE folder"),
+    (lambda folder: (folder / "config.json").write_text("{}"), "names class None"),
+])
+def test_a_bad_vae_folder_is_one_line(make, message, tiny, tmp_path):
+    from core.errors import UsageError
+
+    make(tmp_path)
+    with pytest.raises(UsageError, match=message):
+        resolve_model("tiny", vae=str(tmp_path))

@@ -73,7 +73,6 @@ def build(flags) -> int:
     from demo.logs import configure_library_logging
     from demo.trt_flavour import import_flavour
     from models import STAGE_MODELS
-    from models.source import resolve_model
 
     model, build_flags, engine = flags[ModelFlags], flags[BuildFlags], flags[EngineFlags]
     stages = parse_stages(build_flags.stages) if build_flags.stages else None
@@ -82,7 +81,7 @@ def build(flags) -> int:
         check_writable_file("report file", Path(build_flags.report))
     import_flavour(build_flags.backend)  # clear error if the flavour is missing
     configure_library_logging(model.verbose)
-    source = resolve_model(model.model)
+    source = model.resolve()
     height, width = build_flags.height or source.native_image_size, build_flags.width or source.native_image_size
     check_image_size(source, height, width)
     settings = engine_settings(engine, source, build_flags.backend, build_flags.batch_size, height, width,

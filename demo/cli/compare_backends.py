@@ -57,14 +57,13 @@ def compare(flags) -> int:
     )
     from demo.report import StageTimer
     from models import STAGE_MODELS, stage_batch, text_to_image_stages
-    from models.source import resolve_model
 
     compare_flags = flags[CompareFlags]
     configure_library_logging(flags[ModelFlags].verbose)
     backend, _ = select_backend(compare_flags.backend)
     if backend == "torch":
         raise UsageError("--backend must name a TensorRT flavour to compare with torch")
-    source = resolve_model(flags[ModelFlags].model)
+    source = flags[ModelFlags].resolve()
     request = resolve_request(flags[RequestFlags], source)
     check_request(request, source)
     height, width, guided = request.height, request.width, request.guided

@@ -52,7 +52,6 @@ def export(flags) -> int:
     from models import STAGE_MODELS
     from models.plugin_passes import format_report_line, read_pass_report
     from models.plugin_set import parse_plugin_set
-    from models.source import resolve_model
     from plugins.contract import PLUGIN_KEYS
 
     model, export_flags = flags[ModelFlags], flags[ExportFlags]
@@ -62,7 +61,7 @@ def export(flags) -> int:
     if export_flags.report_json:
         check_writable_file("--report-json", Path(export_flags.report_json))
     configure_library_logging(model.verbose)
-    source = resolve_model(model.model)
+    source = model.resolve()
     stages = stages_of(source, stages)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32

@@ -107,7 +107,6 @@ def run(flags) -> int:
     from demo.report import LatencyReport, StageTimer, device_name, library_versions
     from demo.settings import TORCH_USES_ENGINE_FLAGS
     from models import STAGE_MODELS, text_to_image_stages
-    from models.source import resolve_model
 
     model, demo, engine, torch_flags = flags[ModelFlags], flags[DemoFlags], flags[EngineFlags], flags[TorchFlags]
     configure_library_logging(model.verbose)
@@ -117,7 +116,7 @@ def run(flags) -> int:
         print(message, file=sys.stderr, flush=True)
 
     backend, reason = select_backend(demo.backend)
-    source = resolve_model(model.model)
+    source = model.resolve()
     request = resolve_request(flags[RequestFlags], source)
     validate(request, demo, source)
     device, dtype = device_and_dtype(backend)
