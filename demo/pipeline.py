@@ -146,7 +146,8 @@ class Text2ImagePipeline:
         self.source = source
         self.stages = stages
         self.scheduler = make_scheduler(scheduler_name, source)
-        self.tokenizer = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer")
+        self.tokenizer = (CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer")
+                          if "tokenizer" in source.components else None)
         self.device = device
         self.dtype = dtype
         self.scaling_factor = source.config("vae")["scaling_factor"]
@@ -261,10 +262,15 @@ class Text2ImagePipeline:
             with timer.measure("vae"):
                 images = self.decode(latents)
             images = images.float().cpu()
-        if not torch.isfinite(images).all():  # e.g. fp16 overflow: say so rather than save black images
-            warnings.warn(f"non-finite values in the decoded images ({self.dtype}); they will be saved clamped",
-                          RuntimeWarning, stacklevel=2)
-        return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+        return postprocess(images, self.dtype)
+
+
+def postprocess(images: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """Decoded images in [-1, 1] as float32 [B, H, W, 3] in [0, 1], as diffusers' image processor makes them."""
+    if not torch.isfinite(images).all():  # e.g. fp16 overflow: say so rather than save black images
+        warnings.warn(f"non-finite values in the decoded images ({dtype}); they will be saved clamped",
+                      RuntimeWarning, stacklevel=3)
+    return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
 
 
 class SDXLPipeline(Text2ImagePipeline):
@@ -277,22 +283,81 @@ class SDXLPipeline(Text2ImagePipeline):
 
         super().__init__(source, stages, scheduler_name, device, dtype)
         self.tokenizer_2 = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer_2")
+        self.tokenizer = self.tokenizer or self.tokenizer_2  # a refiner has only the second
         # No negative prompt given: zero embeddings instead of an empty prompt's (SDXL's pipeline config).
         self.zero_negatives = source.index.get("force_zeros_for_empty_prompt", True)
+        # The refiner's time ids end with an aesthetic score where the base's end with the target size.
+        self.aesthetic = source.index.get("requires_aesthetics_score", False)
 
     def encode_prompt(self, request: GenerationRequest) -> tuple[torch.Tensor, ...]:
-        """Text embeddings (the two encoders' penultimate states side by side), pooled text embeddings and time
-        ids: the original size, the crop's top-left corner (0, 0) and the target size, all the request's."""
+        """Text embeddings (the two encoders' penultimate states side by side; a refiner's second alone), pooled
+        text embeddings and time ids (time_ids)."""
         texts = self._texts(request)
-        first = self.stage(CLIPModel).call(self._token_ids(texts))
-        second, pooled = self.stage(CLIP2Model).call(self._token_ids(texts, self.tokenizer_2))
-        embeddings = torch.cat([first, second], dim=-1)
+        embeddings, pooled = self.stage(CLIP2Model).call(self._token_ids(texts, self.tokenizer_2))
+        if CLIPModel.name in self.stages:
+            embeddings = torch.cat([self.stage(CLIPModel).call(self._token_ids(texts)), embeddings], dim=-1)
         if request.guided and request.negative_prompts is None and self.zero_negatives:
             keep = (torch.arange(len(texts), device=embeddings.device) >= request.batch_size)  # the prompts' half
             embeddings, pooled = embeddings * keep[:, None, None], pooled * keep[:, None]
-        size = [request.height, request.width]
-        time_ids = torch.tensor([size + [0, 0] + size] * len(texts), device=self.device)
-        return embeddings.to(self.dtype), pooled.to(self.dtype), time_ids.to(self.dtype)
+        return embeddings.to(self.dtype), pooled.to(self.dtype), self.time_ids(request).to(self.dtype)
+
+    def time_ids(self, request: GenerationRequest) -> torch.Tensor:
+        """Per text-encoder row: the original size and the crop's top-left corner (0, 0), then the target size (the
+        request's), or a refiner's aesthetic score (diffusers' defaults: 6 for the prompts, 2.5 for the negatives)."""
+        start = [request.height, request.width, 0, 0]
+        target = start[:2]
+        positive, negative = (start + [6.0], start + [2.5]) if self.aesthetic else (start + target, start + target)
+        rows = ([negative] * request.batch_size if request.guided else []) + [positive] * request.batch_size
+        return torch.tensor(rows, device=self.device)
+
+
+class ExpertsPipeline:
+    """SDXL base then refiner, an ensemble of experts as diffusers runs it (denoising_end, then denoising_start):
+    the base denoises the high-noise timesteps (down to `high_noise_frac` of the way), the refiner the rest from
+    the base's latents, and decodes with its VAE. The same interface as Text2ImagePipeline."""
+
+    def __init__(self, base: SDXLPipeline, refiner: SDXLPipeline, high_noise_frac: float):
+        self.base, self.refiner, self.high_noise_frac = base, refiner, high_noise_frac
+        self.device = base.device
+
+    def split(self, steps: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The base's timesteps, the refiner's, and where the refiner's begin in its schedule."""
+        for pipeline in (self.base, self.refiner):
+            pipeline.scheduler.set_timesteps(steps, device=self.device)
+        trained = self.base.scheduler.config.num_train_timesteps
+        cutoff = int(round(trained - self.high_noise_frac * trained))
+        base = self.base.scheduler.timesteps
+        refiner = self.refiner.scheduler.timesteps
+        start = len(refiner) - int((refiner < cutoff).sum())
+        return base[base >= cutoff], refiner[start:], start
+
+    def unet_calls(self, steps: int) -> int:
+        base, refiner, _ = self.split(steps)
+        return len(base) + len(refiner)
+
+    def dropped_text(self, text: str) -> str | None:
+        return self.base.dropped_text(text)
+
+    def __call__(self, request: GenerationRequest, timer: StageTimer, progress=None) -> np.ndarray:
+        self.base.prepare(request)
+        self.refiner.prepare(request)
+        with timer.measure("pipeline"):
+            with timer.measure("clip"):
+                base_conditioning = self.base.encode_prompt(request)
+                refiner_conditioning = self.refiner.encode_prompt(request)
+            generator = torch.Generator("cpu").manual_seed(request.seed)
+            latents = self.base.prepare_latents(request, generator)
+            base_steps, refiner_steps, start = self.split(request.steps)
+            with timer.measure("unet"):
+                latents = self.base.denoise(request, latents, base_conditioning, generator, base_steps, progress)
+                if hasattr(self.refiner.scheduler, "set_begin_index"):
+                    self.refiner.scheduler.set_begin_index(start)
+                latents = self.refiner.denoise(request, latents, refiner_conditioning, generator, refiner_steps,
+                                               progress)
+            with timer.measure("vae"):
+                images = self.refiner.decode(latents)
+            images = images.float().cpu()
+        return postprocess(images, self.refiner.dtype)
 
 
 def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler_name: str, device: torch.device,

@@ -16,8 +16,9 @@ GUIDED_STAGES = ("clip", "clip2", "unet")
 
 
 def text_to_image_stages(source) -> tuple[str, ...]:
-    """The stages text-to-image runs for this model."""
-    return XL_TEXT_TO_IMAGE_STAGES if source.is_xl else TEXT_TO_IMAGE_STAGES
+    """The stages text-to-image runs for this model (an SDXL refiner has no first text encoder)."""
+    stages = XL_TEXT_TO_IMAGE_STAGES if source.is_xl else TEXT_TO_IMAGE_STAGES
+    return tuple(name for name in stages if STAGE_MODELS[name].component in source.components)
 
 
 def stage_batch(stage: str, images: int, guided: bool) -> int:

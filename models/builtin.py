@@ -209,6 +209,16 @@ BUILTIN_MODELS.update({
         "dtype": "float16",
     },
 })
+# SDXL's refiner: the second text encoder alone, and an aesthetic score in the time ids (5, not 6).
+BUILTIN_MODELS["tiny-xl-refiner"] = {
+    "unet": {**BUILTIN_MODELS["tiny-xl"]["unet"], "cross_attention_dim": 32, "attention_head_dim": [2, 4],
+             "projection_class_embeddings_input_dim": 5 * 8 + 32},
+    "vae": BUILTIN_MODELS["tiny"]["vae"],
+    "text_encoder_2": BUILTIN_MODELS["tiny-xl"]["text_encoder_2"],
+    "vocab_size": 1000,
+    "scheduler": SDXL_SCHEDULER,
+    "refiner": True,
+}
 XL_PAD = "!"  # SDXL's second tokenizer pads with "!" where the first pads with its end-of-text token
 
 
@@ -294,7 +304,8 @@ def build_builtin_model(name: str, directory: Path) -> None:
 
     spec = BUILTIN_MODELS[name]
     xl = "text_encoder_2" in spec
-    tokenizer = _tokenizer(spec, EOS)
+    first = "text_encoder" in spec
+    tokenizer = _tokenizer({**spec, "text_encoder": spec.get("text_encoder", spec.get("text_encoder_2"))}, EOS)
     special = {"bos_token_id": tokenizer.convert_tokens_to_ids(BOS),
                "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
     special["pad_token_id"] = special["eos_token_id"]
@@ -302,7 +313,7 @@ def build_builtin_model(name: str, directory: Path) -> None:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
-        parts = {"text_encoder": CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)),
+        parts = {"text_encoder": CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)) if first else None,
                  "unet": UNet2DConditionModel(**spec["unet"]), "vae": AutoencoderKL(**spec["vae"])}
         if xl:
             parts["text_encoder_2"] = CLIPTextModelWithProjection(CLIPTextConfig(**spec["text_encoder_2"], **special))
@@ -310,7 +321,11 @@ def build_builtin_model(name: str, directory: Path) -> None:
         torch.random.set_rng_state(generator_state)
     scheduler_class = getattr(diffusers, spec["scheduler"]["_class_name"])
     scheduler = scheduler_class.from_config({k: v for k, v in spec["scheduler"].items() if k != "_class_name"})
-    if xl:
+    if spec.get("refiner"):  # as SDXL 1.0's refiner: aesthetic scores, an empty negative prompt encoded
+        pipe = diffusers.StableDiffusionXLImg2ImgPipeline(
+            **parts, tokenizer=None, tokenizer_2=_tokenizer({**spec, "text_encoder": spec["text_encoder_2"]}, XL_PAD),
+            scheduler=scheduler, requires_aesthetics_score=True, force_zeros_for_empty_prompt=False)
+    elif xl:
         pipe = diffusers.StableDiffusionXLPipeline(**parts, tokenizer=tokenizer, tokenizer_2=_tokenizer(spec, XL_PAD),
                                                    scheduler=scheduler)
     else:

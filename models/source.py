@@ -98,7 +98,8 @@ class ModelSource:
 
     @property
     def text_length(self) -> int:
-        return self.config("text_encoder")["max_position_embeddings"]
+        encoder = "text_encoder" if "text_encoder" in self.components else "text_encoder_2"  # an SDXL refiner
+        return self.config(encoder)["max_position_embeddings"]
 
     @property
     def text_width(self) -> int:

@@ -11,7 +11,6 @@ import torch
 from models.base import StageModel
 
 ADDED_CONDITIONS = ("text_embeds", "time_ids")
-TIME_IDS = 6  # original height and width, crop top and left, target height and width
 
 
 class _Denoiser(torch.nn.Module):
@@ -48,8 +47,15 @@ class UNetModel(StageModel):
 
     @property
     def text_embeds_width(self) -> int:
-        """The pooled text embeddings' width: what the added-embedding projection takes beyond the time ids."""
-        return self.config["projection_class_embeddings_input_dim"] - TIME_IDS * self.config["addition_time_embed_dim"]
+        """The pooled text embeddings' width: the second text encoder's projection."""
+        return self.source.config("text_encoder_2")["projection_dim"]
+
+    @property
+    def time_ids(self) -> int:
+        """How many time ids: 6 (original size, crop corner, target size), 5 for a refiner (an aesthetic score in
+        place of the target size); what the added-embedding projection takes beyond the text embeddings."""
+        rest = self.config["projection_class_embeddings_input_dim"] - self.text_embeds_width
+        return rest // self.config["addition_time_embed_dim"]
 
     def input_shapes(self, batch, height, width):
         h, w = self.latent_size(height, width)
@@ -59,7 +65,7 @@ class UNetModel(StageModel):
             "encoder_hidden_states": (batch, self.source.text_length, self.config["cross_attention_dim"]),
         }
         if self.added_conditions:
-            shapes.update(text_embeds=(batch, self.text_embeds_width), time_ids=(batch, TIME_IDS))
+            shapes.update(text_embeds=(batch, self.text_embeds_width), time_ids=(batch, self.time_ids))
         return shapes
 
     def output_shapes(self, batch, height, width):
@@ -74,7 +80,7 @@ class UNetModel(StageModel):
         inputs = super().sample_inputs(batch, height, width, device, dtype, generator)
         inputs["timestep"] = (torch.rand((1,), generator=generator) * 999).to(device)
         if self.added_conditions:  # sizes and crop corners, as the pipeline gives them
-            inputs["time_ids"] = (torch.rand((batch, TIME_IDS), generator=generator) * 1024).round().to(
+            inputs["time_ids"] = (torch.rand((batch, self.time_ids), generator=generator) * 1024).round().to(
                 device=device, dtype=dtype)
         return inputs
 

@@ -22,7 +22,7 @@ COMPONENTS = {
     "vae": ("config.json", "_class_name", "diffusers"),
     "scheduler": ("scheduler_config.json", "_class_name", "diffusers"),
 }
-XL_ONLY = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder
+XL_ONLY = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder (its refiner has only that one)
 WEIGHTED = ("text_encoder", "text_encoder_2", "unet", "vae")
 
 
@@ -32,8 +32,13 @@ def is_xl_index(index: dict) -> bool:
 
 
 def model_components(index: dict) -> tuple[str, ...]:
-    """The components a model of this model_index.json has."""
-    return tuple(c for c in COMPONENTS if is_xl_index(index) or c not in XL_ONLY)
+    """The components a model of this model_index.json has: for SDXL those it names (the refiner names no first
+    text encoder), for SD 1.x/2.x (or a folder without one) all but SDXL's second text encoder."""
+    if is_xl_index(index):
+        return tuple(c for c in COMPONENTS if isinstance(index.get(c), list) and index[c][0] is not None)
+    return tuple(c for c in COMPONENTS if c not in XL_ONLY)
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 

@@ -108,9 +108,8 @@ def test_another_vae_decodes_as_diffusers_does_with_it(tiny, other_vae):
     theirs = ref(request.prompts, negative_prompt=request.negative_prompts, height=64, width=64, num_inference_steps=3,
                  guidance_scale=7.5, generator=torch.Generator("cpu").manual_seed(1), output_type="np").images
     assert np.abs(ours.astype(int) - (theirs * 255).round().astype(int)).max() <= 2
-    own = to_uint8(Text2ImagePipeline(tiny, create_stages("torch", [STAGE_MODELS[n](tiny) for n in TEXT_TO_IMAGE_STAGES],
-                                                           CPU, torch.float32), "DDIM", CPU, torch.float32)(
-        request, StageTimer(CPU)))
+    own_stages = create_stages("torch", [STAGE_MODELS[n](tiny) for n in TEXT_TO_IMAGE_STAGES], CPU, torch.float32)
+    own = to_uint8(Text2ImagePipeline(tiny, own_stages, "DDIM", CPU, torch.float32)(request, StageTimer(CPU)))
     assert np.abs(own.astype(int) - ours.astype(int)).max() > 10  # the other VAE was used
 
 

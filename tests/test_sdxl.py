@@ -128,3 +128,75 @@ def test_demo_renders_tiny_xl(tmp_path):
                  "--seed", "4", "--num-warmup-runs", "0"]) == 0
     report = json.loads((out / "tiny-xl-seed4.json").read_text())
     assert report["scheduler"] == "Euler" and report["model"] == "tiny-xl" and report["negative_prompt"] is None
+
+
+@pytest.fixture(scope="module")
+def tiny_refiner():
+    return resolve_model("tiny-xl-refiner")
+
+
+def test_the_refiner_has_its_second_encoder_and_aesthetic_time_ids(tiny_refiner):
+    assert tiny_refiner.is_xl and "text_encoder" not in tiny_refiner.components
+    assert text_to_image_stages(tiny_refiner) == ("clip2", "unet", "vae")
+    unet = STAGE_MODELS["unet"](tiny_refiner)
+    assert unet.input_shapes(2, 64, 64)["time_ids"] == (2, 5)  # original size, crop corner, aesthetic score
+    assert unet.input_shapes(2, 64, 64)["encoder_hidden_states"] == (2, 77, 32)
+
+
+@pytest.mark.parametrize("scheduler, fraction", [("Euler", 0.8), ("DDIM", 0.6), ("EulerA", 0.7)])
+def test_base_then_refiner_matches_diffusers_ensemble_of_experts(tiny_xl, xl_stages, tiny_refiner, scheduler,
+                                                                  fraction):
+    from demo.backends import create_stages
+    from demo.pipeline import ExpertsPipeline
+
+    refiner_stages = create_stages("torch", [STAGE_MODELS[n](tiny_refiner) for n in text_to_image_stages(tiny_refiner)],
+                                   CPU, torch.float32)
+    request = GenerationRequest(PROMPTS, None, height=64, width=48, steps=6, guidance_scale=6.0, seed=3)
+    pipeline = ExpertsPipeline(make_pipeline(tiny_xl, xl_stages, scheduler, CPU, torch.float32),
+                               make_pipeline(tiny_refiner, refiner_stages, scheduler, CPU, torch.float32), fraction)
+    ours = pipeline(request, StageTimer(CPU))
+
+    base = diffusers.StableDiffusionXLPipeline.from_pretrained(tiny_xl.path)
+    refiner = diffusers.StableDiffusionXLImg2ImgPipeline.from_pretrained(tiny_refiner.path)
+    for ref in (base, refiner):
+        ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config)
+        ref.set_progress_bar_config(disable=True)
+    generator = torch.Generator("cpu").manual_seed(3)
+    common = dict(num_inference_steps=6, guidance_scale=6.0, generator=generator)
+    latents = base(PROMPTS, height=64, width=48, denoising_end=fraction, output_type="latent", **common).images
+    theirs = refiner(PROMPTS, image=latents, denoising_start=fraction, output_type="np", **common).images
+    assert ours.shape == theirs.shape == (2, 64, 48, 3)
+    # Compared before rounding to 8 bits: the refiner's aesthetic scores move the tiny model's pixels by less.
+    assert np.abs(ours - theirs).max() <= 1e-4
+    assert to_uint8(ours).std() > 5
+    base_steps, refiner_steps, _ = pipeline.split(6)
+    assert len(base_steps) + len(refiner_steps) == pipeline.unet_calls(6) == 6 and len(refiner_steps) > 0
+
+
+def test_demo_renders_with_the_refiner(tmp_path):
+    from demo.cli.generate import main
+
+    out = tmp_path / "out"
+    assert main(["a castle", "--model", "tiny-xl", "--refiner", "tiny-xl-refiner", "--high-noise-frac", "0.5",
+                 "--output-dir", str(out), "--denoising-steps", "4", "--seed", "4", "--num-warmup-runs", "0"]) == 0
+    report = json.loads((out / "tiny-xl-seed4.json").read_text())
+    assert report["model"] == "tiny-xl + tiny-xl-refiner" and report["unet_calls"] == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny", "--refiner", "tiny-xl-refiner"], "--refiner refines an SDXL base model"),
+    (["--model", "tiny-xl", "--refiner", "tiny-xl-refiner", "--high-noise-frac", "1.5"],
+     "--high-noise-frac must be between 0 and 1"),
+    (["--model", "tiny-xl", "--refiner", "tiny"], "--refiner tiny is not an SDXL model"),
+])
+def test_refiner_usage_errors(args, message, tmp_path, capsys, monkeypatch):
+    from demo.cli.generate import main
+
+    def load_stages(*_, **__):
+        raise AssertionError("a model was loaded before every argument was checked")
+
+    monkeypatch.setattr("demo.backends.create_stages", load_stages)
+    assert main(["a prompt", "--output-dir", str(tmp_path / "out"), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("demo-diffusion: error: ") and message in lines[-1]
+    assert not (tmp_path / "out").exists()

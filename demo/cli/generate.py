@@ -23,6 +23,14 @@ def _backends_help() -> str:
 
 
 @dataclass(frozen=True)
+class RefinerFlags:
+    refiner: str | None = flag("SDXL: then refine with this model (a built-in such as tiny-xl-refiner, or a "
+                               "StableDiffusionXLImg2ImgPipeline folder), an ensemble of experts", metavar="MODEL")
+    high_noise_frac: float = flag("with --refiner: the part of the schedule the base denoises, the rest is the "
+                                  "refiner's (default: %(default)s)", 0.8)
+
+
+@dataclass(frozen=True)
 class DemoFlags:
     backend: str = flag(_backends_help, "auto")
     output_dir: str = flag("where images and the report go (default: %(default)s)", "output")
@@ -37,6 +45,7 @@ def build_parser():
     add_flags(p, ModelFlags)
     add_flags(p, RequestFlags, required=("prompt",))
     add_flags(p, DemoFlags)
+    add_flags(p, RefinerFlags)
     add_flags(p, EngineFlags, "ONNX and TensorRT engines")
     shared = ", ".join("--" + name.replace("_", "-") for name in TORCH_USES_ENGINE_FLAGS)
     add_flags(p, TorchFlags, "PyTorch backend", description=f"unset, each comes from the torch defaults measured "
@@ -53,6 +62,41 @@ def validate(request: RequestFlags, demo: DemoFlags, source) -> None:
     check_request(request, source)
     at_least("--num-warmup-runs", demo.num_warmup_runs, 0)
     check_writable_directory("output directory", Path(demo.output_dir))  # made when the images are saved
+
+
+def resolve_refiner(flags: RefinerFlags, source, request: RequestFlags):
+    """The --refiner model (None: no refiner), checked against the base and the request."""
+    from core.errors import UsageError
+    from demo.pipeline import check_steps, make_scheduler
+    from models.source import resolve_model
+
+    if flags.refiner is None:
+        return None
+    if not source.is_xl:
+        raise UsageError(f"--refiner refines an SDXL base model; model '{source.name}' is not one")
+    if not 0 < flags.high_noise_frac < 1:
+        raise UsageError(f"--high-noise-frac must be between 0 and 1 (both excluded), got {flags.high_noise_frac}")
+    refiner = resolve_model(flags.refiner)
+    if not refiner.is_xl or "text_encoder_2" not in refiner.components:
+        raise UsageError(f"--refiner {flags.refiner} is not an SDXL model (its model_index.json names "
+                         f"{refiner.index.get('_class_name')})")
+    check_steps(make_scheduler(request.scheduler, refiner), request.scheduler, request.denoising_steps)
+    return refiner
+
+
+def refiner_engine_settings(engine: EngineFlags, base_settings, refiner, backend: str, request: RequestFlags):
+    """The refiner's engine settings: the base's flags, its ONNX and engines in refiner/ beside the base's (stage
+    names are the same, the engines are not)."""
+    from dataclasses import replace
+
+    from demo.arguments import engine_settings
+
+    if base_settings is None:  # the torch backend
+        return None
+    folders = replace(engine, onnx_dir=str(Path(engine.onnx_dir) / "refiner"),
+                      engine_dir=str(Path(engine.engine_dir) / "refiner"))
+    return engine_settings(folders, refiner, backend, request.batch_size, request.height, request.width,
+                           guided=request.guided)
 
 
 def accel_options(settings) -> list[str]:
@@ -103,7 +147,7 @@ def run(flags) -> int:
     from demo.backends import create_stages, device_and_dtype, select_backend
     from demo.logs import configure_library_logging
     from demo.memory import check_memory
-    from demo.pipeline import GenerationRequest, make_pipeline, resolve_request
+    from demo.pipeline import ExpertsPipeline, GenerationRequest, make_pipeline, resolve_request
     from demo.report import LatencyReport, StageTimer, device_name, library_versions
     from demo.settings import TORCH_USES_ENGINE_FLAGS
     from models import STAGE_MODELS, text_to_image_stages
@@ -119,6 +163,7 @@ def run(flags) -> int:
     source = model.resolve()
     request = resolve_request(flags[RequestFlags], source)
     validate(request, demo, source)
+    refiner = resolve_refiner(flags[RefinerFlags], source, request)
     device, dtype = device_and_dtype(backend)
     check_memory(source, request.batch_size, request.height, request.width, device, dtype)
     settings = accel = None
@@ -136,9 +181,16 @@ def run(flags) -> int:
     log(f"[{PROG}] model {source.name} ({source.path}), backend {backend} ({reason}), {device} {dtype}")
     if accel is not None:
         log(f"[{PROG}] torch backend: {accel.describe()} ({accel_reason})")
-    models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
-    stages = create_stages(backend, models, device, dtype, settings, log=log, progress=progress, torch_settings=accel)
-    pipeline = make_pipeline(source, stages, request.scheduler, device, dtype)
+    def pipeline_of(model_source, engine_settings_):
+        models = [STAGE_MODELS[name](model_source) for name in text_to_image_stages(model_source)]
+        stages = create_stages(backend, models, device, dtype, engine_settings_, log=log, progress=progress,
+                               torch_settings=accel)
+        return make_pipeline(model_source, stages, request.scheduler, device, dtype)
+
+    pipeline = pipeline_of(source, settings)
+    if refiner is not None:  # its own stages, and its own engines beside the base's
+        pipeline = ExpertsPipeline(pipeline, pipeline_of(refiner, refiner_engine_settings(
+            engine, settings, refiner, backend, request)), flags[RefinerFlags].high_noise_frac)
     for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt or "")):
         dropped = pipeline.dropped_text(text)
         if dropped:
@@ -155,7 +207,8 @@ def run(flags) -> int:
 
     report = LatencyReport(
         prompt=request.prompt, negative_prompt=request.negative_prompt,
-        model=source.name, backend=backend, backend_reason=reason, device=device_name(device),
+        model=source.name if refiner is None else f"{source.name} + {refiner.name}",
+        backend=backend, backend_reason=reason, device=device_name(device),
         precision="fp16" if dtype == torch.float16 else "fp32", scheduler=request.scheduler,
         steps=request.denoising_steps, unet_calls=unet_calls, guidance_scale=request.guidance_scale,
         seed=request.seed, batch_size=request.batch_size, height=request.height, width=request.width,
