@@ -141,13 +141,7 @@ BUILTIN_MODELS.update({
     # layers in the attention block, 16-wide attention heads (our kernels take them).
     "tiny-xl": {
         "unet": {
-            "sample_size": 32,
-            "in_channels": 4,
-            "out_channels": 4,
-            "block_out_channels": [32, 64],
-            "layers_per_block": 2,
-            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
-            "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+            **{k: v for k, v in BUILTIN_MODELS["tiny"]["unet"].items() if k != "attention_head_dim"},
             "attention_head_dim": [2, 4],  # diffusers' name for the number of heads (SDXL: 5, 10, 20)
             "transformer_layers_per_block": [1, 2],
             "use_linear_projection": True,
@@ -155,20 +149,10 @@ BUILTIN_MODELS.update({
             "addition_time_embed_dim": 8,
             "projection_class_embeddings_input_dim": 6 * 8 + 32,  # six time ids, and text_encoder_2's projection
             "cross_attention_dim": 64,  # the two text encoders' widths, concatenated
-            "norm_num_groups": 8,
         },
         "vae": BUILTIN_MODELS["tiny"]["vae"],
         "text_encoder": BUILTIN_MODELS["tiny"]["text_encoder"],
-        "text_encoder_2": {
-            "hidden_size": 32,
-            "intermediate_size": 37,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "max_position_embeddings": 77,
-            "projection_dim": 32,
-            "vocab_size": 1000,
-            "hidden_act": "gelu",
-        },
+        "text_encoder_2": {**BUILTIN_MODELS["tiny"]["text_encoder"], "hidden_act": "gelu"},  # OpenCLIP's activation
         "vocab_size": 1000,
         "scheduler": SDXL_SCHEDULER,
     },

@@ -1,18 +1,17 @@
-"""Same seed, same image as diffusers' StableDiffusionPipeline (CPU, fp32, torch backend)."""
+"""Same seed, same image as diffusers' StableDiffusionPipeline (CPU, fp32, torch backend): tests/parity.py."""
 
 import json
 import shutil
 
-import diffusers
 import numpy as np
 import pytest
 import torch
 
-from demo.pipeline import SCHEDULERS, GenerationRequest, Text2ImagePipeline, to_uint8
+from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
 from demo.report import StageTimer
 from models.source import resolve_model
+from tests.parity import CPU, check_parity
 
-CPU = torch.device("cpu")
 PROMPTS = ["a photo of an astronaut riding a horse", "a red car"]
 NEGATIVE = ["blurry", ""]
 
@@ -29,41 +28,18 @@ def v_prediction_dir(tiny, tmp_path_factory):
     return directory
 
 
-def _diffusers_images(model_dir, scheduler, request):
-    ref = diffusers.StableDiffusionPipeline.from_pretrained(model_dir, safety_checker=None,
-                                                            requires_safety_checker=False)
-    ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config)
-    ref.set_progress_bar_config(disable=True)
-    images = ref(
-        request.prompts, negative_prompt=request.negative_prompts, height=request.height, width=request.width,
-        num_inference_steps=request.steps, guidance_scale=request.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
-    ).images
-    return (images * 255).round().astype(np.uint8)
-
-
-def _check_parity(source, stages, scheduler, request):
-    pipeline = Text2ImagePipeline(source, stages, scheduler, torch.device("cpu"), torch.float32)
-    ours = to_uint8(pipeline(request, StageTimer(torch.device("cpu"))))
-    theirs = _diffusers_images(source.path, scheduler, request)
-    assert ours.shape == theirs.shape == (request.batch_size, request.height, request.width, 3)
-    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2
-    assert ours.std() > 5  # a real image, not a constant
-    return ours
-
-
 @pytest.mark.parametrize("scheduler", ["DDIM", "EulerA", "DPM++2M", "PNDM"])
 def test_matches_diffusers(tiny, tiny_stages, scheduler):
     # seed 0 is a valid seed; a non-square, non-native size checks the latent shape arithmetic.
     request = GenerationRequest(PROMPTS, NEGATIVE, height=48, width=80, steps=6, guidance_scale=7.5, seed=0)
-    _check_parity(tiny, tiny_stages, scheduler, request)
+    check_parity(tiny, tiny_stages, scheduler, request)
 
 
 def test_matches_diffusers_v_prediction_without_guidance(v_prediction_dir, tiny_stages):
     source = resolve_model(str(v_prediction_dir))
     assert source.prediction_type == "v_prediction"
     request = GenerationRequest(PROMPTS[:1], NEGATIVE[:1], height=64, width=64, steps=5, guidance_scale=1.0, seed=3)
-    _check_parity(source, tiny_stages, "Euler", request)
+    check_parity(source, tiny_stages, "Euler", request)
 
 
 def test_seed_changes_image(tiny, tiny_stages):
@@ -99,15 +75,7 @@ def test_another_vae_decodes_as_diffusers_does_with_it(tiny, other_vae):
     assert source.vae == other_vae / "vae" and source.fingerprint != tiny.fingerprint  # engines are keyed by it
     stages = create_stages("torch", [STAGE_MODELS[n](source) for n in TEXT_TO_IMAGE_STAGES], CPU, torch.float32)
     request = GenerationRequest(PROMPTS[:1], NEGATIVE[:1], height=64, width=64, steps=3, guidance_scale=7.5, seed=1)
-    ours = to_uint8(Text2ImagePipeline(source, stages, "DDIM", CPU, torch.float32)(request, StageTimer(CPU)))
-    ref = diffusers.StableDiffusionPipeline.from_pretrained(
-        tiny.path, vae=AutoencoderKL.from_pretrained(other_vae / "vae"), safety_checker=None,
-        requires_safety_checker=False)
-    ref.scheduler = diffusers.DDIMScheduler.from_config(ref.scheduler.config)
-    ref.set_progress_bar_config(disable=True)
-    theirs = ref(request.prompts, negative_prompt=request.negative_prompts, height=64, width=64, num_inference_steps=3,
-                 guidance_scale=7.5, generator=torch.Generator("cpu").manual_seed(1), output_type="np").images
-    assert np.abs(ours.astype(int) - (theirs * 255).round().astype(int)).max() <= 2
+    ours = check_parity(source, stages, "DDIM", request, vae=AutoencoderKL.from_pretrained(other_vae / "vae"))
     own_stages = create_stages("torch", [STAGE_MODELS[n](tiny) for n in TEXT_TO_IMAGE_STAGES], CPU, torch.float32)
     own = to_uint8(Text2ImagePipeline(tiny, own_stages, "DDIM", CPU, torch.float32)(request, StageTimer(CPU)))
     assert np.abs(own.astype(int) - ours.astype(int)).max() > 10  # the other VAE was used

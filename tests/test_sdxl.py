@@ -13,8 +13,8 @@ from demo.pipeline import SCHEDULERS, GenerationRequest, SDXLPipeline, make_pipe
 from demo.report import StageTimer
 from models import STAGE_MODELS, text_to_image_stages
 from models.source import resolve_model
+from tests.parity import CPU, check_parity
 
-CPU = torch.device("cpu")
 PROMPTS = ["a photo of an astronaut riding a horse", "a red car"]
 
 
@@ -72,49 +72,27 @@ def test_the_text_encoder_stages_give_penultimate_states_and_pooled_embeddings(t
     assert not torch.equal(states, out.last_hidden_state)  # not the last layer (SD 1.x's)
 
 
-def _diffusers_images(model_dir, scheduler, request):
-    ref = diffusers.StableDiffusionXLPipeline.from_pretrained(model_dir)
-    ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config)
-    ref.set_progress_bar_config(disable=True)
-    images = ref(
-        request.prompts, negative_prompt=request.negative_prompts, height=request.height, width=request.width,
-        num_inference_steps=request.steps, guidance_scale=request.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
-    ).images
-    return (images * 255).round().astype(np.uint8)
-
-
-def _check_parity(source, stages, scheduler, request):
-    pipeline = make_pipeline(source, stages, scheduler, CPU, torch.float32)
-    assert isinstance(pipeline, SDXLPipeline)
-    ours = to_uint8(pipeline(request, StageTimer(CPU)))
-    theirs = _diffusers_images(source.path, scheduler, request)
-    assert ours.shape == theirs.shape == (request.batch_size, request.height, request.width, 3)
-    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2
-    assert ours.std() > 5  # a real image, not a constant
-    return ours
-
-
 @pytest.mark.parametrize("scheduler", ["Euler", "DDIM", "DPM++2M"])
 def test_matches_diffusers_sdxl(tiny_xl, xl_stages, scheduler):
     """No negative prompt (None): zero embeddings, as the config's force_zeros_for_empty_prompt says. A non-square,
     non-native size checks the time ids and the latent arithmetic."""
+    assert isinstance(make_pipeline(tiny_xl, xl_stages, scheduler, CPU, torch.float32), SDXLPipeline)
     request = GenerationRequest(PROMPTS, None, height=48, width=80, steps=5, guidance_scale=6.0, seed=0)
-    _check_parity(tiny_xl, xl_stages, scheduler, request)
+    check_parity(tiny_xl, xl_stages, scheduler, request)
 
 
 def test_an_explicit_empty_negative_prompt_is_encoded_not_zeroed(tiny_xl, xl_stages):
     base = dict(height=64, width=64, steps=4, guidance_scale=6.0, seed=7)
-    empty = _check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], [""], **base))
-    zeros = _check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], None, **base))
+    empty = check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], [""], **base))
+    zeros = check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], None, **base))
     assert not np.array_equal(empty, zeros)
-    _check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], ["blurry"], **base))
+    check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], ["blurry"], **base))
 
 
 def test_without_zeros_in_the_config_no_negative_prompt_is_the_empty_one(no_zeros_dir, xl_stages):
     source = resolve_model(str(no_zeros_dir))
     base = dict(height=64, width=64, steps=3, guidance_scale=5.0, seed=2)
-    unset = _check_parity(source, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], None, **base))
+    unset = check_parity(source, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], None, **base))
     empty = to_uint8(make_pipeline(source, xl_stages, "Euler", CPU, torch.float32)(
         GenerationRequest(PROMPTS[:1], [""], **base), StageTimer(CPU)))
     assert np.array_equal(unset, empty)
