@@ -1,8 +1,9 @@
-"""Text-to-image: tokenize -> CLIP -> denoising loop with classifier-free guidance -> VAE decode.
+"""Text-to-image: tokenize -> text encoder(s) -> denoising loop with classifier-free guidance -> VAE decode.
 
-The arithmetic follows diffusers' StableDiffusionPipeline step for step (latents drawn from a CPU
-generator, scheduler scaling, guidance, the scheduler's own step), so with the torch backend the same
-seed gives the same image as diffusers.
+The arithmetic follows diffusers' pipelines step for step (latents drawn from a CPU generator, scheduler scaling,
+guidance, the scheduler's own step), so with the torch backend the same seed gives the same image as diffusers:
+Text2ImagePipeline as StableDiffusionPipeline, SDXLPipeline as StableDiffusionXLPipeline (and, for a refiner,
+StableDiffusionXLImg2ImgPipeline from latents), ExpertsPipeline as SDXL base then refiner.
 """
 
 from __future__ import annotations
