@@ -3,6 +3,7 @@ device and precision, and stage creation."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -51,6 +52,18 @@ def device_and_dtype(backend: str, precision: str = "auto") -> tuple[torch.devic
     return device, torch.float16 if precision == "fp16" else torch.float32
 
 
+def _stage_settings(model: StageModel, settings: TorchSettings, dtype: torch.dtype,
+                    progress: Callable[[str], None]) -> TorchSettings:
+    """A stage's torch settings: a stage upcast beyond the pipeline's precision (SDXL's VAE) keeps its own modules,
+    since our kernels take the pipeline's fp16."""
+    upcast = model.stage_dtype(dtype)
+    if not settings.plugins or upcast == dtype:
+        return settings
+    progress(f"[plugins] {model.name}: none (it runs in {str(upcast).removeprefix('torch.')}, our kernels in "
+             f"{str(dtype).removeprefix('torch.')})")
+    return replace(settings, plugins=())
+
+
 def create_stages(backend: str, models: list[StageModel], device: torch.device, dtype: torch.dtype,
                   engine_settings=None, log: Callable[[str], None] = print,
                   progress: Callable[[str], None] = print, torch_settings: TorchSettings | None = None
@@ -58,7 +71,9 @@ def create_stages(backend: str, models: list[StageModel], device: torch.device, 
     """The pipeline's stages: the modules themselves (torch, as `torch_settings` say; default: unchanged)
     or engines (built or found as `engine_settings` say)."""
     if backend == "torch":
-        stages = {m.name: TorchStage(m, device, m.stage_dtype(dtype), torch_settings or FALLBACK) for m in models}
+        settings = torch_settings or FALLBACK
+        stages = {m.name: TorchStage(m, device, m.stage_dtype(dtype), _stage_settings(m, settings, dtype, progress))
+                  for m in models}
         for stage in stages.values():
             if stage.substitution is not None:
                 progress(stage.substitution.line(stage.name))

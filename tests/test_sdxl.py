@@ -178,3 +178,17 @@ def test_refiner_usage_errors(args, message, tmp_path, capsys, monkeypatch):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("demo-diffusion: error: ") and message in lines[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_upcast_vae_keeps_its_modules_when_the_others_take_our_kernels(tiny_xl, capsys):
+    """SDXL's VAE runs in fp32 (force_upcast) under an fp16 pipeline; our kernels take fp16, so it is left out of
+    the substitution (found on an H200: group_norm refused its fp32 tensors)."""
+    from demo.backends import create_stages
+    from demo.torch_accel import TorchSettings
+
+    settings = TorchSettings(plugins=("GroupNorm",))
+    stages = create_stages("torch", [STAGE_MODELS["unet"](tiny_xl), STAGE_MODELS["vae"](tiny_xl)], CPU,
+                           torch.float16, progress=print, torch_settings=settings)
+    assert stages["vae"].dtype == torch.float32 and stages["vae"].substitution is None
+    assert stages["unet"].dtype == torch.float16 and stages["unet"].substitution.replaced["GroupNorm"] > 0
+    assert "[plugins] vae: none (it runs in float32, our kernels in float16)" in capsys.readouterr().out
