@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from bench.charts import ablation_chart, kernel_chart
-from bench.common import ResultsFlags, log, slug
+from bench.common import ResultsFlags, log, measuring_parser, slug
 from bench.jobs import ALL, ATTENTION, BUILT_STAGES, BuildPlan, build_all, config_jobs, export_and_probe
 from bench.runner import compare_images, run_config
 from bench.tables import ablation_table, kernel_table
@@ -82,15 +82,7 @@ class AblationFlags:
 
 
 def build_parser():
-    from demo.arguments import Parser
-    from demo.settings import add_flags
-
-    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
-    add_flags(p, ModelFlags, model="sd1.5-arch")
-    add_flags(p, RequestFlags)
-    add_flags(p, AblationFlags)
-    add_flags(p, ResultsFlags)
-    return p
+    return measuring_parser(PROG, __doc__.splitlines()[0], AblationFlags)
 
 
 def main(argv: list[str] | None = None) -> int:

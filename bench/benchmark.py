@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 
-from bench.common import ResultsFlags, log, one_line, slug
+from bench.common import ResultsFlags, log, measuring_parser, one_line, slug
 from bench.contenders import DEFAULT_CONTENDERS, DEFAULTS, EAGER, resolve_defaults, select_contenders, why_skip
 from bench.runner import Setup, Workload, compare_images, free_memory, load_image, run_contender, save_image
 from bench.tables import KINDS, benchmark_table
@@ -65,14 +65,9 @@ class BenchmarkFlags:
 
 
 def build_parser():
-    from demo.arguments import Parser
     from demo.settings import add_flags
 
-    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
-    add_flags(p, ModelFlags, model="sd1.5-arch")
-    add_flags(p, RequestFlags)
-    add_flags(p, BenchmarkFlags)
-    add_flags(p, ResultsFlags)
+    p = measuring_parser(PROG, __doc__.splitlines()[0], BenchmarkFlags)
     add_flags(p, EngineFlags, "engines (as build-engines takes them)",
               description=", ".join(option_name(item) for item in fields(EngineFlags) if item.name in PER_CONTENDER)
               + ": set per contender")

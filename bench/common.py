@@ -29,6 +29,20 @@ class ResultsFlags:
         return Path(self.defaults_file) if self.defaults_file else TUNED_DEFAULTS_FILE
 
 
+def measuring_parser(prog: str, description: str, own: type):
+    """A measuring command's parser: the model (sd1.5-arch by default), the shared request flags, the command's
+    own flags (`own`, a flags dataclass) and where it writes."""
+    from demo.arguments import Parser
+    from demo.settings import ModelFlags, RequestFlags, add_flags
+
+    parser = Parser(prog=prog, description=description)
+    add_flags(parser, ModelFlags, model="sd1.5-arch")
+    add_flags(parser, RequestFlags)
+    add_flags(parser, own)
+    add_flags(parser, ResultsFlags)
+    return parser
+
+
 def slug(text: str) -> str:
     """`text` for file and folder names: lower-case letters and digits, anything else between them one '-'."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "none"

@@ -153,20 +153,23 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def group_norm_silu_case(title: str, b: int, c: int, side: int, eps: float) -> Case:
+    """GroupNorm (32 groups) + SiLU on [b, c, side, side], ours against eager and compiled PyTorch."""
+    def eager(x, g, be):
+        return F.silu(F.group_norm(x, 32, g, be, eps))
+
+    return Case("group_norm_silu", title, lambda: (randn(b, c, side, side), randn(c), randn(c)),
+                lambda x, g, be: ops.group_norm(x, g, be, 32, eps, True, False),
+                {"eager": eager, "compiled": _compiled(eager)}, bytes=4 * b * c * side * side)
+
+
 def norm_cases(model: str, res: int, channels: tuple[int, ...]) -> list[Case]:
     cases = []
     for level, c in enumerate(channels):
         side = res // 8 // 2**level
         b, s = 2, side * side
         numel = b * c * s
-        def gn_eager(x, g, be):
-            return F.silu(F.group_norm(x, 32, g, be, 1e-5))
-
-        cases.append(Case(
-            "group_norm_silu", f"{model} UNet {res}^2 C={c} {side}x{side}",
-            lambda b=b, c=c, side=side: (randn(b, c, side, side), randn(c), randn(c)),
-            lambda x, g, be: ops.group_norm(x, g, be, 32, 1e-5, True, False),
-            {"eager": gn_eager, "compiled": _compiled(gn_eager)}, bytes=4 * numel))
+        cases.append(group_norm_silu_case(f"{model} UNet {res}^2 C={c} {side}x{side}", b, c, side, 1e-5))
         def ln(x, g, be):
             return F.layer_norm(x, (x.shape[-1],), g, be, 1e-5)
 
@@ -196,15 +199,7 @@ def norm_cases(model: str, res: int, channels: tuple[int, ...]) -> list[Case]:
 def vae_cases(res: int) -> list[Case]:
     cases = []
     for c, side in ((512, res // 8), (512, res // 4), (512, res // 2), (256, res // 2), (256, res), (128, res)):
-        b = 2
-        def gn_eager(x, g, be):
-            return F.silu(F.group_norm(x, 32, g, be, 1e-6))
-
-        cases.append(Case(
-            "group_norm_silu", f"VAE {res}^2 C={c} {side}x{side}",
-            lambda b=b, c=c, side=side: (randn(b, c, side, side), randn(c), randn(c)),
-            lambda x, g, be: ops.group_norm(x, g, be, 32, 1e-6, True, False),
-            {"eager": gn_eager, "compiled": _compiled(gn_eager)}, bytes=4 * b * c * side * side))
+        cases.append(group_norm_silu_case(f"VAE {res}^2 C={c} {side}x{side}", 2, c, side, 1e-6))
     return cases
 
 

@@ -8,34 +8,20 @@ with both numbers; one under it may still run out (that is caught too: demo.argu
 
 from __future__ import annotations
 
-import json
-import struct
+import math
 from pathlib import Path
 
 import torch
 
 from core.errors import UsageError
 from models.source import ModelSource
-from models.validate import WEIGHTED
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+from models.validate import WEIGHTED, safetensors_header
 
 
-def _safetensors_parameters(path: Path) -> tuple[int, int]:
-    """(parameters, bytes as stored) of a safetensors file, from its header."""
-    with path.open("rb") as file:
-        (length,) = struct.unpack("<Q", file.read(8))
-        header = json.loads(file.read(length))
-    count = stored = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        elements = 1
-        for size in entry["shape"]:
-            elements *= size
-        count += elements
-        stored += elements * _DTYPE_BYTES.get(entry["dtype"], 4)
-    return count, stored
+def _parameters(path: Path) -> int:
+    """How many parameters a safetensors file holds, from its header."""
+    _, header = safetensors_header(path)
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
 def weight_bytes(source: ModelSource, dtype: torch.dtype) -> int:
@@ -45,7 +31,7 @@ def weight_bytes(source: ModelSource, dtype: torch.dtype) -> int:
     for component in (c for c in WEIGHTED if c in source.components):
         for path in sorted(source.component_dir(component).iterdir()):
             if path.suffix == ".safetensors":
-                total += _safetensors_parameters(path)[0] * element
+                total += _parameters(path) * element
             elif path.suffix == ".bin":
                 total += path.stat().st_size
     return total

@@ -351,8 +351,9 @@ def manifest_damage(directory: Path) -> str | None:
         actual = _file_record(path)
         if actual != recorded:
             return f"{name} changed ({actual['size']} bytes, recorded {recorded.get('size')})"
-        if path.suffix == ".safetensors" and check_weight_file(path):
-            return f"{name}: {check_weight_file(path)}"
+        reason = check_weight_file(path) if path.suffix == ".safetensors" else None
+        if reason:
+            return f"{name}: {reason}"
     return None
 
 

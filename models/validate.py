@@ -65,23 +65,32 @@ def _class_name(config: dict, key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def check_safetensors(path: Path) -> str | None:
-    """Why a safetensors file is not whole (None: its header parses and its tensors end where the file does)."""
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header: its length in bytes and its JSON (a ValueError saying why it cannot be read)."""
     size = path.stat().st_size
     with path.open("rb") as file:
         head = file.read(8)
         if len(head) < 8:
-            return f"{size} bytes, too short for a safetensors header"
+            raise ValueError(f"{size} bytes, too short for a safetensors header")
         (length,) = struct.unpack("<Q", head)
         if length > size - 8:
-            return f"its header claims {length} bytes but the file has {size}"
+            raise ValueError(f"its header claims {length} bytes but the file has {size}")
         try:
-            header = json.loads(file.read(length))
+            return length, json.loads(file.read(length))
         except ValueError as exc:
-            return f"its header is not JSON ({exc})"
+            raise ValueError(f"its header is not JSON ({exc})") from None
+
+
+def check_safetensors(path: Path) -> str | None:
+    """Why a safetensors file is not whole (None: its header parses and its tensors end where the file does)."""
+    try:
+        length, header = safetensors_header(path)
+    except ValueError as exc:
+        return str(exc)
     ends = [entry["data_offsets"][1] for name, entry in header.items()
             if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets", ())) == 2]
     expected = 8 + length + max(ends, default=0)
+    size = path.stat().st_size
     return None if expected == size else f"{size} bytes where its header says {expected} (truncated or padded)"
 
 
@@ -105,9 +114,9 @@ def validate_model_folder(path: Path, name: str) -> None:
         if not (path / component / file_name).exists():
             raise UsageError(f"model '{name}' is missing component '{component}' (no {component}/{file_name} in "
                              f"{path})")
-        validate_component(path / component, component, index.get(component, [None, None])[1:])
-    _check_scheduler(read_config(path / "scheduler" / COMPONENTS["scheduler"][0], "scheduler"),
-                     path / "scheduler" / COMPONENTS["scheduler"][0])
+        config = validate_component(path / component, component, index.get(component, [None, None])[1:])
+        if component == "scheduler":
+            _check_scheduler(config, path / component / file_name)
 
 
 def validate_component(folder: Path, component: str, index_class: list | None = None) -> dict:
