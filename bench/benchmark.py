@@ -20,10 +20,10 @@ fastest torch-backend combination measured at the first workload as this compute
 (plugins/tuned_defaults.json, or --defaults-file), which the torch backend's unset flags take.
 
 Engines: plugin-free engines for the first workload live in --onnx-dir / --engine-dir (so engines that
-build-engines built with the same flags are reused); with plugins in <dir>-plugins, other workloads in
-<dir>[-plugins]-<W>x<H>-b<batch>. Build them ahead with build-engines (--build-static-batch and the same
---disable-tactic-sources and --optimization-level) when a build would not fit a session, or run those
-sd-ablation built (--engines-from-ablation).
+build-engines built with the same flags are reused); with all plugins in <dir>-plugins, with some (tensorrt-auto)
+in <dir>-plugins-<keys>, other workloads in <dir>[-plugins...]-<W>x<H>-b<batch>. Build them ahead with
+build-engines (--build-static-batch and the same --disable-tactic-sources and --optimization-level) when a build
+would not fit a session, or run those sd-ablation built (--engines-from-ablation).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from functools import partial
 from pathlib import Path
 
 from bench.common import ResultsFlags, log, measuring_parser, one_line, slug
-from bench.contenders import DEFAULT_CONTENDERS, DEFAULTS, EAGER, resolve_defaults, select_contenders, why_skip
+from bench.contenders import DEFAULT_CONTENDERS, EAGER, resolve_here, select_contenders, why_skip
 from bench.runner import Setup, Workload, compare_images, free_memory, load_image, run_contender, save_image
 from bench.tables import KINDS, benchmark_table
 from core.errors import UsageError
@@ -262,7 +262,7 @@ def benchmark(model: ModelFlags, request: RequestFlags, bench: BenchmarkFlags, o
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
     setup = Setup(source, device, dtype, request, engine, bench.runs, bench.warmup_runs, bench.engines_from_ablation,
                   model.verbose, say)
-    chosen = [resolve_defaults(c, device) if c.label == DEFAULTS else c for c in chosen]
+    chosen = [resolve_here(c, device) for c in chosen]
     results = Results(Path(output.results_dir), bench.fresh, gpu, meta)
     say(f"{len(chosen)} contender(s) x {len(workloads)} workload(s) on {gpu}: {', '.join(c.label for c in chosen)}; "
         f"{request.scheduler}, seed {request.seed}")

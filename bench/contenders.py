@@ -11,6 +11,7 @@ from plugins.contract import ATTENTION_KEYS, PLUGIN_KEYS
 
 EAGER = "diffusers-eager"  # the reference every image is compared with
 DEFAULTS = "ours-defaults"  # the torch backend's tuned defaults, resolved on the machine that runs it
+TRT_AUTO = "tensorrt-auto"  # engines with the plugins `--plugins auto` picks, resolved on the machine that runs it
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ def contenders() -> dict[str, Contender]:
         named.append(Contender(f"ours-no-{family}", f"ours without {'/'.join(keys)}",
                                settings=replace(ours, plugins=tuple(k for k in every if k not in keys))))
     named += [Contender("tensorrt", "TensorRT engines, CUDA graphs", "tensorrt"),
+              Contender(TRT_AUTO, "TensorRT engines with the plugins --plugins auto picks here, CUDA graphs",
+                        "tensorrt"),
               Contender("tensorrt-plugins", "TensorRT engines with all our plugins, CUDA graphs", "tensorrt",
                         plugins=every)]
     return {c.label: c for c in named}
@@ -89,10 +92,17 @@ def select_contenders(text: str | None) -> list[Contender]:
     return sorted(chosen, key=lambda c: c.label != EAGER)
 
 
-def resolve_defaults(contender: Contender, device) -> Contender:
-    """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot run)."""
+def resolve_here(contender: Contender, device) -> Contender:
+    """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot
+    run); tensorrt-auto with the plugins `--plugins auto` means here; any other contender as it is."""
     from demo.torch_accel import resolve_torch_settings
+    from models.plugin_set import parse_plugin_set
 
+    if contender.label == TRT_AUTO:
+        plugins = parse_plugin_set("auto")
+        return replace(contender, plugins=plugins, what=f"{contender.what}: {', '.join(plugins) or 'none'}")
+    if contender.label != DEFAULTS:
+        return contender
     try:
         settings, source = resolve_torch_settings(device=device)
     except UsageError as exc:

@@ -16,7 +16,7 @@ from bench.common import STAGES, slug, workload_title
 from bench.contenders import Contender
 from bench.jobs import BuildPlan, Job, ablation_engine_stages, create_config_stages
 from demo.settings import EngineFlags, RequestFlags
-from plugins.contract import OURS
+from plugins.contract import OURS, PLUGIN_KEYS
 
 PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per ablation configuration
 ABLATION_WARMUP_RUNS = 2
@@ -86,12 +86,19 @@ def free_memory(device) -> None:
 def contender_engine_flags(engine: EngineFlags, contender: Contender, workload: Workload,
                            first: Workload) -> EngineFlags:
     """A TensorRT contender's engine flags: plugin-free engines for the first workload in --onnx-dir and
-    --engine-dir (so engines build-engines made with the same flags are reused), with plugins in
-    <dir>-plugins, other workloads in <dir>[-plugins]-<W>x<H>-b<batch>; static shapes, CUDA graphs."""
-    suffix = ("-plugins" if contender.plugins else "") + ("" if workload == first else f"-{workload.slug()}")
+    --engine-dir (so engines build-engines made with the same flags are reused), with all plugins in
+    <dir>-plugins, with some in <dir>-plugins-<keys>, other workloads in <dir>[-plugins...]-<W>x<H>-b<batch>;
+    static shapes, CUDA graphs."""
+    suffix = plugin_dir_suffix(contender.plugins) + ("" if workload == first else f"-{workload.slug()}")
     return replace(engine, onnx_dir=engine.onnx_dir + suffix, engine_dir=engine.engine_dir + suffix,
                    build_static_batch=True, build_dynamic_shape=False, use_cuda_graph=True,
                    plugins=",".join(contender.plugins) or "none", plugin_convention=OURS)
+
+
+def plugin_dir_suffix(plugins: tuple[str, ...]) -> str:
+    if not plugins:
+        return ""
+    return "-plugins" if set(plugins) == set(PLUGIN_KEYS) else "-plugins-" + "-".join(k.lower() for k in plugins)
 
 
 def _engine_row(stages: dict, engine_dir, **measured) -> dict:

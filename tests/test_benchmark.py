@@ -13,10 +13,13 @@ from PIL import Image
 from bench import benchmark
 from bench.benchmark import main, write_defaults
 from bench.common import slug
-from bench.contenders import DEFAULT_CONTENDERS, EAGER, contenders, select_contenders
+from bench.contenders import DEFAULT_CONTENDERS, EAGER, contenders, resolve_here, select_contenders
+from bench.runner import Workload, contender_engine_flags
 from core.errors import UsageError
 from demo.report import device_name
+from demo.settings import EngineFlags
 from demo.torch_accel import TorchSettings, resolve_torch_settings
+from models.plugin_set import parse_plugin_set
 from plugins import torch_ops
 from plugins.tuned import PLUGINS_AUTO, TORCH_DEFAULTS, read_entry, write_entry
 
@@ -187,6 +190,21 @@ def test_contender_selection():
     assert "fMHA" not in toggles["ours-no-attention"].plugins and "GroupNorm" in toggles["ours-no-attention"].plugins
     with pytest.raises(UsageError):
         select_contenders(",")
+
+
+def test_tensorrt_auto_takes_the_plugins_auto_picks_here_and_engines_of_each_set_their_own_folder(monkeypatch):
+    monkeypatch.setattr("models.plugin_set.local_compute_capability", lambda: "9.0")
+    auto = resolve_here(contenders()["tensorrt-auto"], None)
+    assert auto.plugins == parse_plugin_set("auto", "9.0") and auto.plugins
+    first, other = Workload(512, 512, 1), Workload(768, 768, 1)
+    folders = {label: contender_engine_flags(EngineFlags(), c, first, first).engine_dir
+               for label, c in {"tensorrt": contenders()["tensorrt"], "tensorrt-auto": auto,
+                                "tensorrt-plugins": contenders()["tensorrt-plugins"]}.items()}
+    assert len(set(folders.values())) == 3 and folders["tensorrt-plugins"] == folders["tensorrt"] + "-plugins"
+    assert folders["tensorrt-auto"].startswith(folders["tensorrt"] + "-plugins-")
+    assert contender_engine_flags(EngineFlags(), auto, other, first).engine_dir == \
+        f"{folders['tensorrt-auto']}-{other.slug()}"
+    assert contender_engine_flags(EngineFlags(), auto, first, first).plugins == ",".join(auto.plugins)
 
 
 def _row(label, backend, pipeline, settings, workload="sd1.5-arch, 512x512, batch 1, 50 steps"):
