@@ -60,6 +60,10 @@ class LatencyReport:
     options_reason: str = ""  # where the torch backend's settings came from
     prompt: str = ""  # with the negative prompt, seed, scheduler, steps and guidance: what makes the image again
     negative_prompt: str | None = None  # None: not given (see RequestFlags)
+    input_image: str | None = None  # image-to-image and inpainting: the files given, and the strength
+    mask_image: str | None = None
+    strength: float | None = None
+    loras: list[dict] = field(default_factory=list)  # the LoRA files fused in: path and scale each
     images: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
 
@@ -68,11 +72,10 @@ class LatencyReport:
         return self.batch_size / (self.latency_ms["pipeline"] / 1e3)
 
     def table(self) -> str:
-        rows = [
-            ("CLIP", self.latency_ms["clip"]),
-            (f"UNet x {self.unet_calls}", self.latency_ms["unet"]),
-            ("VAE-Dec", self.latency_ms["vae"]),
-        ]
+        rows = [("CLIP", self.latency_ms["clip"])]
+        if "vae_encoder" in self.latency_ms:  # image-to-image and inpainting
+            rows.append(("VAE-Enc", self.latency_ms["vae_encoder"]))
+        rows += [(f"UNet x {self.unet_calls}", self.latency_ms["unet"]), ("VAE-Dec", self.latency_ms["vae"])]
         line = "|-----------------|--------------|"
         out = [line, "|     Module      |   Latency    |", line]
         out += [f"| {name:^15} | {ms:9.2f} ms |" for name, ms in rows]

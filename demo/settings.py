@@ -29,12 +29,13 @@ Group = TypeVar("Group")
 
 
 def flag(help: str | Callable[[], str], default: Any = None, *, name: str | None = None, metavar: str | None = None,
-         choices: tuple | None = None, positional: bool = False) -> Any:
+         choices: tuple | None = None, positional: bool = False, repeatable: bool = False) -> Any:
     """A dataclass field that declares its flag: `--field-name` unless `name` says otherwise; booleans that
-    default to False are switches, those that default to None take --x / --no-x. A callable `help` is called
-    when the flag is declared (for help that names what another module defines)."""
+    default to False are switches, those that default to None take --x / --no-x; a `repeatable` one (a tuple,
+    default None) takes one value each time it is given. A callable `help` is called when the flag is declared
+    (for help that names what another module defines)."""
     return field(default=default, metadata={"help": help, "name": name, "metavar": metavar, "choices": choices,
-                                            "positional": positional})
+                                            "positional": positional, "repeatable": repeatable})
 
 
 def same_as(group: type, name: str) -> Any:
@@ -183,7 +184,9 @@ def add_flags(parser: argparse.ArgumentParser, group: type, title: str | None = 
             options["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
         else:
             options.update(type=kind, metavar=meta["metavar"], choices=meta["choices"])
-        if several:
+        if meta["repeatable"]:
+            options["action"] = "append"
+        elif several:
             options["nargs"] = "+" if item.name in required else "*"
         if meta["positional"]:
             del options["dest"]
@@ -233,6 +236,8 @@ def to_argv(settings: Any) -> list[str]:
             argv += values
         elif isinstance(value, bool):
             argv.append(option_name(item) if value else "--no-" + option_name(item)[2:])
+        elif item.metadata["repeatable"]:
+            argv += [arg for v in values for arg in (option_name(item), v)]
         else:
             argv += [option_name(item), *values]
     return argv

@@ -13,6 +13,9 @@ TEXT_TO_IMAGE_STAGES = ("clip", "unet", "vae")
 XL_TEXT_TO_IMAGE_STAGES = ("clip", "clip2", "unet", "vae")
 # Under classifier-free guidance these run the unconditional and conditional halves in one batch.
 GUIDED_STAGES = ("clip", "clip2", "unet")
+# These see one image whatever the batch: the input image (and inpainting's masked one) is encoded once and its
+# latents repeated, as diffusers does with one image for several prompts.
+SINGLE_IMAGE_STAGES = ("vae_encoder",)
 
 
 def text_to_image_stages(source) -> tuple[str, ...]:
@@ -21,6 +24,13 @@ def text_to_image_stages(source) -> tuple[str, ...]:
     return tuple(name for name in stages if STAGE_MODELS[name].component in source.components)
 
 
+def image_to_image_stages(source) -> tuple[str, ...]:
+    """The stages image-to-image and inpainting run: text-to-image's and the VAE encoder (input image to latents)."""
+    return (*text_to_image_stages(source), VAEEncoderModel.name)
+
+
 def stage_batch(stage: str, images: int, guided: bool) -> int:
     """The batch `stage` sees for `images` images."""
+    if stage in SINGLE_IMAGE_STAGES:
+        return 1
     return images * 2 if guided and stage in GUIDED_STAGES else images

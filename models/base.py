@@ -92,6 +92,16 @@ class StageModel(abc.ABC):
         """The module ONNX export traces; the same computation as load_module()."""
         return self.load_module()
 
+    def component_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The diffusers or transformers model of `component` inside `module` (what load_module gave): the module
+        paths LoRA files name are its (models.lora)."""
+        raise NotImplementedError(f"{self.name} takes no LoRA")
+
+    def component_skeleton(self) -> torch.nn.Module:
+        """component_module's architecture alone, on the meta device: its module paths and weight shapes, with no
+        weight read."""
+        raise NotImplementedError(f"{self.name} takes no LoRA")
+
     # ---- ONNX ----------------------------------------------------------------------------------
     def export_onnx(self, path: Path, device: str | torch.device, dtype: torch.dtype, opset: int = ONNX_OPSET) -> None:
         """Export with dynamic axes; weights go to `<name>.data` beside `path` when above 2 GB."""

@@ -203,6 +203,10 @@ BUILTIN_MODELS["tiny-xl-refiner"] = {
     "scheduler": SDXL_SCHEDULER,
     "refiner": True,
 }
+# Inpainting models: the UNet takes the latents, the mask and the masked image's latents (4 + 1 + 4 channels).
+for _base in ("tiny", "tiny-xl"):
+    BUILTIN_MODELS[f"{_base}-inpaint"] = {**BUILTIN_MODELS[_base], "inpainting": True,
+                                          "unet": {**BUILTIN_MODELS[_base]["unet"], "in_channels": 9}}
 XL_PAD = "!"  # SDXL's second tokenizer pads with "!" where the first pads with its end-of-text token
 
 
@@ -310,11 +314,13 @@ def build_builtin_model(name: str, directory: Path) -> None:
             **parts, tokenizer=None, tokenizer_2=_tokenizer({**spec, "text_encoder": spec["text_encoder_2"]}, XL_PAD),
             scheduler=scheduler, requires_aesthetics_score=True, force_zeros_for_empty_prompt=False)
     elif xl:
-        pipe = diffusers.StableDiffusionXLPipeline(**parts, tokenizer=tokenizer, tokenizer_2=_tokenizer(spec, XL_PAD),
-                                                   scheduler=scheduler)
+        xl_class = "StableDiffusionXLInpaintPipeline" if spec.get("inpainting") else "StableDiffusionXLPipeline"
+        pipe = getattr(diffusers, xl_class)(**parts, tokenizer=tokenizer, tokenizer_2=_tokenizer(spec, XL_PAD),
+                                            scheduler=scheduler)
     else:
-        pipe = diffusers.StableDiffusionPipeline(**parts, tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
-                                                 feature_extractor=None, requires_safety_checker=False)
+        sd_class = "StableDiffusionInpaintPipeline" if spec.get("inpainting") else "StableDiffusionPipeline"
+        pipe = getattr(diffusers, sd_class)(**parts, tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
+                                            feature_extractor=None, requires_safety_checker=False)
     if "dtype" in spec:
         pipe.to(getattr(torch, spec["dtype"]))
     pipe.save_pretrained(directory)

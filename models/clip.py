@@ -51,6 +51,16 @@ class CLIPModel(StageModel):
             self.source.component_dir(self.component), attn_implementation=attn_implementation)
         return _TextEmbeddings(encoder, penultimate=self.source.is_xl, pooled=len(self.output_names) > 1)
 
+    def component_module(self, module):
+        return module.text_encoder
+
+    def component_skeleton(self):
+        import transformers
+
+        encoder = getattr(transformers, self.encoder_class)
+        with torch.device("meta"):
+            return encoder(encoder.config_class.from_dict(self.config))
+
     def export_module(self):
         # Traced through SDPA, the float32 causal mask promotes fp16 scores, and the residual stream of
         # an fp16 export turns float32 after the first layer (mixed-type LayerNorms that strongly typed

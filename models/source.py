@@ -94,7 +94,14 @@ class ModelSource:
 
     @property
     def latent_channels(self) -> int:
-        return self.config("unet")["in_channels"]
+        """The channels of the latents the UNet denoises: its output's (an inpainting UNet takes more)."""
+        return self.config("unet")["out_channels"]
+
+    @property
+    def inpainting(self) -> bool:
+        """An inpainting model: its UNet takes the mask and the masked image's latents beside the latents (9 input
+        channels for 4)."""
+        return self.config("unet")["in_channels"] == 2 * self.latent_channels + 1
 
     @property
     def text_length(self) -> int:
@@ -153,7 +160,7 @@ def _vae_folder(spec: str, source: ModelSource) -> Path:
     if not (folder / COMPONENTS["vae"][0]).is_file():
         raise UsageError(f"--vae {spec}: not a VAE folder (no {COMPONENTS['vae'][0]} in it or in its vae/)")
     config = validate_component(folder, "vae")
-    channels = source.config("unet")["in_channels"]
+    channels = source.latent_channels
     if config.get("latent_channels") != channels:
         raise UsageError(f"--vae {spec}: its latents have {config.get('latent_channels')} channels, model "
                          f"'{source.name}''s UNet takes {channels}")

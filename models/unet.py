@@ -88,3 +88,12 @@ class UNetModel(StageModel):
         from diffusers import UNet2DConditionModel
 
         return _Denoiser(UNet2DConditionModel.from_pretrained(self.source.component_dir(self.component)))
+
+    def component_module(self, module):
+        return module.unet
+
+    def component_skeleton(self):
+        from diffusers import UNet2DConditionModel
+
+        with torch.device("meta"):
+            return UNet2DConditionModel.from_config(self.config)

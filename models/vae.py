@@ -19,6 +19,7 @@ class _Decoder(torch.nn.Module):
 class _Encoder(torch.nn.Module):
     def __init__(self, vae):
         super().__init__()
+        vae.decoder = vae.post_quant_conv = None  # the decoder stage has its own; this one keeps only what encodes
         self.vae = vae
 
     def forward(self, images):
@@ -33,9 +34,17 @@ def _load_vae(source, component):
     return AutoencoderKL.from_pretrained(source.component_dir(component))
 
 
-class VAEDecoderModel(StageModel):
-    name = "vae"
+class _VAEStage(StageModel):
     component = "vae"
+
+    def stage_dtype(self, dtype):
+        # SDXL's VAE overflows in fp16: its pipelines encode and decode in fp32 where the config says force_upcast.
+        upcast = self.source.is_xl and dtype == torch.float16 and self.config.get("force_upcast", True)
+        return torch.float32 if upcast else dtype
+
+
+class VAEDecoderModel(_VAEStage):
+    name = "vae"
     input_names = ("latent",)
     output_names = ("images",)
     dynamic_axes = {"latent": {0: "B", 2: "latent_height", 3: "latent_width"},
@@ -47,18 +56,15 @@ class VAEDecoderModel(StageModel):
     def output_shapes(self, batch, height, width):
         return {"images": (batch, self.config["out_channels"], height, width)}
 
-    def stage_dtype(self, dtype):
-        # SDXL's VAE overflows in fp16: its pipeline decodes in fp32 where the config says force_upcast.
-        upcast = self.source.is_xl and dtype == torch.float16 and self.config.get("force_upcast", True)
-        return torch.float32 if upcast else dtype
-
     def load_module(self):
         return _Decoder(_load_vae(self.source, self.component))
 
 
-class VAEEncoderModel(StageModel):
+class VAEEncoderModel(_VAEStage):
+    """Image-to-image and inpainting: images in [-1, 1] to their latents' Gaussian, once per run at batch 1
+    (models.stage_batch)."""
+
     name = "vae_encoder"
-    component = "vae"
     input_names = ("images",)
     output_names = ("latent_moments",)
     dynamic_axes = {"images": {0: "B", 2: "height", 3: "width"},

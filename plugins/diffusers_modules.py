@@ -6,8 +6,9 @@
 The substitutes use the modules' own parameters (the same Parameter objects, so the state dict keeps
 its keys and storage); the one exception is self-attention's packed QKV projection, built once from
 to_q/to_k/to_v with its rows interleaved per head ([H, 3, D] as the fMHA kernel reads them) and kept
-as a non-persistent buffer beside them. What the kernels cannot take stays as it is and is reported
-as skipped with its reason, like the ONNX plugin passes do:
+as a non-persistent buffer beside them (repack_qkv refreshes it where their weights change). What the
+kernels cannot take stays as it is and is reported as skipped with its reason, like the ONNX plugin
+passes do:
 
 | key | module | becomes |
 | --- | --- | --- |
@@ -202,8 +203,10 @@ def _attention_problem(attn, cross: bool) -> str | None:
     return None
 
 
-def _pack_qkv(attn, heads: int, size: int) -> int:
-    """Register to_q/to_k/to_v's weights (and biases) packed as [H, 3, D] rows; returns their bytes."""
+def _packed_qkv(attn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """to_q/to_k/to_v's weights (and biases) with their rows interleaved per head ([H, 3, D]), as fMHA reads them."""
+    heads, size = attn.heads, attn.inner_dim // attn.heads
+
     def packed(tensors):
         return torch.stack([t.view(heads, size, *t.shape[1:]) for t in tensors], dim=1).flatten(0, 2)
 
@@ -211,9 +214,27 @@ def _pack_qkv(attn, heads: int, size: int) -> int:
     with torch.no_grad():
         weight = packed([p.weight for p in projections])
         bias = packed([p.bias for p in projections]) if attn.to_q.bias is not None else None
+    return weight, bias
+
+
+def _pack_qkv(attn) -> int:
+    """Register the packed QKV weights (and biases) beside the projections; returns their bytes."""
+    weight, bias = _packed_qkv(attn)
     attn.register_buffer("sdp_qkv_weight", weight, persistent=False)
     attn.register_buffer("sdp_qkv_bias", bias, persistent=False)
     return weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+
+
+def repack_qkv(root: nn.Module) -> None:
+    """The packed QKV copies made again from the projections' weights, after those changed (a LoRA fused in), in
+    place: compiled code and captured CUDA graphs hold the buffers' storage."""
+    for module in root.modules():
+        if getattr(module, "sdp_qkv_weight", None) is not None:
+            weight, bias = _packed_qkv(module)
+            with torch.no_grad():
+                module.sdp_qkv_weight.copy_(weight)
+                if bias is not None:
+                    module.sdp_qkv_bias.copy_(bias)
 
 
 def _substitute_attention(root: nn.Module, report: Substitution, cross: bool) -> None:
@@ -231,7 +252,7 @@ def _substitute_attention(root: nn.Module, report: Substitution, cross: bool) ->
             continue
         size = module.inner_dim // module.heads
         if not cross:
-            report.packed_bytes += _pack_qkv(module, module.heads, size)
+            report.packed_bytes += _pack_qkv(module)
         module.set_processor(AttentionProcessor(module.processor, cross, module.heads, size))
         report.replaced[family] += 1
 

@@ -1,36 +1,56 @@
-"""Same seed, same image: our pipeline against diffusers' own (StableDiffusionPipeline or StableDiffusionXLPipeline,
-as the model's model_index.json says), on the CPU in fp32."""
+"""Same seed, same image: our pipeline against diffusers' own for the request's mode (StableDiffusionPipeline,
+StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline or their SDXL twins, as the model's model_index.json
+says), on the CPU in fp32."""
 
 import diffusers
 import numpy as np
 import torch
 
-from demo.pipeline import SCHEDULERS, GenerationRequest, make_pipeline, to_uint8
+from demo.pipeline import (
+    IMAGE_TO_IMAGE,
+    INPAINTING,
+    SCHEDULERS,
+    TEXT_TO_IMAGE,
+    GenerationRequest,
+    make_pipeline,
+    to_uint8,
+)
 from demo.report import StageTimer
 
 CPU = torch.device("cpu")
+# A request's mode -> diffusers' pipelines for it (SD 1.x/2.x, SDXL).
+REFERENCES = {
+    TEXT_TO_IMAGE: ("StableDiffusionPipeline", "StableDiffusionXLPipeline"),
+    IMAGE_TO_IMAGE: ("StableDiffusionImg2ImgPipeline", "StableDiffusionXLImg2ImgPipeline"),
+    INPAINTING: ("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline"),
+}
 
 
 def diffusers_images(source, scheduler: str, request: GenerationRequest, **components) -> np.ndarray:
-    """diffusers' pipeline for the model (with `components` in place of its own), as 8-bit pixels."""
-    if source.is_xl:
-        ref = diffusers.StableDiffusionXLPipeline.from_pretrained(source.path, **components)
-    else:
-        ref = diffusers.StableDiffusionPipeline.from_pretrained(source.path, safety_checker=None,
-                                                                requires_safety_checker=False, **components)
+    """diffusers' pipeline for the model and the request's mode (with `components` in place of its own), as 8-bit
+    pixels."""
+    reference = getattr(diffusers, REFERENCES[request.mode][source.is_xl])
+    no_checker = {} if source.is_xl else dict(safety_checker=None, requires_safety_checker=False)
+    ref = reference.from_pretrained(source.path, **no_checker, **components)
     ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config)
     ref.set_progress_bar_config(disable=True)
+    inputs = dict(height=request.height, width=request.width)
+    if request.mode == IMAGE_TO_IMAGE:  # diffusers' image-to-image takes its size from the image
+        inputs = dict(image=request.image, strength=request.strength)
+    elif request.mode == INPAINTING:
+        inputs.update(image=request.image, mask_image=request.mask, strength=request.strength)
     images = ref(
-        request.prompts, negative_prompt=request.negative_prompts, height=request.height, width=request.width,
-        num_inference_steps=request.steps, guidance_scale=request.guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(request.seed), output_type="np",
+        request.prompts, negative_prompt=request.negative_prompts, num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np", **inputs,
     ).images
     return (images * 255).round().astype(np.uint8)
 
 
 def check_parity(source, stages, scheduler: str, request: GenerationRequest, **components) -> np.ndarray:
     """Our image against diffusers' within 2/255, and a real image (not a constant); returns ours."""
-    ours = to_uint8(make_pipeline(source, stages, scheduler, CPU, torch.float32)(request, StageTimer(CPU)))
+    ours = to_uint8(make_pipeline(source, stages, scheduler, CPU, torch.float32, request.mode)(request,
+                                                                                             StageTimer(CPU)))
     theirs = diffusers_images(source, scheduler, request, **components)
     assert ours.shape == theirs.shape == (request.batch_size, request.height, request.width, 3)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2

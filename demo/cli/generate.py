@@ -1,6 +1,8 @@
-"""demo-diffusion: text-to-image with Stable Diffusion, with a per-stage latency report.
+"""demo-diffusion: text-to-image, image-to-image and inpainting with Stable Diffusion, with a per-stage latency report.
 
     demo-diffusion "a photo of an astronaut riding a horse" --model tiny
+    demo-diffusion "a castle" --model tiny --input-image photo.png --strength 0.6
+    demo-diffusion "a castle" --model tiny-inpaint --input-image photo.png --mask-image mask.png
 """
 
 from __future__ import annotations
@@ -22,12 +24,35 @@ def _backends_help() -> str:
     return f"one of {', '.join(BACKENDS)} (default: %(default)s)"
 
 
+def _strength_help() -> str:
+    from demo.pipeline import DEFAULT_STRENGTH
+
+    defaults = ", ".join(f"{value} for {mode}" for mode, value in DEFAULT_STRENGTH.items())
+    return f"with --input-image: how much of the schedule re-draws it, above 0 and at most 1 (default: {defaults})"
+
+
+@dataclass(frozen=True)
+class ImageFlags:
+    input_image: str | None = flag("image-to-image: start from this image, resized to --height/--width where given "
+                                   "(default: its own size, rounded down to a multiple of 8)", metavar="PATH")
+    strength: float | None = flag(_strength_help, metavar="F")
+    mask_image: str | None = flag("inpainting, with --input-image: repaint where this mask is white, keep where it is "
+                                  "black (resized with the image)", metavar="PATH")
+
+
 @dataclass(frozen=True)
 class RefinerFlags:
     refiner: str | None = flag("SDXL: then refine with this model (a built-in such as tiny-xl-refiner, or a "
                                "StableDiffusionXLImg2ImgPipeline folder), an ensemble of experts", metavar="MODEL")
     high_noise_frac: float = flag("with --refiner: the part of the schedule the base denoises, the rest is the "
                                   "refiner's (default: %(default)s)", 0.8)
+
+
+@dataclass(frozen=True)
+class LoraFlags:
+    lora: tuple[str, ...] | None = flag("fuse this LoRA file (.safetensors: diffusers/PEFT or kohya keys) into the "
+                                        "UNet and text encoders, its delta times SCALE (default 1.0); repeatable, the "
+                                        "deltas add up; torch backend only", metavar="PATH[:SCALE]", repeatable=True)
 
 
 @dataclass(frozen=True)
@@ -41,10 +66,13 @@ def build_parser():
     from demo.arguments import Parser
     from demo.settings import TORCH_USES_ENGINE_FLAGS, add_flags
 
-    p = Parser(prog=PROG, description="Stable Diffusion text-to-image with per-stage latency report.")
+    p = Parser(prog=PROG, description="Stable Diffusion text-to-image, image-to-image and inpainting with per-stage "
+                                      "latency report.")
     add_flags(p, ModelFlags)
     add_flags(p, RequestFlags, required=("prompt",))
+    add_flags(p, ImageFlags, "image-to-image and inpainting")
     add_flags(p, DemoFlags)
+    add_flags(p, LoraFlags, "LoRA")
     add_flags(p, RefinerFlags)
     add_flags(p, EngineFlags, "ONNX and TensorRT engines")
     shared = ", ".join("--" + name.replace("_", "-") for name in TORCH_USES_ENGINE_FLAGS)
@@ -53,25 +81,92 @@ def build_parser():
     return p
 
 
-def validate(request: RequestFlags, demo: DemoFlags, source) -> None:
+def read_image(option: str, path: str):
+    """An image file, loaded (a one-line UsageError where it is missing or not an image PIL can read)."""
+    from PIL import Image
+
+    from core.errors import UsageError
+
+    try:
+        image = Image.open(path)
+        image.load()
+    except FileNotFoundError:
+        raise UsageError(f"{option} {path}: no such file") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:  # a folder, not an image, truncated, huge
+        reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"{option} {path}: cannot be read as an image ({reason})") from None
+    return image
+
+
+def read_inputs(flags: ImageFlags):
+    """The input image (RGB) and mask as read (None where not given), each flag checked against those it needs."""
+    from core.errors import UsageError
+
+    if flags.input_image is None:
+        for option, value in (("--mask-image", flags.mask_image), ("--strength", flags.strength)):
+            if value is not None:
+                raise UsageError(f"{option} needs --input-image (the image to start from)")
+        return None, None
+    image = read_image("--input-image", flags.input_image).convert("RGB")  # as diffusers' image processor takes it
+    if flags.mask_image is None:
+        return image, None
+    mask = read_image("--mask-image", flags.mask_image)
+    if abs(mask.width / mask.height - image.width / image.height) > 0.01 * image.width / image.height:
+        raise UsageError(f"--mask-image {flags.mask_image} is {mask.width}x{mask.height}, --input-image "
+                         f"{image.width}x{image.height}: the mask must have the image's proportions (it is resized "
+                         "with it)")
+    return image, mask
+
+
+def image_size(image, flags: RequestFlags, source) -> tuple[int, int] | None:
+    """The request's size where --height/--width are not given: the input image's, rounded down to a multiple of 8
+    (None: no input image, the model's native size); a UsageError where that size is one the model cannot take."""
+    from core.errors import UsageError
+
+    if image is None:
+        return None
+    size = (image.height - image.height % 8, image.width - image.width % 8)
+    low, high = source.image_size_range
+    if any(given is None and not low <= value <= high for given, value in zip((flags.height, flags.width), size)):
+        raise UsageError(f"--input-image is {image.width}x{image.height}; model '{source.name}' takes {low}..{high} "
+                         "pixels a side: give --height and --width to resize it")
+    return size
+
+
+def validate(request: RequestFlags, demo: DemoFlags, source, mode: str, strength: float) -> None:
     """The demo's own checks of a request whose size is resolved; run() makes these and the engine checks before
     loading or writing."""
     from demo.arguments import check_writable_directory
     from demo.pipeline import check_request
 
-    check_request(request, source)
+    check_request(request, source, mode, strength)
     at_least("--num-warmup-runs", demo.num_warmup_runs, 0)
     check_writable_directory("output directory", Path(demo.output_dir))  # made when the images are saved
 
 
-def resolve_refiner(flags: RefinerFlags, source, request: RequestFlags):
+def read_loras(flags: LoraFlags, backend: str) -> list:
+    """The --lora files, read and checked for what they hold (run checks them against the model next), with their
+    scales; the engines refuse them."""
+    from core.errors import UsageError
+    from demo.lora import ENGINES_NEED_REFIT
+    from models.lora import parse_lora_spec, read_lora
+
+    specs = [parse_lora_spec(text) for text in flags.lora or ()]
+    if specs and backend != "torch":
+        raise UsageError(ENGINES_NEED_REFIT)
+    return [(read_lora(path), scale) for path, scale in specs]
+
+
+def resolve_refiner(flags: RefinerFlags, source, request: RequestFlags, mode: str):
     """The --refiner model (None: no refiner), checked against the base and the request."""
     from core.errors import UsageError
-    from demo.pipeline import check_steps, make_scheduler
+    from demo.pipeline import TEXT_TO_IMAGE, check_steps, make_scheduler
     from models.source import resolve_model
 
     if flags.refiner is None:
         return None
+    if mode != TEXT_TO_IMAGE:
+        raise UsageError(f"--refiner refines SDXL text-to-image, not {mode}: drop --refiner, or --input-image")
     if not source.is_xl:
         raise UsageError(f"--refiner refines an SDXL base model; model '{source.name}' is not one")
     if not 0 < flags.high_noise_frac < 1:
@@ -147,10 +242,11 @@ def run(flags) -> int:
     from demo.backends import create_stages, device_and_dtype, select_backend
     from demo.logs import configure_library_logging
     from demo.memory import check_memory
-    from demo.pipeline import ExpertsPipeline, GenerationRequest, make_pipeline, resolve_request
+    from demo.pipeline import TEXT_TO_IMAGE, ExpertsPipeline, GenerationRequest, make_pipeline, resolve_request
     from demo.report import LatencyReport, StageTimer, device_name, library_versions
     from demo.settings import TORCH_USES_ENGINE_FLAGS
-    from models import STAGE_MODELS, text_to_image_stages
+    from models import STAGE_MODELS, image_to_image_stages, text_to_image_stages
+    from models.lora import check_loras, model_targets
 
     model, demo, engine, torch_flags = flags[ModelFlags], flags[DemoFlags], flags[EngineFlags], flags[TorchFlags]
     configure_library_logging(model.verbose)
@@ -160,10 +256,16 @@ def run(flags) -> int:
         print(message, file=sys.stderr, flush=True)
 
     backend, reason = select_backend(demo.backend)
+    loras = read_loras(flags[LoraFlags], backend)
+    image_flags = flags[ImageFlags]
+    image, mask = read_inputs(image_flags)
     source = model.resolve()
-    request = resolve_request(flags[RequestFlags], source)
-    validate(request, demo, source)
-    refiner = resolve_refiner(flags[RefinerFlags], source, request)
+    request = resolve_request(flags[RequestFlags], source, size=image_size(image, flags[RequestFlags], source))
+    generation = GenerationRequest.from_flags(request, image, mask, image_flags.strength)
+    validate(request, demo, source, generation.mode, generation.strength)
+    refiner = resolve_refiner(flags[RefinerFlags], source, request, generation.mode)
+    if loras:
+        check_loras(loras, model_targets(source))
     device, dtype = device_and_dtype(backend)
     check_memory(source, request.batch_size, request.height, request.width, device, dtype)
     settings = accel = None
@@ -182,26 +284,28 @@ def run(flags) -> int:
     if accel is not None:
         log(f"[{PROG}] torch backend: {accel.describe()} ({accel_reason})")
     def pipeline_of(model_source, engine_settings_):
-        models = [STAGE_MODELS[name](model_source) for name in text_to_image_stages(model_source)]
-        stages = create_stages(backend, models, device, dtype, engine_settings_, log=log, progress=progress,
-                               torch_settings=accel)
-        return make_pipeline(model_source, stages, request.scheduler, device, dtype)
+        names = (text_to_image_stages if generation.mode == TEXT_TO_IMAGE else image_to_image_stages)(model_source)
+        stages = create_stages(backend, [STAGE_MODELS[name](model_source) for name in names], device, dtype,
+                               engine_settings_, log=log, progress=progress, torch_settings=accel)
+        return make_pipeline(model_source, stages, request.scheduler, device, dtype, generation.mode)
 
     pipeline = pipeline_of(source, settings)
-    if refiner is not None:  # its own stages, and its own engines beside the base's
+    if refiner is not None:  # its own stages, and its own engines beside the base's (text-to-image only)
         pipeline = ExpertsPipeline(pipeline, pipeline_of(refiner, refiner_engine_settings(
             engine, settings, refiner, backend, request)), flags[RefinerFlags].high_noise_frac)
+        unet_calls = pipeline.unet_calls(request.denoising_steps)
+    else:
+        unet_calls = pipeline.unet_calls(request.denoising_steps, generation.strength)
+    pipeline.set_loras(loras)
     for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt or "")):
         dropped = pipeline.dropped_text(text)
         if dropped:
             print(f"warning: the {what} is longer than the text encoder's {source.text_length} tokens; dropped: "
                   f"{dropped!r}", file=sys.stderr)
-    generation = GenerationRequest.from_flags(request)
     for run in range(demo.num_warmup_runs):
         progress(f"[{PROG}] warm-up run {run + 1}/{demo.num_warmup_runs} (untimed) ...")
         pipeline(generation, StageTimer(device))
     timer = StageTimer(device)
-    unet_calls = pipeline.unet_calls(request.denoising_steps)
     with tqdm(total=unet_calls, desc="denoising", disable=not sys.stderr.isatty(), leave=False) as bar:
         images = pipeline(generation, timer, progress=bar)
 
@@ -216,7 +320,10 @@ def run(flags) -> int:
         latency_ms=timer.milliseconds(), versions=library_versions(backend),
         plugins=list(settings.plugins if settings else accel.plugins),
         options=accel_options(accel) if accel is not None else (["CUDA graphs"] if settings.use_cuda_graph else []),
-        options_reason=accel_reason,
+        options_reason=accel_reason, input_image=image_flags.input_image,
+        mask_image=image_flags.mask_image,
+        strength=None if generation.mode == TEXT_TO_IMAGE else generation.strength,
+        loras=[{"path": lora.path, "scale": scale} for lora, scale in loras],
     )
     written = save_outputs(Path(demo.output_dir), output_stem(source.name, request.seed), images, report)
     print(report.table())

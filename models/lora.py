@@ -1,0 +1,415 @@
+"""LoRA: low-rank weight deltas from LoRA files, as diffusers' load_lora_weights + fuse_lora(lora_scale=SCALE) makes
+them, for the UNet and the text encoders (SD 1.x/2.x and SDXL).
+
+    lora = read_lora("style.safetensors")             # the file's layers (a UsageError where it is bad)
+    targets = model_targets(source)                   # the model's modules, from its configs (or lora_targets(module))
+    for component, weight, delta in lora_deltas([(lora, 0.8)], targets):
+        ...                                           # ("unet", "down_blocks.0...attn1.to_q.weight", delta)
+
+read_lora, model_targets and lora_deltas are pure: they read files and tensors and change nothing, so engine refit can
+take the same deltas as the torch backend (LoraFusion: fused into the loaded modules in place, out again bit for
+bit).
+
+The key formats (one file may mix them):
+- diffusers / PEFT: `<component>.<module>.lora_A.weight` / `.lora_B.weight`, the component `unet`, `text_encoder` or
+  `text_encoder_2`; a text encoder's module with or without `text_model.`. An adapter config in the file's metadata
+  (diffusers' `lora_adapter_metadata`: lora_alpha, alpha_pattern, use_rslora) scales as PEFT does.
+- older diffusers: `.lora.down.weight` / `.lora.up.weight`, `.lora_linear_layer.down.weight` / `.up.weight`, the
+  attention processors' `<attention>.processor.to_q_lora.down.weight` (to_k, to_v, to_out), and `<module>.alpha`.
+- kohya (A1111): `lora_unet_<module>`, `lora_te_` / `lora_te1_` (text_encoder), `lora_te2_` (text_encoder_2), the
+  module's path with `_` for `.` (the UNet's in diffusers' or, as kohya's SDXL LoRAs spell it, Stability's names:
+  input_blocks, middle_block, output_blocks), each `.lora_down.weight`, `.lora_up.weight` and `.alpha`. Linear, 1x1
+  and kxk convolution LoRA (LoCon without lora_mid).
+
+delta = up @ down (a kxk convolution's: down's kernel through up's 1x1, as PEFT composes them), times alpha / rank
+(1 where the file gives no alpha) and the user's scale, in float32; several files add up. Where one file's alphas
+differ from module to module, each module takes its own (kohya's meaning): diffusers 0.42 gives the attention
+projections and text-encoder modules of such a file its most common alpha instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+from core.errors import UsageError
+from models.clip import CLIP2Model, CLIPModel
+from models.unet import UNetModel
+
+UNET, TEXT_ENCODER, TEXT_ENCODER_2 = UNetModel.component, CLIPModel.component, CLIP2Model.component
+COMPONENTS = (UNET, TEXT_ENCODER, TEXT_ENCODER_2)
+KOHYA_PREFIXES = {"lora_unet_": UNET, "lora_te_": TEXT_ENCODER, "lora_te1_": TEXT_ENCODER, "lora_te2_": TEXT_ENCODER_2}
+TEXT_MODEL = "text_model."  # transformers' CLIPTextModel has flattened it away; LoRA files and ...WithProjection not
+# diffusers' key endings -> which of the pair (before them: the component, then the module)
+DIFFUSERS_SUFFIXES = {
+    ".lora_A.weight": "down", ".lora_B.weight": "up",
+    ".lora.down.weight": "down", ".lora.up.weight": "up",
+    ".lora_linear_layer.down.weight": "down", ".lora_linear_layer.up.weight": "up",
+    "_lora.down.weight": "down", "_lora.up.weight": "up",  # attention processors': to_q_lora -> to_q
+}
+# The attention processors' projection names -> the modules (the UNet's attention, CLIP's self-attention).
+PROCESSOR_PROJECTIONS = {
+    UNET: {"to_q": "to_q", "to_k": "to_k", "to_v": "to_v", "to_out": "to_out.0"},
+    TEXT_ENCODER: {"to_q": "q_proj", "to_k": "k_proj", "to_v": "v_proj", "to_out": "out_proj"},
+}
+KOHYA_SUFFIXES = {".lora_down.weight": "down", ".lora_up.weight": "up"}
+UNSUPPORTED = {  # key fragment -> why such a file is refused
+    "lora_mid": "kohya LoCon's lora_mid (a Tucker-decomposed convolution) is not supported",
+    "dora_scale": "DoRA (dora_scale) is not supported",
+    "lora_magnitude_vector": "DoRA (lora_magnitude_vector) is not supported",
+    "lora_B.bias": "LoRA biases (lora_B.bias) are not supported",
+    "hada_w": "LyCORIS LoHa is not supported",
+    "lokr_w": "LyCORIS LoKr is not supported",
+}
+LORA_METADATA = "lora_adapter_metadata"  # diffusers' safetensors metadata key: the components' PEFT LoraConfigs
+PEFT_DEFAULT_ALPHA = 8  # peft's LoraConfig.lora_alpha where a config gives none
+Targets = Mapping[str, Mapping[str, tuple[int, ...]]]  # component -> lora_targets of its module
+
+
+@dataclass(frozen=True)
+class LoraLayer:
+    """One module's pair: delta = up @ down x alpha / rank."""
+
+    component: str  # unet, text_encoder, text_encoder_2
+    name: str  # the module as the file names it: a dotted path, or kohya's with "_" (resolved by lora_deltas)
+    down: torch.Tensor  # [rank, in] or [rank, in, kh, kw]
+    up: torch.Tensor  # [out, rank] or [out, rank, 1, 1]
+    alpha: float | None  # None: the file's adapter config decides where it has one, else alpha = rank
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    path: str
+    layers: tuple[LoraLayer, ...]
+    configs: Mapping[str, Mapping]  # component -> its PEFT LoraConfig fields, from diffusers' metadata
+
+
+def _refuse(path, message: str):
+    raise UsageError(f"LoRA {path}: {message}")
+
+
+def parse_lora_spec(text: str) -> tuple[str, float]:
+    """--lora's PATH[:SCALE] as (path, scale); no number after the last colon: all of it is the path, at scale 1."""
+    path, colon, tail = text.rpartition(":")
+    try:
+        scale = float(tail) if colon else None
+    except ValueError:
+        scale = None
+    if scale is None:
+        return text, 1.0
+    if not math.isfinite(scale):
+        raise UsageError(f"--lora {text}: the scale must be a finite number, got {tail}")
+    return path, scale
+
+
+def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+
+    if path.is_dir():
+        _refuse(path, "is a folder, not a .safetensors file")
+    try:
+        with safe_open(path, framework="pt") as file:
+            return {key: file.get_tensor(key) for key in file.keys()}, file.metadata() or {}
+    except FileNotFoundError:
+        _refuse(path, "no such file")
+    except OSError as exc:
+        _refuse(path, f"cannot be read ({exc.strerror or exc})")
+    except SafetensorError as exc:
+        _refuse(path, f"is not a safetensors file ({exc})")
+
+
+def _adapter_configs(path: Path, metadata: Mapping[str, str]) -> dict[str, dict]:
+    """diffusers' metadata: {"<component>.<LoraConfig field>": value} as one JSON string."""
+    if LORA_METADATA not in metadata:
+        return {}
+    try:
+        fields = json.loads(metadata[LORA_METADATA])
+        configs = {component: {key.removeprefix(f"{component}."): value for key, value in fields.items()
+                               if key.startswith(f"{component}.")} for component in COMPONENTS}
+    except (ValueError, AttributeError):
+        _refuse(path, f"its {LORA_METADATA} metadata is not a JSON object")
+    for component, config in configs.items():
+        for option in ("use_dora", "lora_bias"):
+            if config.get(option):
+                _refuse(path, f"{component}'s adapter config sets {option}, which is not supported")
+    return {component: config for component, config in configs.items() if config}
+
+
+def _key_part(key: str) -> tuple[str, str, str] | None:
+    """(component, module name, "down" / "up" / "alpha") for a LoRA key of a known format; None for another."""
+    for prefix, component in KOHYA_PREFIXES.items():
+        if key.startswith(prefix):
+            name, _, suffix = key[len(prefix):].partition(".")
+            part = "alpha" if suffix == "alpha" else KOHYA_SUFFIXES.get(f".{suffix}")
+            return (component, name, part) if part else None
+    component, _, rest = key.partition(".")
+    if component not in COMPONENTS:
+        return None
+    rest = rest.replace(".processor.", ".")
+    if rest.endswith(".alpha"):
+        return component, rest.removesuffix(".alpha"), "alpha"
+    for suffix, part in DIFFUSERS_SUFFIXES.items():
+        if rest.endswith(suffix):
+            name = rest.removesuffix(suffix)
+            if suffix.startswith("_lora"):
+                attention, _, projection = name.rpartition(".")
+                projections = PROCESSOR_PROJECTIONS[UNET if component == UNET else TEXT_ENCODER]
+                if projection not in projections:
+                    return None
+                name = f"{attention}.{projections[projection]}"
+            return component, name, part
+    return None
+
+
+def read_lora(path: str | Path) -> LoraFile:
+    """A LoRA safetensors file's layers, each module's down, up and alpha gathered from whichever format it is in; a
+    one-line UsageError for a file that is missing, unreadable, not safetensors, or holds keys of no format above."""
+    path = Path(path)
+    tensors, metadata = _read_tensors(path)
+    if not tensors:
+        _refuse(path, "holds no tensors")
+    parts: dict[tuple[str, str], dict[str, torch.Tensor]] = defaultdict(dict)
+    unknown = []
+    for key, tensor in tensors.items():
+        reason = next((why for fragment, why in UNSUPPORTED.items() if fragment in key), None)
+        if reason:
+            _refuse(path, f"{reason} ('{key}')")
+        found = _key_part(key)
+        if found is None:
+            unknown.append(key)
+            continue
+        component, name, part = found
+        if part in parts[component, name]:
+            _refuse(path, f"names the {part} of {component} module {name} twice ('{key}')")
+        parts[component, name][part] = tensor
+    if unknown:
+        _refuse(path, f"holds keys of no LoRA format known here, such as '{unknown[0]}' ({len(unknown)} in all; "
+                      "known: diffusers/PEFT lora_A/lora_B or lora.down/lora.up, kohya lora_unet_/lora_te_... with "
+                      "lora_down/lora_up and alpha)")
+    layers = []
+    for (component, name), found in parts.items():
+        missing = [part for part in ("down", "up") if part not in found]
+        if missing:
+            _refuse(path, f"{component} module {name} has no {missing[0]} weight")
+        down, up = found["down"], found["up"]
+        if not (down.is_floating_point() and up.is_floating_point()):
+            _refuse(path, f"{component} module {name}: its weights are {down.dtype} and {up.dtype}, not floats")
+        if down.dim() not in (2, 4) or up.dim() != down.dim() or up.shape[1] != down.shape[0] \
+                or up.shape[2:] not in ((), (1, 1)):
+            _refuse(path, f"{component} module {name}: down {list(down.shape)} and up {list(up.shape)} are no "
+                          "low-rank pair")
+        alpha = found.get("alpha")
+        if alpha is not None and (alpha.numel() != 1 or not math.isfinite(float(alpha.item()))):
+            _refuse(path, f"{component} module {name}: its alpha is not one finite number")
+        layers.append(LoraLayer(component, name, down, up, None if alpha is None else float(alpha.item())))
+    return LoraFile(str(path), tuple(layers), _adapter_configs(path, metadata))
+
+
+# ---- the model side --------------------------------------------------------------------------------------------
+
+def lora_targets(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """What a LoRA can change in a component's module (a diffusers UNet, a transformers text encoder): its Linear
+    ([out, in]) and Conv2d ([out, in, kh, kw]) weights' shapes, by module path; embeddings aside."""
+    return {name: tuple(child.weight.shape) for name, child in module.named_modules()
+            if isinstance(getattr(child, "weight", None), torch.nn.Parameter) and child.weight.dim() in (2, 4)
+            and not isinstance(child, torch.nn.Embedding)}
+
+
+def model_targets(source) -> dict[str, dict[str, tuple[int, ...]]]:
+    """lora_targets of a model's UNet and text encoders (a models.source.ModelSource's) from their configs alone: no
+    weight is read, so LoRA files are checked before the model loads, and engines know the modules."""
+    return {stage.component: lora_targets(stage(source).component_skeleton())
+            for stage in (UNetModel, CLIPModel, CLIP2Model) if stage.component in source.components}
+
+
+# Stability's (sgm) names of the UNet's modules that kohya's SDXL LoRAs use, beside diffusers'.
+SGM_FIXED = {"conv_in": "input_blocks.0.0", "conv_out": "out.2", "time_embedding.linear_1": "time_embed.0",
+             "time_embedding.linear_2": "time_embed.2", "add_embedding.linear_1": "label_emb.0.0",
+             "add_embedding.linear_2": "label_emb.0.2"}
+SGM_RESNET = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
+              "conv_shortcut": "skip_connection"}
+SGM_MID = {("resnets", "0"): "middle_block.0", ("attentions", "0"): "middle_block.1",
+           ("resnets", "1"): "middle_block.2"}
+UNET_PART = re.compile(r"(down_blocks|up_blocks)\.(\d+)\.(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.(.+)")
+
+
+def _sgm_names(paths) -> dict[str, str]:
+    """diffusers UNet module path -> its sgm name: input_blocks count conv_in, then per level its resnet (with
+    attention) layers and a downsampler; output_blocks per level its layers, the last with the upsampler after its
+    resnet and attention."""
+    resnets, attentions = Counter(), set()
+    for path in paths:
+        match = UNET_PART.match(path)
+        if match and match[3] in ("resnets", "attentions"):
+            if match[3] == "resnets":
+                resnets[match[1], int(match[2])] = max(resnets[match[1], int(match[2])], int(match[4]) + 1)
+            else:
+                attentions.add((match[1], int(match[2])))
+    names = {}
+    for path in paths:
+        if path in SGM_FIXED:
+            names[path] = SGM_FIXED[path]
+            continue
+        mid = re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d)\.(.+)", path)
+        match = UNET_PART.fullmatch(path)
+        if mid and (mid[1], mid[2]) in SGM_MID:
+            rest = SGM_RESNET.get(mid[3], mid[3]) if mid[1] == "resnets" else mid[3]
+            names[path] = f"{SGM_MID[mid[1], mid[2]]}.{rest}"
+        elif match:
+            blocks, level, kind, index, rest = match[1], int(match[2]), match[3], int(match[4]), match[5]
+            rest = SGM_RESNET.get(rest, rest) if kind == "resnets" else rest
+            if blocks == "down_blocks":
+                first = 1 + sum(resnets[blocks, lower] + 1 for lower in range(level))
+                names[path] = {"resnets": f"input_blocks.{first + index}.0.{rest}",
+                               "attentions": f"input_blocks.{first + index}.1.{rest}",
+                               "downsamplers": f"input_blocks.{first + resnets[blocks, level]}.0.op"}[kind]
+            else:
+                first = sum(resnets[blocks, lower] for lower in range(level))
+                last = first + resnets[blocks, level] - 1
+                upsampler = 2 if (blocks, level) in attentions else 1
+                names[path] = {"resnets": f"output_blocks.{first + index}.0.{rest}",
+                               "attentions": f"output_blocks.{first + index}.1.{rest}",
+                               "upsamplers": f"output_blocks.{last}.{upsampler}.{rest}"}[kind]
+    return names
+
+
+def _flat(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def _name_table(component: str, paths) -> dict[str, str]:
+    """Every name a LoRA file may give a target module, with "_" for ".", -> its path: the path itself; a text
+    encoder's with and without text_model.; the UNet's sgm name."""
+    sgm = _sgm_names(paths) if component == UNET else {}
+    table = {}
+    for path in paths:
+        if component == UNET:
+            aliases = [path, *([sgm[path]] if path in sgm else [])]
+        else:
+            aliases = [path, path.removeprefix(TEXT_MODEL) if path.startswith(TEXT_MODEL) else TEXT_MODEL + path]
+        for alias in aliases:
+            table.setdefault(_flat(alias), path)
+    return table
+
+
+def _peft_alpha(config: Mapping, path: str) -> float:
+    """The alpha PEFT gives module `path` under this LoraConfig: the first alpha_pattern key matching the path's
+    end, else lora_alpha."""
+    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", path):
+            return alpha
+    return config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+
+
+def _scaling(lora: LoraFile, layer: LoraLayer, path: str) -> float:
+    """alpha / rank as PEFT computes it (alpha / sqrt(rank) under use_rslora); 1 without an alpha."""
+    config = lora.configs.get(layer.component) if layer.alpha is None else None
+    if config is None:
+        return 1.0 if layer.alpha is None else layer.alpha / layer.rank
+    rank = math.sqrt(layer.rank) if config.get("use_rslora") else layer.rank
+    return _peft_alpha(config, path) / rank
+
+
+def _resolve(lora: LoraFile, targets: Targets, tables: Mapping[str, Mapping[str, str]]
+             ) -> list[tuple[str, str, LoraLayer]]:
+    """(component, module path, layer) per layer of the file, each checked against the model's module (`tables`:
+    _name_table's, per component)."""
+    resolved, seen = [], {}
+    for layer in lora.layers:
+        if layer.component not in targets:
+            _refuse(lora.path, f"changes {layer.component}, which this model has not (a LoRA for another model?)")
+        path = tables[layer.component].get(_flat(layer.name))
+        if path is None:
+            _refuse(lora.path, f"{layer.component} has no Linear or Conv2d module '{layer.name}' (a LoRA for "
+                               "another model?)")
+        if (layer.component, path) in seen:
+            _refuse(lora.path, f"names {layer.component} module {path} twice ({seen[layer.component, path]}, "
+                               f"{layer.name})")
+        seen[layer.component, path] = layer.name
+        weight = targets[layer.component][path]
+        made = (layer.up.shape[0], layer.down.shape[1], *layer.down.shape[2:])
+        if made != weight:
+            _refuse(lora.path, f"{layer.component} module {path} has a {list(weight)} weight; the LoRA's down "
+                               f"{list(layer.down.shape)} and up {list(layer.up.shape)} do not fit it (a LoRA for "
+                               "another model?)")
+        resolved.append((layer.component, path, layer))
+    return resolved
+
+
+def _delta(down: torch.Tensor, up: torch.Tensor, scaling: float) -> torch.Tensor:
+    """PEFT's get_delta_weight for a Linear or a Conv2d (1x1: a matrix product; kxk: down's kernels through up)."""
+    if down.dim() == 2:
+        return (up @ down) * scaling
+    if down.shape[2:] == (1, 1):
+        return (up.squeeze(3).squeeze(2) @ down.squeeze(3).squeeze(2)).unsqueeze(2).unsqueeze(3) * scaling
+    return torch.nn.functional.conv2d(down.transpose(0, 1), up).transpose(0, 1) * scaling
+
+
+def check_loras(loras: Sequence[tuple[LoraFile, float]], targets: Targets) -> dict[tuple[str, str], list]:
+    """Each file (and its scale) against the model's modules: a one-line UsageError for the first that does not fit.
+    Returns each changed module's (component, path) -> [(layer, alpha / rank x scale), ...]."""
+    tables = {component: _name_table(component, paths) for component, paths in targets.items()}
+    pairs: dict[tuple[str, str], list[tuple[LoraLayer, float]]] = defaultdict(list)
+    for lora, scale in loras:
+        if not math.isfinite(scale):
+            _refuse(lora.path, f"the scale must be a finite number, got {scale}")
+        for component, path, layer in _resolve(lora, targets, tables):
+            pairs[component, path].append((layer, _scaling(lora, layer, path) * scale))
+    return pairs
+
+
+def lora_deltas(loras: Sequence[tuple[LoraFile, float]], targets: Targets,
+                device: torch.device | str = "cpu") -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(component, "<module path>.weight", float32 delta on `device`) for each module the files change, their
+    deltas (each x its scale) added up. Every file is checked first (check_loras); the deltas are then made one
+    module at a time, as they are taken."""
+    pairs = check_loras(loras, targets)
+
+    def deltas():
+        for (component, path), layers in pairs.items():
+            total = None
+            for layer, scaling in layers:
+                delta = _delta(layer.down.to(device, torch.float32), layer.up.to(device, torch.float32), scaling)
+                total = delta if total is None else total.add_(delta)
+            yield component, f"{path}.weight", total
+
+    return deltas()
+
+
+class LoraFusion:
+    """LoRA deltas fused into loaded components' weights (component name -> its module). Weights change in place
+    (copy_), so compiled code and captured CUDA graphs, which hold their storage, see the new values; the touched
+    weights' originals are kept on the host and copied back before the next set, so switching never drifts."""
+
+    def __init__(self, components: Mapping[str, torch.nn.Module]):
+        self.components = dict(components)
+        self.targets = {name: lora_targets(module) for name, module in self.components.items()}
+        self._originals: dict[tuple[str, str], torch.Tensor] = {}
+
+    def set(self, loras: Sequence[tuple[LoraFile, float]]) -> None:
+        """Fuse `loras` (file, scale), added up, in place of those fused before; none: the base weights, bit for bit.
+        A file that does not fit the model changes nothing."""
+        device = next(next(iter(self.components.values())).parameters()).device
+        deltas = lora_deltas(loras, self.targets, device)
+        with torch.no_grad():
+            self._restore()
+            for component, name, delta in deltas:
+                weight = self.components[component].get_parameter(name)
+                self._originals[component, name] = weight.detach().to("cpu", copy=True)
+                weight.copy_((weight.float() + delta).to(weight.dtype))
+
+    def _restore(self) -> None:
+        for (component, name), original in self._originals.items():
+            self.components[component].get_parameter(name).copy_(original)
+        self._originals.clear()

@@ -1,0 +1,273 @@
+"""Image-to-image and inpainting (issue 19, parts 1 and 2): same seed, same image as diffusers' image-to-image and
+inpaint pipelines (SD and SDXL; 9-channel inpainting UNets, and the latent blend for ordinary ones) on the CPU
+(tests/parity.py), the VAE encoder as a stage on the engine path too, and demo-diffusion's flags for them.
+
+Input images are random pixels, masks neither all black nor all white, strengths mostly below 1."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from demo.pipeline import (
+    IMAGE_TO_IMAGE,
+    INPAINTING,
+    GenerationRequest,
+    Image2ImagePipeline,
+    InpaintPipeline,
+    SDXLImage2ImagePipeline,
+    SDXLInpaintPipeline,
+    make_pipeline,
+    to_uint8,
+)
+from demo.report import StageTimer
+from models import STAGE_MODELS, image_to_image_stages, stage_batch
+from models.source import resolve_model
+from tests.parity import CPU, check_parity
+
+PROMPTS = ["a photo of an astronaut riding a horse", "a red car"]
+HEIGHT, WIDTH = 64, 48  # a non-square request; tiny's native size is 64
+
+
+def random_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def a_mask(height: int, width: int) -> Image.Image:
+    """White (repaint) in a rectangle and a few scattered pixels, black (keep) elsewhere."""
+    pixels = np.zeros((height, width), np.uint8)
+    pixels[height // 6: height // 2, width // 5: 3 * width // 4] = 255
+    pixels[np.random.default_rng(1).random((height, width)) < 0.05] = 255
+    return Image.fromarray(pixels)
+
+
+IMAGE = random_image(HEIGHT, WIDTH)
+LARGER = random_image(96, 72, seed=2)  # same proportions: resized to the request's size, as diffusers does
+MASK = a_mask(HEIGHT, WIDTH)
+
+
+def request(mode: str, strength: float, image=IMAGE, mask=MASK, negatives=None, guidance=7.0, **kwargs):
+    args = dict(height=HEIGHT, width=WIDTH, steps=5, guidance_scale=guidance, seed=3)
+    return GenerationRequest(PROMPTS, negatives, **{**args, **kwargs}, image=image,
+                             mask=mask if mode == INPAINTING else None, strength=strength)
+
+
+_STAGES = {}
+
+
+def stages(name: str):
+    """A model's image-to-image stages with the torch backend on the CPU (loaded once per model)."""
+    from demo.backends import create_stages
+
+    if name not in _STAGES:
+        source = resolve_model(name)
+        models = [STAGE_MODELS[stage](source) for stage in image_to_image_stages(source)]
+        _STAGES[name] = source, create_stages("torch", models, CPU, torch.float32)
+    return _STAGES[name]
+
+
+@pytest.mark.parametrize("scheduler, strength", [("DDIM", 0.6), ("EulerA", 0.8)])
+def test_image_to_image_matches_diffusers(scheduler, strength):
+    source, used = stages("tiny")
+    assert isinstance(make_pipeline(source, used, scheduler, CPU, torch.float32, IMAGE_TO_IMAGE), Image2ImagePipeline)
+    check_parity(source, used, scheduler, request(IMAGE_TO_IMAGE, strength, negatives=["blurry", ""]))
+
+
+@pytest.mark.parametrize("model, scheduler, strength", [("tiny-xl", "Euler", 0.7), ("tiny-xl", "DPM++2M", 0.5),
+                                                        ("tiny-xl-refiner", "DDIM", 0.5)])
+def test_sdxl_image_to_image_matches_diffusers(model, scheduler, strength):
+    """The refiner alone, as StableDiffusionXLImg2ImgPipeline runs it: aesthetic scores in its time ids."""
+    source, used = stages(model)
+    assert isinstance(make_pipeline(source, used, scheduler, CPU, torch.float32, IMAGE_TO_IMAGE),
+                      SDXLImage2ImagePipeline)
+    check_parity(source, used, scheduler, request(IMAGE_TO_IMAGE, strength))
+
+
+@pytest.mark.parametrize("model, scheduler, strength", [
+    ("tiny-inpaint", "DPM++2M", 0.7),  # 9-channel UNet, noised input image
+    ("tiny-inpaint", "EulerA", 1.0),  # 9-channel UNet from noise: the input image reaches it only masked
+    ("tiny", "EulerA", 0.75),  # ordinary UNet: the latent blend; EulerA draws after the masked image's sample
+    ("tiny", "DDIM", 1.0),
+])
+def test_inpainting_matches_diffusers(model, scheduler, strength):
+    source, used = stages(model)
+    assert source.inpainting == (model == "tiny-inpaint")
+    assert isinstance(make_pipeline(source, used, scheduler, CPU, torch.float32, INPAINTING), InpaintPipeline)
+    # An input image of another size (same proportions) is resized to the request's, as diffusers resizes it.
+    check_parity(source, used, scheduler, request(INPAINTING, strength, image=LARGER, negatives=["", "blurry"]))
+
+
+@pytest.mark.parametrize("model, scheduler, strength", [("tiny-xl-inpaint", "Euler", 0.8), ("tiny-xl", "EulerA", 0.6)])
+def test_sdxl_inpainting_matches_diffusers(model, scheduler, strength):
+    source, used = stages(model)
+    assert source.is_xl and source.inpainting == (model == "tiny-xl-inpaint")
+    assert isinstance(make_pipeline(source, used, scheduler, CPU, torch.float32, INPAINTING), SDXLInpaintPipeline)
+    check_parity(source, used, scheduler, request(INPAINTING, strength, guidance=1.0))  # unguided: no doubled mask
+
+
+def run_pipeline(model: str, scheduler: str, req: GenerationRequest) -> np.ndarray:
+    source, used = stages(model)
+    return to_uint8(make_pipeline(source, used, scheduler, CPU, torch.float32, req.mode)(req, StageTimer(CPU)))
+
+
+def test_the_input_image_mask_and_strength_each_change_the_image():
+    base = run_pipeline("tiny", "DDIM", request(INPAINTING, 0.6))
+    for changed in (request(INPAINTING, 0.6, image=random_image(HEIGHT, WIDTH, seed=5)),
+                    request(INPAINTING, 0.6, mask=a_mask(HEIGHT, WIDTH).transpose(Image.Transpose.FLIP_TOP_BOTTOM)),
+                    request(INPAINTING, 0.9)):
+        assert np.abs(run_pipeline("tiny", "DDIM", changed).astype(int) - base.astype(int)).max() > 10
+    # The blend keeps the masked-out part close to the input image; the repainted part is new.
+    ours = run_pipeline("tiny", "DDIM", request(INPAINTING, 1.0, guidance=1.0)).astype(float)[0]
+    keep = (np.asarray(MASK) == 0)[..., None]
+    error = np.abs(ours - np.asarray(IMAGE, float))
+    assert (error * keep).sum() / keep.sum() < (error * ~keep).sum() / (~keep).sum()
+
+
+def test_timesteps_follow_the_strength():
+    source, used = stages("tiny")
+    pipeline = make_pipeline(source, used, "DDIM", CPU, torch.float32, IMAGE_TO_IMAGE)
+    assert pipeline.unet_calls(10) == 10 and pipeline.unet_calls(10, 0.55) == 5 and pipeline.unet_calls(10, 0.1) == 1
+    assert pipeline.timesteps(10, 0.5).tolist() == pipeline.timesteps(10).tolist()[5:]
+
+
+def test_the_vae_encoder_is_a_stage_that_honours_force_upcast():
+    """The input image is encoded once (batch 1), in fp32 where an SDXL VAE config says force_upcast; the pipeline
+    hands it the stage's dtype, whatever the others run in."""
+    from demo.backends import create_stages
+    from demo.stages import Stage
+
+    tiny, tiny_xl = resolve_model("tiny"), resolve_model("tiny-xl")
+    assert image_to_image_stages(tiny) == ("clip", "unet", "vae", "vae_encoder")
+    assert image_to_image_stages(tiny_xl) == ("clip", "clip2", "unet", "vae", "vae_encoder")
+    assert stage_batch("vae_encoder", 4, guided=True) == 1
+    encoder = STAGE_MODELS["vae_encoder"]
+    assert encoder(tiny_xl).stage_dtype(torch.float16) == torch.float32
+    assert encoder(tiny).stage_dtype(torch.float16) == torch.float16  # SD's pipelines ignore force_upcast
+    assert create_stages("torch", [encoder(tiny_xl)], CPU, torch.float16)["vae_encoder"].dtype == torch.float32
+
+    for source, expected in ((tiny_xl, torch.float32), (tiny, torch.float16)):
+        seen = []
+
+        class Stub(Stage):
+            def __call__(self, feed):
+                seen.append((self.name, {k: (v.dtype, tuple(v.shape)) for k, v in feed.items()}))
+                batch = next(iter(feed.values())).shape[0]
+                shapes = self.model.output_shapes(batch, HEIGHT, WIDTH)
+                return {name: torch.randn(shapes[name]).to(self.model.stage_dtype(torch.float16))
+                        for name in self.model.output_names}
+
+        stubs = {name: Stub(STAGE_MODELS[name](source)) for name in image_to_image_stages(source)}
+        for mode in (IMAGE_TO_IMAGE, INPAINTING):
+            seen.clear()
+            make_pipeline(source, stubs, "DDIM", CPU, torch.float16, mode)(request(mode, 0.6), StageTimer(CPU))
+            encoded = [feed["images"] for name, feed in seen if name == "vae_encoder"]
+            assert encoded == [(expected, (1, 3, HEIGHT, WIDTH))]  # an ordinary UNet never sees the masked image
+
+
+# ---- on engines (tests/fake_tensorrt.py runs the ONNX with ONNX Runtime) -----------------------------------------
+
+@pytest.fixture
+def trt(monkeypatch):
+    from tests import fake_tensorrt
+
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt.make_module("10.8.0"))
+    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
+
+
+def engine_stages(source, onnx_dir, engine_dir):
+    from demo.engine import BuildOptions, EngineSettings, ImageProfile, prepare_stage_engines
+    from demo.engine_runtime import create_engine_stages
+    from demo.trt_flavour import TensorRTAPI
+
+    quiet = lambda *_: None  # noqa: E731
+    profile = ImageProfile.for_request(source, 2, HEIGHT, WIDTH, static_batch=True, dynamic_shape=False)
+    settings = EngineSettings(onnx_dir, engine_dir, profile, BuildOptions("tensorrt", 0))
+    models = [STAGE_MODELS[name](source) for name in image_to_image_stages(source)]
+    engines = prepare_stage_engines(models, settings, CPU, torch.float32, quiet, quiet)
+    return create_engine_stages(models, engines, TensorRTAPI("tensorrt"), torch.float32, False, CPU, quiet)
+
+
+@pytest.mark.parametrize("model, mode", [("tiny", IMAGE_TO_IMAGE), ("tiny-inpaint", INPAINTING)])
+def test_engines_give_the_torch_backends_image(trt, model, mode, tmp_path):
+    source, used = stages(model)
+    on_engines = engine_stages(source, tmp_path / "onnx", tmp_path / "engine")
+    assert on_engines["vae_encoder"].engine.profile("images")[2] == (1, 3, HEIGHT, WIDTH)  # one image, any batch
+    req = request(mode, 0.7, guidance=7.5)
+    images = {name: make_pipeline(source, chosen, "DDIM", CPU, torch.float32, mode)(req, StageTimer(CPU))
+              for name, chosen in (("engine", on_engines), ("torch", used))}
+    assert abs(images["engine"] - images["torch"]).max() < 1e-3 and to_uint8(images["torch"]).std() > 5
+
+
+# ---- demo-diffusion ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("inputs")
+    paths = {"image": folder / "image.png", "mask": folder / "mask.png", "wide": folder / "wide.png",
+             "big": folder / "big.png", "text": folder / "notes.png"}
+    IMAGE.save(paths["image"])
+    a_mask(32, 24).convert("RGB").save(paths["mask"])  # half the image's size, in colour: resized and made grey
+    a_mask(32, 48).save(paths["wide"])
+    random_image(400, 300).save(paths["big"])
+    paths["text"].write_text("not an image")
+    return paths
+
+
+@pytest.mark.parametrize("args, mode, unet_calls", [
+    (["--model", "tiny", "--strength", "0.5"], IMAGE_TO_IMAGE, 2),
+    (["--model", "tiny-inpaint", "--mask-image", "MASK", "--height", "48", "--width", "32"], INPAINTING, 4),
+])
+def test_demo_renders_from_an_input_image(args, mode, unet_calls, files, tmp_path, capsys):
+    from demo.cli.generate import main
+
+    out = tmp_path / "out"
+    args = [str(files["mask"]) if arg == "MASK" else arg for arg in args]
+    assert main(["a castle", "--input-image", str(files["image"]), "--output-dir", str(out), "--denoising-steps", "4",
+                 "--scheduler", "DDIM", "--seed", "4", "--num-warmup-runs", "0", *args]) == 0
+    assert "VAE-Enc" in capsys.readouterr().out
+    report = json.loads(next(out.glob("*.json")).read_text())
+    assert report["input_image"] == str(files["image"]) and report["unet_calls"] == unet_calls
+    assert report["strength"] == (0.5 if mode == IMAGE_TO_IMAGE else 1.0)  # inpainting's default: diffusers'
+    assert report["mask_image"] == (str(files["mask"]) if mode == INPAINTING else None)
+    assert report["latency_ms"]["vae_encoder"] > 0
+    size = (report["width"], report["height"])
+    assert size == ((48, 64) if mode == IMAGE_TO_IMAGE else (32, 48))  # the image's own size, or the one asked
+    assert Image.open(out / report["images"][0]).size == size
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--input-image", "NOWHERE"], "--input-image NOWHERE: no such file"),
+    (["--input-image", "TEXT"], "cannot be read as an image"),
+    (["--input-image", "IMAGE", "--strength", "0"], "--strength must be more than 0 and at most 1, got 0.0"),
+    (["--input-image", "IMAGE", "--strength", "1.5"], "--strength must be more than 0 and at most 1"),
+    (["--input-image", "IMAGE", "--strength", "0.2", "--denoising-steps", "4"], "leaves none of the 4 denoising"),
+    (["--strength", "0.5"], "--strength needs --input-image"),
+    (["--mask-image", "MASK"], "--mask-image needs --input-image"),
+    (["--input-image", "IMAGE", "--mask-image", "WIDE"], "the mask must have the image's proportions"),
+    (["--input-image", "BIG"], "--input-image is 300x400; model 'tiny' takes 32..128 pixels a side: give --height"),
+    (["--model", "tiny-inpaint"], "model 'tiny-inpaint' is an inpainting model"),
+    (["--model", "tiny-inpaint", "--input-image", "IMAGE"], "it only inpaints, with --input-image and --mask-image"),
+    (["--model", "tiny-xl", "--refiner", "tiny-xl-refiner", "--input-image", "IMAGE"],
+     "--refiner refines SDXL text-to-image, not image-to-image"),
+])
+def test_bad_image_inputs_are_one_line_before_loading(args, message, files, tmp_path, capsys, monkeypatch):
+    from demo.cli.generate import main
+
+    def load_stages(*_, **__):
+        raise AssertionError("a model was loaded before every argument was checked")
+
+    for model in ("tiny", "tiny-inpaint", "tiny-xl", "tiny-xl-refiner"):  # generated before, not said in the run
+        resolve_model(model)
+    capsys.readouterr()
+    monkeypatch.setattr("demo.backends.create_stages", load_stages)
+    names = {"NOWHERE": str(tmp_path / "missing.png"), "TEXT": str(files["text"]), "IMAGE": str(files["image"]),
+             "MASK": str(files["mask"]), "WIDE": str(files["wide"]), "BIG": str(files["big"])}
+    message = message.replace("NOWHERE", names["NOWHERE"])
+    out = tmp_path / "out"
+    assert main(["a prompt", "--output-dir", str(out), *[names.get(arg, arg) for arg in args]]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("demo-diffusion: error: ") and message in lines[0], lines
+    assert not out.exists()
