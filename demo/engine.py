@@ -328,20 +328,26 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
         stat: dict = {"onnx_bytes": None, "onnx_s": None}
 
         model_dtype = model.stage_dtype(dtype)
+        # Our plugins' kernels take fp16 only (plugins/trt/plugin_adapter.h): a stage that runs in fp32 (SDXL's VAE
+        # where its config says force_upcast) is built from TensorRT's own layers.
+        plugins = settings.plugins if model_dtype == torch.float16 else ()
+        if plugins != settings.plugins:
+            progress(f"[plugins] {model.name}: none (it runs in {str(model_dtype).removeprefix('torch.')}, our "
+                     "TensorRT plugins in float16)")
 
         @contextlib.contextmanager
-        def make_onnx(model=model, stat=stat, dtype=model_dtype) -> Iterator[Path]:
+        def make_onnx(model=model, stat=stat, dtype=model_dtype, plugins=plugins) -> Iterator[Path]:
             start = time.perf_counter()
             progress(f"[build] {model.name}: exporting and optimizing ONNX ({dtype}) ...")
             with model.optimized_onnx(settings.onnx_dir, device, dtype, settings.force_onnx_export,
-                                      settings.force_onnx_optimize, log, settings.plugins,
+                                      settings.force_onnx_optimize, log, plugins,
                                       settings.plugin_convention) as path:
                 stat.update(onnx_bytes=artifact_bytes(path), onnx_s=time.perf_counter() - start)
                 yield path
 
         start = time.perf_counter()
         shapes = settings.profile.stage_shapes(model, settings.guided)
-        onnx_key = model.optimized_onnx_key(model_dtype, settings.plugins, settings.plugin_convention)
+        onnx_key = model.optimized_onnx_key(model_dtype, plugins, settings.plugin_convention)
         engines[model.name] = prepare_engine(model, onnx_key, make_onnx, settings.engine_dir, shapes, settings.options,
                                              settings.force_engine_build, log, progress, settings.build_missing)
         stat["engine_s"] = time.perf_counter() - start - (stat["onnx_s"] or 0.0)

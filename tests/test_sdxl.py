@@ -192,3 +192,27 @@ def test_an_upcast_vae_keeps_its_modules_when_the_others_take_our_kernels(tiny_x
     assert stages["vae"].dtype == torch.float32 and stages["vae"].substitution is None
     assert stages["unet"].dtype == torch.float16 and stages["unet"].substitution.replaced["GroupNorm"] > 0
     assert "[plugins] vae: none (it runs in float32, our kernels in float16)" in capsys.readouterr().out
+
+
+def test_an_upcast_vae_engine_is_built_without_our_plugins(tiny_xl, tmp_path, monkeypatch):
+    """The same for engines: TensorRT refused our fp16-only GroupNorm in SDXL's fp32 VAE (an H200, TensorRT 8.6:
+    "could not find any supported formats"), so that stage's ONNX gets no plugin passes and its engine key says so."""
+    from demo import engine
+
+    built = {}
+
+    def prepare_engine(model, onnx_key, make_onnx, *args, **kwargs):
+        built[model.name] = onnx_key["plugins"]
+        (tmp_path / model.name).write_bytes(b"engine")
+        return tmp_path / model.name
+
+    monkeypatch.setattr(engine, "prepare_engine", prepare_engine)
+    profile = engine.ImageProfile.for_request(tiny_xl, batch_size=1, height=64, width=64, static_batch=True,
+                                              dynamic_shape=False)
+    settings = engine.EngineSettings(tmp_path / "onnx", tmp_path / "engine", profile,
+                                     engine.BuildOptions("tensorrt", optimization_level=0), plugins=("GroupNorm",))
+    said = []
+    engine.prepare_stage_engines([STAGE_MODELS[name](tiny_xl) for name in ("unet", "vae")], settings, CPU,
+                                 torch.float16, log=said.append, progress=said.append)
+    assert built == {"unet": ["GroupNorm"], "vae": []}
+    assert "[plugins] vae: none (it runs in float32, our TensorRT plugins in float16)" in said
