@@ -8,9 +8,10 @@
 # tensorrt-auto contenders look in), four builds side by side because a 30-minute hold cannot take them one after
 # another: each set's UNet alone and its text encoders and VAE together; the auto UNet starts from a copy of the all
 # set's ONNX export (the same export, keyed alike; onnx refuses hard-linked external data) once that is written.
-# ONNX folders go once their engines are built (the disk holds 64 GiB). SDXL's VAE runs in fp32 and gets no plugins. Then one benchmark run: diffusers eager, both engine sets, our torch
-# backend with all kernels. BENCH_AFTER_S after start the benchmark starts without the auto set if that is
-# still building (the hold ends 30 minutes after the first carry call).
+# ONNX folders go once their engines are built (the disk holds 64 GiB). SDXL's VAE runs in fp32 and gets no plugins.
+# Then one benchmark run: diffusers eager, both engine sets, our torch backend with all kernels. BENCH_AFTER_S after
+# start the benchmark starts without the auto set if that is still building (the hold ends 30 minutes after the
+# first carry call). The box returns only a few files per call: collect with a poll that tars /tmp/sdxl into $OUT.
 L=/tmp/sdxl LEVEL=${LEVEL:-1} BENCH_AFTER_S=${BENCH_AFTER_S:-1200}
 SHAPE=(--model sdxl-arch --height 1024 --width 1024) REQUEST=(--seed 0 --scheduler Euler --guidance-scale 5.0)
 ENGINES=(--optimization-level "$LEVEL" --disable-tactic-sources CUDNN)
@@ -87,8 +88,7 @@ poll)
   grep -h "\[sd-benchmark\]" $L/bench.log 2>/dev/null | tail -n 12; cat $L/psnr.txt 2>/dev/null
   df -h / /tmp | tail -n 2; free -g | head -2
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
-  mkdir -p "$OUT" && cp -r $L/*.log $L/*.json $L/*.txt $L/results "$OUT/" 2>/dev/null
-  mkdir -p "$OUT/images" && find $L/images -name '*.png' -exec cp {} "$OUT/images/" \; 2>/dev/null ;;
+  mkdir -p "$OUT" && tar -czf "$OUT/sdxl.tgz" -C /tmp sdxl ;;
 *)
   echo "usage: bash results/sdxl-h200/sdxl_trt.sh start | poll"; exit 2 ;;
 esac
