@@ -210,7 +210,7 @@ def ablate(model: ModelFlags, request: RequestFlags, ablation: AblationFlags, ou
             "build_budget_s": ablation.build_budget_s, "build_gpus": ablation.build_gpus}
     json_path = write_results(Path(output.results_dir), rows, failed, meta)
     if output.update_defaults:
-        update_plugins_auto(output.defaults_path, rows, meta, json_path)
+        update_plugins_auto(output.defaults_path, rows, meta, json_path, source.is_xl)
     return 0
 
 
@@ -239,9 +239,10 @@ def write_results(results: Path, rows: list[dict], failed: dict, meta: dict) -> 
     return json_path
 
 
-def update_plugins_auto(path: Path, rows: list[dict], meta: dict, json_path: Path) -> None:
-    """Record the plugins that measured faster alone than none as this compute capability's `--plugins auto`."""
-    from plugins.tuned import PLUGINS_AUTO, write_entry
+def update_plugins_auto(path: Path, rows: list[dict], meta: dict, json_path: Path, xl: bool = False) -> None:
+    """Record the plugins that measured faster alone than none as this compute capability's `--plugins auto` (for
+    SDXL models where the ablation ran one: `xl`)."""
+    from plugins.tuned import PLUGINS_AUTO, entry_key, write_entry
 
     if meta["compute_capability"] is None:
         say("no GPU here: the tuned defaults are left as they are")
@@ -250,8 +251,9 @@ def update_plugins_auto(path: Path, rows: list[dict], meta: dict, json_path: Pat
         say("no 'none' configuration ran, so nothing was measured against it: the tuned defaults are left as they are")
         return
     plugins = faster_than_none(rows)
-    write_entry(PLUGINS_AUTO, meta["compute_capability"], {
+    key = entry_key(meta["compute_capability"], xl)
+    write_entry(PLUGINS_AUTO, key, {
         "plugins": plugins, "gpu": meta["gpu"], "date": meta["date"], "tensorrt": meta["tensorrt"],
         "source": f"sd-ablation, {json_path.parent.name}/{json_path.name}"}, path)
-    say(f"--plugins auto for compute capability {meta['compute_capability']}: {', '.join(plugins) or 'none'}, "
+    say(f"--plugins auto for {key}: {', '.join(plugins) or 'none'}, "
         f"written to {path}")

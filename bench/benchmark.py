@@ -173,9 +173,9 @@ class Results:
         return gpu_chart(merge(read_report(self.json_path, self.json_path.name), with_published=False))
 
 
-def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, capability: str, json_path: Path) -> None:
-    """Record the fastest torch-backend combination measured at `workload_name` as the torch defaults of this
-    compute capability in the tuned-defaults file `path`."""
+def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, key: str, json_path: Path) -> None:
+    """Record the fastest torch-backend combination measured at `workload_name` as the torch defaults under `key`
+    (plugins.tuned.entry_key: this compute capability, SDXL's apart) in the tuned-defaults file `path`."""
     from plugins.tuned import TORCH_DEFAULTS, write_entry
 
     rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == "torch"]
@@ -183,11 +183,11 @@ def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, capa
         say(f"no torch-backend row at {workload_name}: the torch defaults are left as they are")
         return
     best = min(rows, key=lambda r: r["latency_ms"]["pipeline"])
-    write_entry(TORCH_DEFAULTS, capability, {
+    write_entry(TORCH_DEFAULTS, key, {
         **best["settings"], "gpu": gpu, "date": datetime.date.today().isoformat(), "label": best["label"],
         "workload": workload_name, "pipeline_ms": round(best["latency_ms"]["pipeline"], 2),
         "source": f"sd-benchmark, {json_path.parent.name}/{json_path.name}"}, path)
-    say(f"torch defaults for compute capability {capability}: {best['label']} "
+    say(f"torch defaults for {key}: {best['label']} "
         f"({best['latency_ms']['pipeline']:.2f} ms) written to {path}")
 
 
@@ -262,7 +262,7 @@ def benchmark(model: ModelFlags, request: RequestFlags, bench: BenchmarkFlags, o
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
     setup = Setup(source, device, dtype, request, engine, bench.runs, bench.warmup_runs, bench.engines_from_ablation,
                   model.verbose, say)
-    chosen = [resolve_here(c, device) for c in chosen]
+    chosen = [resolve_here(c, device, source.is_xl) for c in chosen]
     results = Results(Path(output.results_dir), bench.fresh, gpu, meta)
     say(f"{len(chosen)} contender(s) x {len(workloads)} workload(s) on {gpu}: {', '.join(c.label for c in chosen)}; "
         f"{request.scheduler}, seed {request.seed}")
@@ -271,13 +271,15 @@ def benchmark(model: ModelFlags, request: RequestFlags, bench: BenchmarkFlags, o
         for contender in chosen:
             measure(setup, results, contender, workload, workloads[0], images_dir)
     if output.update_defaults:
+        from plugins.tuned import entry_key
+
         if capability is None:
             say("no GPU here: the torch defaults are left as they are")
         elif source.name == "tiny":
             say("the built-in tiny model does not set the torch defaults: they are left as they are")
         else:
             write_defaults(output.defaults_path, results.data, workloads[0].title(source.name, request.denoising_steps),
-                           gpu, capability, results.json_path)
+                           gpu, entry_key(capability, source.is_xl), results.json_path)
     print(benchmark_table(results.data), end="")
     say(f"wrote {results.json_path} and its .md and .png")
     return 0

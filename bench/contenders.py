@@ -92,19 +92,20 @@ def select_contenders(text: str | None) -> list[Contender]:
     return sorted(chosen, key=lambda c: c.label != EAGER)
 
 
-def resolve_here(contender: Contender, device) -> Contender:
+def resolve_here(contender: Contender, device, xl: bool = False) -> Contender:
     """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot
-    run); tensorrt-auto with the plugins `--plugins auto` means here; any other contender as it is."""
+    run); tensorrt-auto with the plugins `--plugins auto` means here; for an SDXL model (`xl`) or an SD 1.x/2.x one;
+    any other contender as it is."""
     from demo.torch_accel import resolve_torch_settings
     from models.plugin_set import parse_plugin_set
 
     if contender.label == TRT_AUTO:
-        plugins = parse_plugin_set("auto")
+        plugins = parse_plugin_set("auto", xl=xl)
         return replace(contender, plugins=plugins, what=f"{contender.what}: {', '.join(plugins) or 'none'}")
     if contender.label != DEFAULTS:
         return contender
     try:
-        settings, source = resolve_torch_settings(device=device)
+        settings, source = resolve_torch_settings(device=device, xl=xl)
     except UsageError as exc:
         return replace(contender, what=f"{contender.what}: {exc}")
     return replace(contender, settings=settings, what=f"torch backend defaults here: {settings.describe()} ({source})")

@@ -161,10 +161,10 @@ def profile_unet(model: ModelFlags, options: ProfileFlags, torch_flags: TorchFla
         raise UsageError("profile_unet profiles CUDA kernels and needs a CUDA GPU; none is visible")
     check_writable_directory("results directory", Path(options.results_dir))
     device = torch.device("cuda")
-    settings, reason = resolve_torch_settings(options.plugins, torch_flags.channels_last, options.use_cuda_graph,
-                                              torch_flags.compile, device)
     configure_library_logging(model.verbose)
     source = model.resolve()
+    settings, reason = resolve_torch_settings(options.plugins, torch_flags.channels_last, options.use_cuda_graph,
+                                              torch_flags.compile, device, xl=source.is_xl)
     height, width = options.height or source.native_image_size, options.width or source.native_image_size
     check_image_size(source, height, width)
     batch = stage_batch("unet", options.batch_size, guided=True)

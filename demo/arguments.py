@@ -56,13 +56,13 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
         return 1
 
 
-def torch_settings(engine: EngineFlags, torch_flags: TorchFlags, device):
-    """The torch backend's settings for these flags on `device`, and where they came from (a UsageError
-    for combinations that cannot run)."""
+def torch_settings(engine: EngineFlags, torch_flags: TorchFlags, device, source):
+    """The torch backend's settings for these flags on `device` for the model `source`, and where they came from
+    (a UsageError for combinations that cannot run)."""
     from demo.torch_accel import resolve_torch_settings
 
     return resolve_torch_settings(engine.plugins, torch_flags.channels_last, engine.use_cuda_graph,
-                                  torch_flags.compile, device)
+                                  torch_flags.compile, device, xl=source.is_xl)
 
 
 def stages_of(source, chosen: list[str] | None) -> list[str]:
@@ -129,12 +129,13 @@ def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, h
     return EngineSettings(Path(flags.onnx_dir), Path(flags.engine_dir), profile, options, guided=guided,
                           use_cuda_graph=bool(flags.use_cuda_graph), force_onnx_export=flags.force_onnx_export,
                           force_onnx_optimize=flags.force_onnx_optimize, force_engine_build=flags.force_engine_build,
-                          plugins=engine_plugins(flags.plugins, flavour, flags.plugin_convention),
+                          plugins=engine_plugins(flags.plugins, flavour, flags.plugin_convention, source.is_xl),
                           plugin_convention=flags.plugin_convention)
 
 
-def engine_plugins(text: str, flavour: str, convention: str = OURS) -> tuple[str, ...]:
-    """The plugin set engines of `flavour` get for a --plugins value, or a UsageError saying why not."""
+def engine_plugins(text: str, flavour: str, convention: str = OURS, xl: bool = False) -> tuple[str, ...]:
+    """The plugin set engines of `flavour` get for a --plugins value (for an SDXL model: `xl`), or a UsageError saying
+    why not."""
     from models.plugin_set import parse_plugin_set
     from plugins import trt_plugins
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UsageError
-from plugins.tuned import TORCH_DEFAULTS, TUNED_DEFAULTS_FILE, read_entry
+from plugins.tuned import TORCH_DEFAULTS, TUNED_DEFAULTS_FILE, find_entry
 
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 # torch.compile modes that capture CUDA graphs of their own (cudagraph trees).
@@ -52,21 +52,22 @@ class TorchSettings:
 FALLBACK = TorchSettings()
 
 
-def defaults_entry(compute_capability: str | None, table: Path = TUNED_DEFAULTS_FILE) -> dict | None:
-    """The tuned torch defaults for a compute capability ("9.0") from `table` (a tuned-defaults file),
-    checked; None without one (or without a GPU)."""
-    entry = read_entry(TORCH_DEFAULTS, compute_capability, table) if compute_capability else None
-    if entry is not None and entry["compile"] not in COMPILE_MODES:
-        raise UsageError(f"{table}: \"{TORCH_DEFAULTS}\" entry '{compute_capability}' needs \"compile\" to be one "
-                         f"of {', '.join(COMPILE_MODES)}, not '{entry['compile']}'")
-    return entry
+def defaults_entry(compute_capability: str | None, table: Path = TUNED_DEFAULTS_FILE,
+                   xl: bool = False) -> tuple[str, dict] | None:
+    """The tuned torch defaults for a compute capability ("9.0") and an SDXL (`xl`) or SD 1.x/2.x model from `table`
+    (a tuned-defaults file), checked, with the key they were found under; None without any (or without a GPU)."""
+    found = find_entry(TORCH_DEFAULTS, compute_capability, xl, table) if compute_capability else None
+    if found is not None and found[1]["compile"] not in COMPILE_MODES:
+        raise UsageError(f"{table}: \"{TORCH_DEFAULTS}\" entry '{found[0]}' needs \"compile\" to be one "
+                         f"of {', '.join(COMPILE_MODES)}, not '{found[1]['compile']}'")
+    return found
 
 
 def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = None, cuda_graph: bool | None = None,
                            compile_mode: str = "auto", device: torch.device | None = None,
-                           table: Path = TUNED_DEFAULTS_FILE) -> tuple[TorchSettings, str]:
-    """Flag values (None / "auto": from the tuned defaults in `table`) as checked settings, and where they
-    came from.
+                           table: Path = TUNED_DEFAULTS_FILE, xl: bool = False) -> tuple[TorchSettings, str]:
+    """Flag values (None / "auto": from the tuned defaults in `table` for an SDXL (`xl`) or SD 1.x/2.x model) as
+    checked settings, and where they came from.
 
     `auto` plugins the table names but that cannot run here are left out (a default never fails); asked
     for explicitly, they are a UsageError, as are combinations that cannot work on `device`."""
@@ -77,14 +78,15 @@ def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = N
     if compile_mode != "auto" and compile_mode not in COMPILE_MODES:
         raise UsageError(f"unknown --compile mode '{compile_mode}'; choose auto or one of {', '.join(COMPILE_MODES)}")
     capability = local_compute_capability() if device.type == "cuda" else None
-    entry = defaults_entry(capability, table)
+    key, entry = defaults_entry(capability, table, xl) or (None, None)
     base = TorchSettings(tuple(sorted(entry["plugins"])), entry["channels_last"], entry["cuda_graph"],
                          entry["compile"]) if entry else FALLBACK
-    source = (f"defaults for compute capability {capability} from {table.parent.name}/{table.name} "
+    source = (f"defaults for compute capability {capability}{' (SDXL)' if key != capability else ''} from "
+              f"{table.parent.name}/{table.name} "
               f"({entry.get('gpu', '?')}, {entry.get('date', '?')})" if entry
               else f"no entry for {'compute capability ' + capability if capability else 'a CPU'} in "
                    f"{table.parent.name}/{table.name}: plain diffusers modules")
-    chosen_plugins = base.plugins if plugins == "auto" else parse_plugin_set(plugins)
+    chosen_plugins = base.plugins if plugins == "auto" else parse_plugin_set(plugins, xl=xl)
     if plugins == "auto" and chosen_plugins and not torch_ops.available():
         source += f"; its plugins left out ({torch_ops.status()})"
         chosen_plugins = ()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from core.errors import UsageError
 from plugins.contract import PLUGIN_KEYS
-from plugins.tuned import PLUGINS_AUTO, TUNED_DEFAULTS_FILE, read_entry
+from plugins.tuned import PLUGINS_AUTO, TUNED_DEFAULTS_FILE, find_entry
 
 PLUGINS_HELP = (f"our CUDA plugins the ONNX passes put into the engines: none, all, a comma list of "
                 f"{','.join(PLUGIN_KEYS)}, or auto: those measured faster on this GPU "
@@ -21,17 +21,18 @@ PLUGINS_HELP = (f"our CUDA plugins the ONNX passes put into the engines: none, a
 
 
 def parse_plugin_set(text: str, compute_capability: str | None = None,
-                     table: Path = TUNED_DEFAULTS_FILE) -> tuple[str, ...]:
+                     table: Path = TUNED_DEFAULTS_FILE, xl: bool = False) -> tuple[str, ...]:
     """A --plugins value as a sorted tuple of plugin keys; `compute_capability` ("9.0") resolves
-    `auto` for a GPU other than this machine's; `table` is the tuned-defaults file `auto` reads."""
+    `auto` for a GPU other than this machine's; `table` is the tuned-defaults file `auto` reads, for an SDXL
+    model (`xl`) or an SD 1.x/2.x one."""
     if text == "none":
         return ()
     if text == "all":
         return tuple(sorted(PLUGIN_KEYS))
     if text == "auto":
         capability = compute_capability or local_compute_capability()
-        entry = read_entry(PLUGINS_AUTO, capability, table) if capability else None
-        return tuple(sorted(entry["plugins"])) if entry else ()
+        found = find_entry(PLUGINS_AUTO, capability, xl, table) if capability else None
+        return tuple(sorted(found[1]["plugins"])) if found else ()
     names = [name for name in text.split(",") if name]
     unknown = [name for name in names if name not in PLUGIN_KEYS]
     if unknown or not names:

@@ -8,7 +8,10 @@ One data file, plugins/tuned_defaults.json (TUNED_DEFAULTS_FILE), with two secti
   by the benchmark: {"<major>.<minor>": {"plugins": [...], "channels_last": bool, "cuda_graph": bool,
   "compile": "...", "gpu": "...", "date": "...", "source": "..."}}.
 
-Read and written only through `read_entry` and `write_entry`. Imports nothing heavy.
+SDXL's UNet is measured apart from SD 1.x/2.x's: its entries are keyed "<major>.<minor>/sdxl" (entry_key), and an
+SDXL model takes the compute capability's plain entry where the file has none of its own (find_entry).
+
+Read and written only through `read_entry`, `find_entry` and `write_entry`. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ TUNED_DEFAULTS_FILE = Path(__file__).resolve().parent / "tuned_defaults.json"
 PLUGINS_AUTO = "plugins_auto"
 TORCH_DEFAULTS = "torch_defaults"
 SECTIONS = (PLUGINS_AUTO, TORCH_DEFAULTS)
+XL_KEY_SUFFIX = "/sdxl"
 
 _PLUGINS_FIELD = f"\"plugins\" (a list of {', '.join(PLUGIN_KEYS)})"
 # What each section's entries need beyond their free-form notes (gpu, date, source, ...).
@@ -76,15 +80,31 @@ def read_entry(section: str, compute_capability: str, path: Path = TUNED_DEFAULT
     return entry
 
 
-def write_entry(section: str, compute_capability: str, entry: dict, path: Path = TUNED_DEFAULTS_FILE) -> None:
-    """Set the section's entry for a compute capability ("9.0"), keeping the other section and entries;
+def entry_key(compute_capability: str, xl: bool = False) -> str:
+    """The key of the entry measured on a compute capability ("9.0") for SDXL (`xl`) or SD 1.x/2.x models."""
+    return compute_capability + XL_KEY_SUFFIX if xl else compute_capability
+
+
+def find_entry(section: str, compute_capability: str, xl: bool = False,
+               path: Path = TUNED_DEFAULTS_FILE) -> tuple[str, dict] | None:
+    """The entry a model takes on a compute capability, with its key: an SDXL model's own where there is one, else
+    the compute capability's; None where neither exists."""
+    for key in dict.fromkeys((entry_key(compute_capability, xl), compute_capability)):
+        entry = read_entry(section, key, path)
+        if entry is not None:
+            return key, entry
+    return None
+
+
+def write_entry(section: str, key: str, entry: dict, path: Path = TUNED_DEFAULTS_FILE) -> None:
+    """Set the section's entry under `key` (entry_key: "9.0", "9.0/sdxl"), keeping the other section and entries;
     the file is replaced atomically (a reader sees the old file or the new one, never half of one)."""
     _check_section(section)
-    if not re.fullmatch(r"\d+\.\d+", compute_capability):
-        raise ValueError(f"compute capability {compute_capability!r} is not <major>.<minor>")
+    if not re.fullmatch(rf"\d+\.\d+(?:{re.escape(XL_KEY_SUFFIX)})?", key):
+        raise ValueError(f"entry key {key!r} is not <major>.<minor> or <major>.<minor>{XL_KEY_SUFFIX}")
     if not _well_formed(section, entry):
         raise ValueError(f"a \"{section}\" entry needs {_REQUIRES[section]}, got {entry!r}")
     path = Path(path)
     data = _load(path)
-    data.setdefault(section, {})[compute_capability] = entry
+    data.setdefault(section, {})[key] = entry
     atomic_write_bytes(path, (json.dumps(data, indent=1) + "\n").encode())

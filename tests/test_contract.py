@@ -33,7 +33,15 @@ from plugins.contract import (
     TRT_LIBRARY_NAME,
     convention,
 )
-from plugins.tuned import PLUGINS_AUTO, TORCH_DEFAULTS, TUNED_DEFAULTS_FILE, read_entry, write_entry
+from plugins.tuned import (
+    PLUGINS_AUTO,
+    TORCH_DEFAULTS,
+    TUNED_DEFAULTS_FILE,
+    entry_key,
+    find_entry,
+    read_entry,
+    write_entry,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -285,10 +293,35 @@ def test_write_entry_keeps_the_other_section_and_entries(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["tuned.json"]  # no staging file left behind
     with pytest.raises(ValueError, match="needs"):
         write_entry(TORCH_DEFAULTS, "9.0", {"plugins": []}, path)
-    with pytest.raises(ValueError, match="compute capability"):
-        write_entry(PLUGINS_AUTO, "sm90", {"plugins": []}, path)
+    for bad_key in ("sm90", "9.0/sd15", "9.0/"):
+        with pytest.raises(ValueError, match="entry key"):
+            write_entry(PLUGINS_AUTO, bad_key, {"plugins": []}, path)
     with pytest.raises(ValueError, match="unknown tuned-defaults section"):
         read_entry("plugins", "9.0", path)
+
+
+def test_an_sdxl_model_takes_its_own_entry_and_else_the_compute_capabilitys(tmp_path):
+    from demo.torch_accel import defaults_entry
+    from models.plugin_set import parse_plugin_set
+
+    path = tmp_path / "tuned.json"
+    write_entry(PLUGINS_AUTO, "9.0", {"plugins": ["GroupNorm"]}, path)
+    assert find_entry(PLUGINS_AUTO, "9.0", xl=True, path=path) == ("9.0", {"plugins": ["GroupNorm"]})  # no own one
+    write_entry(PLUGINS_AUTO, entry_key("9.0", xl=True), {"plugins": ["fMHA", "LayerNorm"]}, path)
+    assert parse_plugin_set("auto", "9.0", path, xl=True) == ("LayerNorm", "fMHA")
+    assert parse_plugin_set("auto", "9.0", path) == ("GroupNorm",)  # SD 1.x/2.x keep theirs
+    assert parse_plugin_set("auto", "8.6", path, xl=True) == ()
+    torch_entry = {"plugins": ["fMHA"], "channels_last": True, "cuda_graph": True, "compile": "default"}
+    write_entry(TORCH_DEFAULTS, "9.0/sdxl", torch_entry, path)
+    assert defaults_entry("9.0", path, xl=True) == ("9.0/sdxl", torch_entry)
+    assert defaults_entry("9.0", path) is None
+
+
+def test_the_shipped_sdxl_defaults_for_compute_capability_9_0():
+    """Measured on an H200 (results/sdxl-h200/): all our kernels with channels-last, graphs and compile were the
+    fastest torch path for sdxl-arch, and all plugins the fastest engines."""
+    assert find_entry(TORCH_DEFAULTS, "9.0", xl=True)[0] == "9.0/sdxl"
+    assert find_entry(PLUGINS_AUTO, "9.0", xl=True)[1]["plugins"] == sorted(PLUGIN_KEYS)
 
 
 BROKEN_FILES = [("{not json", "is not valid JSON"),

@@ -57,12 +57,12 @@ def export(flags) -> int:
     model, export_flags = flags[ModelFlags], flags[ExportFlags]
     stages = parse_stages(export_flags.stages) if export_flags.stages else None
     check_writable_directory("ONNX directory", Path(export_flags.onnx_dir))
-    plugins = parse_plugin_set(export_flags.plugins)
     if export_flags.report_json:
         check_writable_file("--report-json", Path(export_flags.report_json))
     configure_library_logging(model.verbose)
     source = model.resolve()
     stages = stages_of(source, stages)
+    plugins = parse_plugin_set(export_flags.plugins, xl=source.is_xl)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32
     onnx_dir = Path(export_flags.onnx_dir)

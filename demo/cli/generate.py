@@ -271,7 +271,7 @@ def run(flags) -> int:
     settings = accel = None
     accel_reason = ""
     if backend == "torch":
-        accel, accel_reason = torch_settings(engine, torch_flags, device)
+        accel, accel_reason = torch_settings(engine, torch_flags, device, source)
         unused = changed(engine, ignore=TORCH_USES_ENGINE_FLAGS)
     else:
         settings = engine_settings(engine, source, backend, request.batch_size, request.height, request.width,
