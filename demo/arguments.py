@@ -121,8 +121,12 @@ def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, h
             print(f"note: --timing-cache {timing_cache} is not used without a GPU (it is neither read nor written)",
                   file=sys.stderr)
             timing_cache = None
+    if flags.build_enable_refit and flavour == "tensorrt-rtx" and current_cc() is None:
+        # tensorrt-rtx 1.7 compiles a refittable engine's kernels while building it, which needs a GPU
+        raise UsageError("--build-enable-refit: TensorRT for RTX builds refittable engines on a GPU only")
     options = BuildOptions(flavour, flags.optimization_level, timing_cache,
-                           parse_target_ccs(flags.target_cc), parse_tactic_sources(flags.disable_tactic_sources))
+                           parse_target_ccs(flags.target_cc), parse_tactic_sources(flags.disable_tactic_sources),
+                           refit=flags.build_enable_refit)
     api = TensorRTAPI(flavour)
     build_targets(options, api)  # a target or tactic source the flavour lacks fails before any export
     api.check_tactic_sources(options.disabled_tactic_sources)
@@ -139,7 +143,7 @@ def engine_plugins(text: str, flavour: str, convention: str = OURS, xl: bool = F
     from models.plugin_set import parse_plugin_set
     from plugins import trt_plugins
 
-    plugins = parse_plugin_set(text)
+    plugins = parse_plugin_set(text, xl=xl)
     if plugins and flavour == "tensorrt-rtx":
         if text == "auto":  # TensorRT for RTX cannot load plugin libraries like ours: auto means none there
             return ()

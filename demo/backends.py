@@ -81,9 +81,11 @@ def create_stages(backend: str, models: list[StageModel], device: torch.device, 
                     for reason in reasons:
                         log(f"[plugins] {stage.name}: {family} skipped at {reason}")
         return stages
-    from demo.engine import prepare_stage_engines
+    from demo.engine import prepare_stage_engines, stage_onnx
     from demo.engine_runtime import create_engine_stages
 
     engines = prepare_stage_engines(models, engine_settings, device, dtype, log, progress)
+    unforced = replace(engine_settings, force_onnx_export=False, force_onnx_optimize=False)  # refits never re-export
     return create_engine_stages(models, engines, TensorRTAPI(backend), dtype, engine_settings.use_cuda_graph,
-                                device, log, engine_settings.plugins, engine_settings.plugin_convention)
+                                device, log, engine_settings.plugins, engine_settings.plugin_convention,
+                                onnx=lambda model: stage_onnx(model, unforced, device, dtype, log))

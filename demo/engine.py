@@ -7,6 +7,7 @@ demo/engine_runtime.py.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ CPU_DEFAULT_TARGETS = ((8, 0), (8, 6), (8, 9))
 ENGINE_FORMAT_VERSION = 2
 # How often a build that reports no progress of its own (TensorRT 8.6) says it is still working.
 HEARTBEAT_S = 30.0
+# Beside a refittable engine: the files (names, sizes, SHA-256) of the optimized ONNX it was built from (built_from).
+BUILT_FROM_SUFFIX = ".onnx.json"
 
 
 class EngineBuildError(RuntimeError):
@@ -74,6 +77,7 @@ class BuildOptions:
     target_ccs: tuple[tuple[int, int], ...] = ()  # empty: the GPU of this machine
     # TacticSource names the builder must not use, e.g. CUDNN where cuDNN is absent or a stub.
     disabled_tactic_sources: tuple[str, ...] = ()
+    refit: bool = False  # weights refittable in place (BuilderFlag.REFIT): LoRA without rebuilds (demo.refit)
 
     def resolved_targets(self) -> tuple[tuple[int, int], ...]:
         """Named targets, else this machine's GPU, else (TensorRT for RTX on a CPU) CPU_DEFAULT_TARGETS."""
@@ -118,6 +122,7 @@ def engine_key(model: StageModel, onnx_key: dict, shapes: dict, options: BuildOp
         "target_cc": [f"{a}.{b}" for a, b in options.resolved_targets()],
         "optimization_level": options.optimization_level,
         "disabled_tactic_sources": list(options.disabled_tactic_sources),
+        "refit": options.refit,
         "format_version": ENGINE_FORMAT_VERSION,
     }
 
@@ -223,7 +228,8 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
 
     fp16 I/O means an fp16 engine: strongly typed where TensorRT has it, else with the FP16 flag.
     `plugin_convention`: the ONNX holds plugin nodes of that convention, whose creators must be in
-    TensorRT's registry before parsing (the parser maps those nodes to them)."""
+    TensorRT's registry before parsing (the parser maps those nodes to them). A refittable engine (options.refit)
+    records beside it which ONNX it was built from (built_from); its weights keep the ONNX initializers' names."""
     api = TensorRTAPI(options.flavour)
     trt = api.trt
     if plugin_convention:
@@ -247,6 +253,8 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     config.builder_optimization_level = options.optimization_level
     api.set_precision(config, half=any(t.dtype == trt.float16 for t in inputs + outputs))
     api.disable_tactic_sources(config, options.disabled_tactic_sources)
+    if options.refit:
+        config.set_flag(trt.BuilderFlag.REFIT)
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # layer types for the engine inspector
     profile = builder.create_optimization_profile()
     for name, (low, opt, high) in shapes.items():
@@ -272,8 +280,22 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     if serialized is None:
         raise EngineBuildError(f"{model.name}: TensorRT could not build the engine (see its log above)")
     path.write_bytes(serialized)
+    if options.refit:  # its refits read base weights from this very ONNX (demo.refit)
+        manifest = read_manifest(onnx_path)
+        if manifest is None:
+            raise EngineBuildError(f"{model.name}: {onnx_path} is no cached artifact, which a refittable engine needs")
+        built_from_path(path).write_text(json.dumps(manifest["files"]))
     if cache is not None:
         atomic_write_bytes(options.timing_cache, bytes(cache.serialize()))
+
+
+def built_from_path(engine: Path) -> Path:
+    return engine.with_name(engine.name + BUILT_FROM_SUFFIX)
+
+
+def built_from(engine: Path) -> dict:
+    """The files of the optimized ONNX a refittable engine was built from, as its manifest lists them."""
+    return json.loads(built_from_path(engine).read_text())
 
 
 def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], ContextManager[Path]], engine_dir: Path,
@@ -315,6 +337,23 @@ class EngineSettings:
     stats: dict = field(default_factory=dict)
 
 
+def stage_plugins(settings: EngineSettings, stage_dtype: torch.dtype) -> tuple[str, ...]:
+    """The plugins in the engine of a stage that runs in `stage_dtype`: our plugins' kernels take fp16 only
+    (plugins/trt/plugin_adapter.h), so a stage that runs in fp32 (SDXL's VAE where its config says force_upcast) is
+    built from TensorRT's own layers."""
+    return settings.plugins if stage_dtype == torch.float16 else ()
+
+
+def stage_onnx(model: StageModel, settings: EngineSettings, device: str | torch.device, dtype: torch.dtype,
+               log: Callable[[str], None] = print) -> ContextManager[Path]:
+    """The optimized ONNX the engine of `model` is built from, for a pipeline in `dtype`, through the artifact cache
+    (made where missing or stale, or forced by the settings), locked until the block ends."""
+    stage_dtype = model.stage_dtype(dtype)
+    return model.optimized_onnx(settings.onnx_dir, device, stage_dtype, settings.force_onnx_export,
+                                settings.force_onnx_optimize, log, stage_plugins(settings, stage_dtype),
+                                settings.plugin_convention)
+
+
 def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, device: str | torch.device,
                           dtype: torch.dtype, log: Callable[[str], None] = print,
                           progress: Callable[[str], None] = print) -> dict[str, Path]:
@@ -328,20 +367,16 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
         stat: dict = {"onnx_bytes": None, "onnx_s": None}
 
         model_dtype = model.stage_dtype(dtype)
-        # Our plugins' kernels take fp16 only (plugins/trt/plugin_adapter.h): a stage that runs in fp32 (SDXL's VAE
-        # where its config says force_upcast) is built from TensorRT's own layers.
-        plugins = settings.plugins if model_dtype == torch.float16 else ()
+        plugins = stage_plugins(settings, model_dtype)
         if plugins != settings.plugins:
             progress(f"[plugins] {model.name}: none (it runs in {str(model_dtype).removeprefix('torch.')}, our "
                      "TensorRT plugins in float16)")
 
         @contextlib.contextmanager
-        def make_onnx(model=model, stat=stat, dtype=model_dtype, plugins=plugins) -> Iterator[Path]:
+        def make_onnx(model=model, stat=stat) -> Iterator[Path]:
             start = time.perf_counter()
-            progress(f"[build] {model.name}: exporting and optimizing ONNX ({dtype}) ...")
-            with model.optimized_onnx(settings.onnx_dir, device, dtype, settings.force_onnx_export,
-                                      settings.force_onnx_optimize, log, plugins,
-                                      settings.plugin_convention) as path:
+            progress(f"[build] {model.name}: exporting and optimizing ONNX ({model.stage_dtype(dtype)}) ...")
+            with stage_onnx(model, settings, device, dtype, log) as path:
                 stat.update(onnx_bytes=artifact_bytes(path), onnx_s=time.perf_counter() - start)
                 yield path
 

@@ -2,18 +2,21 @@
 
 `Engine` owns everything about one deserialized engine: its execution context, what it binds (read
 from the engine itself and checked against the model class), its I/O buffers, the device memory it
-works in, and its stream and CUDA graph. `create_engine_stages` loads the pipeline's engines with one
-shared device-memory block (the stages run one after another) that lives as long as they do.
+works in, and its stream and CUDA graph; and refit, for a refittable engine (weights set in place by name, demo.refit).
+`create_engine_stages` loads the pipeline's engines with one shared device-memory block (the stages run one after
+another) that lives as long as they do.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager, Mapping
 
+import numpy as np
 import torch
 
 from core.errors import UsageError
@@ -63,6 +66,7 @@ class Engine:
 
     def __init__(self, api: TensorRTAPI, path: Path, stage: str, device: torch.device, use_cuda_graph: bool):
         self.api = api
+        self.path = path
         self.stage = stage
         self.device = torch.device(device)
         self.use_cuda_graph = use_cuda_graph
@@ -171,6 +175,45 @@ class Engine:
 
     def profile(self, name: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(s) for s in self.engine.get_tensor_profile_shape(name, 0))
+
+    # ---- refit -------------------------------------------------------------------------------------
+    @property
+    def refittable(self) -> bool:
+        return bool(self.engine.refittable)
+
+    def refit(self, weights: Mapping[str, np.ndarray], more: Callable[[str], np.ndarray]) -> None:
+        """Set the engine's named weights (its ONNX initializers' names, which TensorRT's parser gives them) to these
+        values in place, and any others TensorRT asks for besides (`more(name)` gives those: weights it fused with the
+        ones set, which it must fuse again). Work queued on the engine's stream is waited for first. A CUDA graph
+        captured over the engine is captured again: TensorRT does not promise that a refit leaves the weights where
+        the graph's kernels read them."""
+        trt = self.api.trt
+        if self._stream is not None:
+            _check_cuda(self._cudart.cudaStreamSynchronize(self._stream))
+        refitter = trt.Refitter(self.engine, self.api.logger())
+        held = []  # TensorRT reads the arrays when refit_cuda_engine runs, not when they are set: they live until then
+
+        def put(name: str, values: np.ndarray) -> None:
+            held.append(np.ascontiguousarray(values))
+            if not refitter.set_named_weights(name, trt.Weights(held[-1])):
+                raise EngineMismatchError(f"{self.stage}: the engine has no refittable weights '{name}' of "
+                                          f"{held[-1].size} {held[-1].dtype} values; rebuild it with "
+                                          "--force-engine-build")
+
+        for name, values in weights.items():
+            put(name, values)
+        for name in refitter.get_missing_weights():
+            try:
+                put(name, more(name))
+            except KeyError:
+                raise EngineMismatchError(f"{self.stage}: TensorRT asks for weights '{name}' to refit, which are no "
+                                          "initializer of the ONNX the engine was built from") from None
+        if not refitter.refit_cuda_engine():
+            raise EngineMismatchError(f"{self.stage}: TensorRT could not refit the engine (see its log above)")
+        if self._graph_exec is not None:
+            self._destroy_graph()
+            self._launch()
+            self._capture_graph()
 
     # ---- memory ------------------------------------------------------------------------------------
     @property
@@ -300,11 +343,21 @@ _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bf
 
 
 class EngineStage(Stage):
-    """A pipeline stage backed by an Engine."""
+    """A pipeline stage backed by an Engine; `onnx` gives the optimized ONNX it was built from (through the artifact
+    cache, locked while in use), which refits read base weights from."""
 
-    def __init__(self, model: StageModel, engine: Engine):
+    def __init__(self, model: StageModel, engine: Engine, onnx: Callable[[], ContextManager[Path]] | None = None):
         super().__init__(model)
         self.engine = engine
+        self.onnx = onnx
+
+    @property
+    def refittable(self) -> bool:
+        return self.onnx is not None and self.engine.refittable
+
+    def refit(self, named_weights: Mapping[str, np.ndarray], more: Callable[[str], np.ndarray]) -> None:
+        """Engine.refit."""
+        self.engine.refit(named_weights, more)
 
     def prepare(self, batch, height, width):
         self.engine.prepare(self.model.input_shapes(batch, height, width),
@@ -320,9 +373,11 @@ class EngineStage(Stage):
 def create_engine_stages(models: list[StageModel], engines: dict[str, Path], api: TensorRTAPI, dtype: torch.dtype,
                          use_cuda_graph: bool, device: torch.device | str = "cuda",
                          log: Callable[[str], None] = print, plugins: tuple[str, ...] = (),
-                         plugin_convention: str = OURS) -> dict[str, EngineStage]:
+                         plugin_convention: str = OURS,
+                         onnx: Callable[[StageModel], ContextManager[Path]] | None = None) -> dict[str, EngineStage]:
     """Load each model's engine, check it against its model class, and share one device-memory block.
-    Engines with plugins in them need their creators in TensorRT's registry first."""
+    Engines with plugins in them need their creators in TensorRT's registry first. `onnx(model)` gives the optimized
+    ONNX a model's engine was built from (demo.engine.stage_onnx), for refits; None: the stages cannot refit."""
     if plugins:
         register_plugins(api, plugin_convention)
     loaded = {}
@@ -335,4 +390,5 @@ def create_engine_stages(models: list[StageModel], engines: dict[str, Path], api
     for engine in loaded.values():
         engine.use_device_memory(block)
     log(f"[engine] {', '.join(loaded)} loaded ({api.label}); shared device memory {size / 2**20:.1f} MiB")
-    return {m.name: EngineStage(m, loaded[m.name]) for m in models}
+    return {m.name: EngineStage(m, loaded[m.name], None if onnx is None else functools.partial(onnx, m))
+            for m in models}

@@ -231,10 +231,12 @@ class Text2ImagePipeline:
             say(f"run {run + 1}/{runs}: pipeline {timings[-1]['pipeline']:.2f} ms, UNet {timings[-1]['unet']:.2f} ms")
         return images, timings
 
-    def set_loras(self, loras: Sequence[LoraSpec]) -> None:
+    def set_loras(self, loras: Sequence[LoraSpec]) -> float | None:
         """Fuse LoRA files, (path, scale) each, added up, into the UNet and text encoders in place of those set
-        before ([]: the base weights, bit for bit), without reloading; torch backend only (demo.lora)."""
-        self.loras.set(loras)
+        before ([]: the base weights, bit for bit), without reloading: into the torch modules, or by refit into
+        engines built with --build-enable-refit (demo.lora). Returns how long the engines' refit took, in ms (None:
+        no engine was refitted)."""
+        return self.loras.set(loras)
 
     def dropped_text(self, text: str) -> str | None:
         """What of `text` the text encoder's token limit cuts off (None: all of it fits), as diffusers reports it."""
@@ -411,9 +413,9 @@ class ExpertsPipeline:
         base, refiner, _ = self.split(steps)
         return len(base) + len(refiner)
 
-    def set_loras(self, loras: Sequence[LoraSpec]) -> None:
+    def set_loras(self, loras: Sequence[LoraSpec]) -> float | None:
         """The base's: a LoRA is made for one UNet (the refiner's differs)."""
-        self.base.set_loras(loras)
+        return self.base.set_loras(loras)
 
     def dropped_text(self, text: str) -> str | None:
         return self.base.dropped_text(text)

@@ -64,6 +64,7 @@ class LatencyReport:
     mask_image: str | None = None
     strength: float | None = None
     loras: list[dict] = field(default_factory=list)  # the LoRA files fused in: path and scale each
+    lora_refit_ms: float | None = None  # engines: how long refitting them for the LoRAs took (None: no refit)
     images: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
 

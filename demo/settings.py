@@ -92,6 +92,8 @@ class EngineFlags:
     build_static_batch: bool = flag("engines for exactly --batch-size", False)
     build_dynamic_shape: bool = flag("engines for any height/width in the model's range (default: exactly "
                                      "--height/--width)", False)
+    build_enable_refit: bool = flag("refittable engines: --lora refits their weights in place, and switching LoRAs "
+                                    "needs no rebuild", False)
     optimization_level: int = flag("TensorRT builder level 0-5 (default: %(default)s)", 3)
     timing_cache: str | None = flag("timing cache file, read and updated by builds")
     use_cuda_graph: bool | None = flag("replay each engine from a CUDA graph (static shapes; default: off); with "

@@ -13,13 +13,14 @@ import torch
 from core.artifacts import artifact_lock, cached_build
 from models.onnx_io import save_onnx
 from models.optimizer import optimize_onnx_file
+from models.provenance import export_provenance
 from models.source import ModelSource
 from plugins.contract import OURS
 
 ONNX_OPSET = 17
 # Bump when export or optimization code changes what it writes, so cached artifacts are rebuilt.
-EXPORT_VERSION = 3
-OPTIMIZE_VERSION = 2
+EXPORT_VERSION = 4
+OPTIMIZE_VERSION = 3
 
 Range = tuple[int, int, int]  # (min, opt, max)
 
@@ -36,6 +37,9 @@ class StageModel(abc.ABC):
     input_names: ClassVar[tuple[str, ...]]
     output_names: ClassVar[tuple[str, ...]]
     dynamic_axes: ClassVar[dict[str, dict[int, str]]]
+    # Its component takes LoRA (models.lora): its ONNX records which parameters each initializer holds, for engine
+    # refit (models.provenance).
+    takes_lora: ClassVar[bool] = False
 
     def __init__(self, source: ModelSource):
         self.source = source
@@ -104,7 +108,8 @@ class StageModel(abc.ABC):
 
     # ---- ONNX ----------------------------------------------------------------------------------
     def export_onnx(self, path: Path, device: str | torch.device, dtype: torch.dtype, opset: int = ONNX_OPSET) -> None:
-        """Export with dynamic axes; weights go to `<name>.data` beside `path` when above 2 GB."""
+        """Export with dynamic axes; weights go to `<name>.data` beside `path` when above 2 GB; a stage that takes
+        LoRA records beside it which parameter each initializer is (models.provenance)."""
         import onnx
 
         module = self.export_module().to(device=device, dtype=dtype).eval()
@@ -125,9 +130,11 @@ class StageModel(abc.ABC):
                 do_constant_folding=True,
                 dynamo=False,
             )
-        del module
         model = onnx.load(str(raw))
         shutil.rmtree(raw_dir)
+        if self.takes_lora:
+            export_provenance(model, module, self.component_module(module), self.component).write(path)
+        del module
         save_onnx(model, path)
 
     # Exporting at batch 2 keeps the tracer from specialising on a batch of one.
@@ -162,7 +169,8 @@ class StageModel(abc.ABC):
         """Export and optimize through the artifact cache; returns the optimized ONNX path.
 
         The optimizer runs the passes of `plugins`, emitting `plugin_convention`'s nodes; what they
-        replaced and skipped is stored with the artifact (models.plugin_passes.read_pass_report).
+        replaced and skipped is stored with the artifact (models.plugin_passes.read_pass_report), and, for a
+        stage that takes LoRA, where each initializer comes from (models.provenance.Provenance.read).
 
         Both files are checked by SHA-256 before anything is built from them, and a damaged one is
         rebuilt. The export happens inside the optimize step, under the optimized ONNX's lock: only
@@ -173,7 +181,7 @@ class StageModel(abc.ABC):
         def optimize(path: Path) -> None:
             raw = cached_build(exported, self.onnx_key(dtype), lambda p: self.export_onnx(p, device, dtype),
                                force_export, log, verify_content=True)
-            optimize_onnx_file(raw, path, self.name, log, plugins, plugin_convention)
+            optimize_onnx_file(raw, path, self.name, log, plugins, plugin_convention, provenance=self.takes_lora)
 
         key = self.optimized_onnx_key(dtype, plugins, plugin_convention)
         return cached_build(self.optimized_onnx_path(onnx_dir), key, optimize, force_export or force_optimize, log,

@@ -31,6 +31,7 @@ class CLIPModel(StageModel):
     output_names = ("text_embeddings",)
     dynamic_axes = {"input_ids": {0: "B"}, "text_embeddings": {0: "B"}}
     encoder_class = "CLIPTextModel"
+    takes_lora = True
 
     def input_shapes(self, batch, height, width):
         return {"input_ids": (batch, self.source.text_length)}

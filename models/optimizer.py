@@ -2,7 +2,9 @@
 
 Built on onnx-graphsurgeon (graph edits) and polygraphy (folding and shape inference, which also
 handle models above 2 GB by going through disk). The plugin passes (models.plugin_passes) run after
-them, on the shape-inferred graph, and show up in the same report.
+them, on the shape-inferred graph, and show up in the same report. The export's record of which parameters
+each initializer holds (models.provenance) goes through every pass (folding keeps names; the plugin passes record
+what they make) and is checked against the final graph.
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ from polygraphy.backend.onnx import loader as poly
 
 from models.onnx_io import save_onnx
 from models.plugin_passes import PLUGIN_PASSES, empty_report, write_pass_report
+from models.provenance import Provenance, ProvenanceError, check_provenance
 from plugins.contract import OURS, PLUGIN_KEYS
 
 
 class GraphOptimizer:
     """Runs named passes over one ONNX model and records the node count after each."""
 
-    def __init__(self, model: onnx.ModelProto, stage: str):
+    def __init__(self, model: onnx.ModelProto, stage: str, provenance: Provenance | None = None):
         self.stage = stage
         self.graph = gs.import_onnx(model)
         self.history: list[tuple[str, int]] = [("exported", len(self.graph.nodes))]
         self.plugin_report = empty_report()
+        self.provenance = provenance  # the export's, which the plugin passes add to
 
     def _record(self, name: str) -> None:
         self.history.append((name, len(self.graph.nodes)))
@@ -50,7 +54,7 @@ class GraphOptimizer:
         self._record("infer-shapes")
 
     def plugin_pass(self, key: str, convention: str = OURS) -> None:
-        self.plugin_report[key] = PLUGIN_PASSES[key].apply(self.graph, convention).as_dict()
+        self.plugin_report[key] = PLUGIN_PASSES[key].apply(self.graph, convention, self.provenance).as_dict()
         self._record(key)
 
     def plugin_passes(self, plugins: tuple[str, ...], convention: str = OURS) -> list[tuple[str, Callable[[], None]]]:
@@ -73,6 +77,14 @@ class GraphOptimizer:
             ("cleanup", self.cleanup),
         ]
 
+    def checked_provenance(self) -> Provenance:
+        """The provenance of the graph as it is now, checked; where it does not hold, one that says why (a refit
+        then fails, nothing else does)."""
+        try:
+            return check_provenance(self.graph, self.provenance)
+        except ProvenanceError as exc:
+            return self.provenance.failed(str(exc))
+
     def precision_warning(self) -> str | None:
         """Names the matrix ops that compute in fp32 beside fp16 ones (a half-converted export)."""
         matrix_ops = [n for n in self.graph.nodes if n.op in ("MatMul", "Conv", "Gemm") and n.outputs]
@@ -91,9 +103,16 @@ class GraphOptimizer:
 
 
 def optimize_onnx_file(src: Path, dst: Path, stage: str, log: Callable[[str], None] = print,
-                       plugins: tuple[str, ...] = (), convention: str = OURS) -> None:
-    """Optimize `src` into `dst`, running the passes of `plugins`; their report goes beside `dst`."""
-    optimizer = GraphOptimizer(onnx.load(str(src)), stage)
-    save_onnx(optimizer.run(optimizer.base_passes() + optimizer.plugin_passes(plugins, convention)), dst)
+                       plugins: tuple[str, ...] = (), convention: str = OURS, provenance: bool = False) -> None:
+    """Optimize `src` into `dst`, running the passes of `plugins`; their report goes beside `dst`. With
+    `provenance`, the export's record beside `src` is carried through, checked, and written beside `dst`."""
+    optimizer = GraphOptimizer(onnx.load(str(src)), stage, Provenance.read(src) if provenance else None)
+    model = optimizer.run(optimizer.base_passes() + optimizer.plugin_passes(plugins, convention))
+    checked = optimizer.checked_provenance() if provenance else None  # before anything is written
+    save_onnx(model, dst)
     write_pass_report(dst, optimizer.plugin_report)
+    if checked is not None:
+        checked.write(dst)
     log(optimizer.report())
+    if checked is not None and checked.problem:
+        log(f"[optimize] {stage}: warning: LoRA refit of its engines will not work: {checked.problem}")

@@ -6,7 +6,9 @@ epsilon and attention scale from the nodes), checks that the kernels can take th
 then replaces it by a node of the plugin-node contract (plugins.contract: op types `SDP*`, domain
 `sdplugins`, attributes `plugin_version` and `plugin_namespace`, which TensorRT's ONNX parser maps to
 our plugin creators). A match the kernels cannot take stays as it is and is reported as skipped with
-its reason. Constants keep the graph's precision, so fp32 and fp16 exports both work.
+its reason. Constants keep the graph's precision, so fp32 and fp16 exports both work. Every constant a rewrite
+makes out of the graph's records where its values come from (models.provenance): the fused Q/K/V and K/V
+projections which parameters sit where, a constant copied from another (a bias, a norm's scale) the other's record.
 
 The same passes can emit TensorRT's own Stable Diffusion plugins instead (convention "tensorrt":
 fMHA_V2, fMHCA, GroupNorm, LayerNorm, SplitGeLU, SeqLen2Spatial of libnvinfer_plugin, TensorRT 8.5/8.6,
@@ -39,6 +41,7 @@ from models.patterns import (
     scalar_value,
     shape_elements,
 )
+from models.provenance import Provenance
 from plugins.contract import (  # noqa: F401  (CONVENTIONS, PLUGIN_OP_KEYS: also imported from here)
     CONVENTIONS,
     HEAD_SIZE_MULTIPLE,
@@ -110,9 +113,10 @@ class PluginPass:
 
     key: str
     patterns: tuple[Pattern, ...]
-    rewrite: Callable[[gs.Graph, Match, str], None]
+    rewrite: Callable[[gs.Graph, Match, str, Provenance | None], None]
 
-    def apply(self, graph: gs.Graph, convention: str = OURS) -> PassResult:
+    def apply(self, graph: gs.Graph, convention: str = OURS, provenance: Provenance | None = None) -> PassResult:
+        """Rewrite every match the kernels can take; the constants made are recorded in `provenance`."""
         plugin_convention(convention)  # ValueError for an unknown one
         result = PassResult()
         skipped_nodes: set[int] = set()  # a skipped match is not reported again by a later, smaller variant
@@ -122,7 +126,7 @@ class PluginPass:
                 if nodes & skipped_nodes:
                     continue
                 try:
-                    self.rewrite(graph, match, convention)
+                    self.rewrite(graph, match, convention, provenance)
                 except Skip as skip:
                     result.skipped_reasons.append(f"{match.root.name}: {skip}")
                     skipped_nodes |= nodes
@@ -132,20 +136,37 @@ class PluginPass:
 
 
 class _Builder:
-    """New nodes and tensors for one replacement, named after the tensor the match produces."""
+    """New nodes and tensors for one replacement, named after the tensor the match produces; where the new
+    constants' values come from goes into `provenance`."""
 
-    def __init__(self, match: Match, dtype, convention: str):
+    def __init__(self, match: Match, dtype, convention: str, provenance: Provenance | None):
         self.base = match.output.name
         self.dtype = dtype
         self.convention = convention
         self.contract: Convention = plugin_convention(convention)
+        self.provenance = provenance
         self.nodes: list[gs.Node] = []
 
     def tensor(self, suffix: str, shape=None) -> gs.Variable:
         return gs.Variable(f"{self.base}/{suffix}", dtype=self.dtype, shape=shape)
 
-    def constant(self, suffix: str, values: np.ndarray) -> gs.Constant:
-        return gs.Constant(f"{self.base}/{suffix}", np.ascontiguousarray(values))
+    def constant(self, suffix: str, values: np.ndarray, source: gs.Tensor | None = None) -> gs.Constant:
+        """A new constant; made from the constant `source`, it takes its provenance where its values are exactly
+        the source's (reshaped, not cast or repeated)."""
+        constant = gs.Constant(f"{self.base}/{suffix}", np.ascontiguousarray(values))
+        original = constant_values(source)
+        if self.provenance is not None and original is not None and original.dtype == values.dtype \
+                and np.array_equal(original.reshape(-1), values.reshape(-1)):
+            self.provenance.copy(constant.name, source.name)
+        return constant
+
+    def stacked(self, suffix: str, values: np.ndarray, sources: list[gs.Tensor | None], view: tuple[int, ...],
+                axis: int) -> gs.Constant:
+        """A new constant that holds `sources` side by side: the i-th at index i of `axis` of `view`."""
+        constant = gs.Constant(f"{self.base}/{suffix}", np.ascontiguousarray(values))
+        if self.provenance is not None:
+            self.provenance.stack(constant.name, [None if s is None else s.name for s in sources], view, axis)
+        return constant
 
     def node(self, op: str, suffix: str, inputs: list[gs.Tensor], output: gs.Tensor) -> gs.Tensor:
         self.nodes.append(gs.Node(op=op, name=f"{self.base}/{suffix}", inputs=inputs, outputs=[output]))
@@ -271,21 +292,29 @@ def _has_bias(match: Match, projections: str) -> bool:
     return any(match.node(f"{p}_bias") is not None for p in projections)
 
 
+def _sources(match: Match, projections: str) -> tuple[list[gs.Tensor], list[gs.Tensor | None]]:
+    """The weight and bias constants of these projections (None for a projection without a bias)."""
+    return ([match.tensor(f"w{p}") for p in projections],
+            [match.tensor(f"b{p}") if match.node(f"{p}_bias") is not None else None for p in projections])
+
+
 def _fused_projection(b: _Builder, name: str, source: gs.Tensor, weights, biases, with_bias: bool,
-                      shape: list[int]) -> gs.Tensor:
+                      shape: list[int], sources: tuple[list[gs.Tensor], list[gs.Tensor | None]]) -> gs.Tensor:
     """source @ [W_0 | W_1 | ...] with the columns interleaved per head, reshaped to `shape` (0 copies B and S).
 
-    weights are [C, H, D] and biases [H, D]; with n of them the output is [B, S, H, n, D] in memory.
+    weights are [C, H, D] and biases [H, D]; with n of them the output is [B, S, H, n, D] in memory. `sources`
+    (_sources) are the constants they come from: the fused weight, seen as [C, H, n, D], holds the i-th at index i of
+    its third axis, the bias, seen as [H, n, D], at index i of its second.
     """
-    heads, size = weights[0].shape[1:]
-    columns = heads * len(weights) * size
-    fused = np.stack(weights, axis=2).reshape(weights[0].shape[0], columns)
+    (channels, heads, size), count = weights[0].shape, len(weights)
+    columns = heads * count * size
+    fused = np.stack(weights, axis=2).reshape(channels, columns)
     flat_shape = None if source.shape is None else [*source.shape[:2], columns]
-    out = b.node("MatMul", f"{name}/MatMul", [source, b.constant(f"{name}/weight", fused)],
-                 b.tensor(f"{name}/flat", flat_shape))
+    weight = b.stacked(f"{name}/weight", fused, sources[0], (channels, heads, count, size), 2)
+    out = b.node("MatMul", f"{name}/MatMul", [source, weight], b.tensor(f"{name}/flat", flat_shape))
     if with_bias:
         bias = np.stack(biases, axis=1).reshape(columns)
-        out = b.node("Add", f"{name}/Add", [out, b.constant(f"{name}/bias", bias)],
+        out = b.node("Add", f"{name}/Add", [out, b.stacked(f"{name}/bias", bias, sources[1], (heads, count, size), 1)],
                      b.tensor(f"{name}/biased", flat_shape))
     out_shape = None if source.shape is None else [*source.shape[:2], *shape[2:]]
     return b.node("Reshape", f"{name}/Reshape", [out, b.constant(f"{name}/shape", np.array(shape, dtype=np.int64))],
@@ -297,7 +326,7 @@ def _require_sequence(tensor: gs.Tensor, what: str) -> None:
         raise Skip(f"{what} is not [B, S, C]")
 
 
-def _rewrite_self_attention(graph: gs.Graph, match: Match, convention: str) -> None:
+def _rewrite_self_attention(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
     x = match.tensor("x")
     _require_sequence(x, "the attention input")
     heads, size = _attention_heads(match)
@@ -306,9 +335,9 @@ def _rewrite_self_attention(graph: gs.Graph, match: Match, convention: str) -> N
     if convention == TENSORRT:
         _check_tensorrt_scale(scale, size)
     projections = [_projection(match, p, heads, size) for p in "qkv"]
-    b = _Builder(match, _dtype(x, projections[0][0]), convention)
+    b = _Builder(match, _dtype(x, projections[0][0]), convention, provenance)
     qkv = _fused_projection(b, "qkv", x, [w for w, _ in projections], [bias for _, bias in projections],
-                            _has_bias(match, "qkv"), [0, 0, heads, 3, size])
+                            _has_bias(match, "qkv"), [0, 0, heads, 3, size], _sources(match, "qkv"))
     if convention == OURS:
         b.plugin("fMHA", [qkv], match.output, scale=scale)
     else:
@@ -316,7 +345,7 @@ def _rewrite_self_attention(graph: gs.Graph, match: Match, convention: str) -> N
     replace_match(graph, match, b.nodes)
 
 
-def _rewrite_cross_attention(graph: gs.Graph, match: Match, convention: str) -> None:
+def _rewrite_cross_attention(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
     x, context = match.tensor("x"), match.tensor("context")
     _require_sequence(x, "the attention input")
     _require_sequence(context, "the attention context")
@@ -329,9 +358,10 @@ def _rewrite_cross_attention(graph: gs.Graph, match: Match, convention: str) -> 
             raise Skip(f"TensorRT's fMHCA takes up to {TENSORRT_FMHCA_MAX_KEYS} keys, this context has {keys}")
         _check_tensorrt_scale(scale, size)
     (wq, bq), (wk, bk), (wv, bv) = (_projection(match, p, heads, size) for p in "qkv")
-    b = _Builder(match, _dtype(x, wq), convention)
-    q = _fused_projection(b, "q", x, [wq], [bq], _has_bias(match, "q"), [0, 0, heads, size])
-    kv = _fused_projection(b, "kv", context, [wk, wv], [bk, bv], _has_bias(match, "kv"), [0, 0, heads, 2, size])
+    b = _Builder(match, _dtype(x, wq), convention, provenance)
+    q = _fused_projection(b, "q", x, [wq], [bq], _has_bias(match, "q"), [0, 0, heads, size], _sources(match, "q"))
+    kv = _fused_projection(b, "kv", context, [wk, wv], [bk, bv], _has_bias(match, "kv"), [0, 0, heads, 2, size],
+                           _sources(match, "kv"))
     if convention == OURS:
         b.plugin("fMHCA", [q, kv], match.output, scale=scale)
     else:
@@ -415,7 +445,7 @@ def _check_tensorrt_group_norm(x: gs.Tensor, channels: int, groups: int) -> None
         raise Skip(f"TensorRT's GroupNorm kernels do not tile {channels} channels")
 
 
-def _rewrite_group_norm(graph: gs.Graph, match: Match, convention: str) -> None:
+def _rewrite_group_norm(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
     x = match.tensor("x")
     rank, channels = _rank(x), _dim(x, 1) if _rank(x) else None
     if rank not in (3, 4):
@@ -426,10 +456,11 @@ def _rewrite_group_norm(graph: gs.Graph, match: Match, convention: str) -> None:
     silu = int(match.node("silu") is not None)
     if convention == TENSORRT:
         _check_tensorrt_group_norm(x, channels, groups)
-    b = _Builder(match, _dtype(x, gamma), convention)
+    b = _Builder(match, _dtype(x, gamma), convention, provenance)
     # TensorRT's GroupNorm reads gamma and beta as float32.
     affine_dtype = b.dtype if convention == OURS else np.float32
-    gamma_c, beta_c = (b.constant(name, v.astype(affine_dtype)) for name, v in (("gamma", gamma), ("beta", beta)))
+    gamma_c, beta_c = (b.constant(name, v.astype(affine_dtype), match.tensor(name))
+                       for name, v in (("gamma", gamma), ("beta", beta)))
 
     def group_norm(source: gs.Tensor, output: gs.Tensor) -> None:
         if convention == OURS:
@@ -489,7 +520,7 @@ LAYER_NORM_PATTERNS = (
 )
 
 
-def _rewrite_layer_norm(graph: gs.Graph, match: Match, convention: str) -> None:
+def _rewrite_layer_norm(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
     x = match.tensor("x")
     node = match.root
     if node.op == "LayerNormalization":
@@ -508,9 +539,9 @@ def _rewrite_layer_norm(graph: gs.Graph, match: Match, convention: str) -> None:
         raise Skip("the normalized width is not known")
     if gamma.size != width or beta.size != width:
         raise Skip(f"scale and shift have {gamma.size} and {beta.size} values for a width of {width}")
-    b = _Builder(match, _dtype(x, gamma), convention)
-    inputs = [x, b.constant("gamma", gamma.reshape(width).astype(b.dtype)),
-              b.constant("beta", beta.reshape(width).astype(b.dtype))]
+    b = _Builder(match, _dtype(x, gamma), convention, provenance)
+    inputs = [x, b.constant("gamma", gamma.reshape(width).astype(b.dtype), match.tensor("gamma")),
+              b.constant("beta", beta.reshape(width).astype(b.dtype), match.tensor("beta"))]
     if convention == OURS:
         b.plugin("LayerNorm", inputs, match.output, epsilon=epsilon)
     else:
@@ -581,7 +612,7 @@ def _split_halves(node: gs.Node, width: int, rank: int) -> bool:
     return sizes is None or sizes.reshape(-1).tolist() == [width // 2, width // 2]
 
 
-def _rewrite_split_gelu(graph: gs.Graph, match: Match, convention: str) -> None:
+def _rewrite_split_gelu(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
     x, bias = match.tensor("x"), constant_values(match.tensor("bias"))
     rank, width = _rank(x), _dim(x, -1) if _rank(x) else None
     if not isinstance(width, int) or width % 2:
@@ -597,12 +628,13 @@ def _rewrite_split_gelu(graph: gs.Graph, match: Match, convention: str) -> None:
         raise Skip(f"the bias has {bias.size} values for a width of {width}")
     if convention == TENSORRT and (rank != 3 or half not in TENSORRT_SPLIT_GELU_WIDTHS):
         raise Skip(f"TensorRT's SplitGeLU takes [B, S, 2N] with N in {TENSORRT_SPLIT_GELU_WIDTHS}, not N = {half}")
-    b = _Builder(match, x.dtype or (bias.dtype if bias is not None else np.float32), convention)
+    b = _Builder(match, x.dtype or (bias.dtype if bias is not None else np.float32), convention, provenance)
+    source = match.tensor("bias")
     if convention == OURS:
         bias = np.zeros(width, b.dtype) if bias is None else bias.reshape(width).astype(b.dtype)
-        b.plugin("SplitGeLU", [x, b.constant("bias", bias)], match.output)
+        b.plugin("SplitGeLU", [x, b.constant("bias", bias, source)], match.output)
     else:  # TensorRT's SplitGeLU takes the biased input
-        biased = x if bias is None else b.node("Add", "Add", [x, b.constant("bias", bias.reshape(width))],
+        biased = x if bias is None else b.node("Add", "Add", [x, b.constant("bias", bias.reshape(width), source)],
                                                b.tensor("biased", x.shape))
         b.plugin("SplitGeLU", [biased], match.output)
     replace_match(graph, match, b.nodes)
@@ -641,13 +673,13 @@ def _spatial_source(match: Match, channels: int) -> gs.Tensor | None:
     return None
 
 
-def _rewrite_seq2spatial(graph: gs.Graph, match: Match, convention: str) -> None:
+def _rewrite_seq2spatial(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
     x, residual, bias = match.tensor("x"), match.tensor("residual"), constant_values(match.tensor("bias"))
     channels = bias.size
     if _rank(x) != 3 or (isinstance(_dim(x, 2), int) and _dim(x, 2) != channels):
         raise Skip(f"the input is not [B, HW, C] with C = {channels} bias values")
-    b = _Builder(match, _dtype(x, bias), convention)
-    bias_c = b.constant("bias", bias.reshape(channels).astype(b.dtype))
+    b = _Builder(match, _dtype(x, bias), convention, provenance)
+    bias_c = b.constant("bias", bias.reshape(channels).astype(b.dtype), match.tensor("bias"))
     if match.node("summed") is not None:  # the residual is a sequence
         if _rank(residual) != 3:
             raise Skip("the residual is not [B, HW, C]")

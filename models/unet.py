@@ -29,6 +29,7 @@ class UNetModel(StageModel):
     component = "unet"
     input_names = ("sample", "timestep", "encoder_hidden_states")
     output_names = ("latent",)
+    takes_lora = True
     dynamic_axes = {
         "sample": {0: "B", 2: "latent_height", 3: "latent_width"},
         "encoder_hidden_states": {0: "B"},

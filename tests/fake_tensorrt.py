@@ -6,6 +6,11 @@ the execution context reads its inputs from, and writes its outputs to, the raw 
 computing them with ONNX Runtime on that ONNX; and each run scribbles over the device memory it was
 handed, as TensorRT's scratch use does. Wrong bindings, freed memory, aliased buffers and unchecked
 shapes therefore show up as wrong numbers, as they would on a GPU.
+
+An engine built with BuilderFlag.REFIT is refittable: its Refitter takes weights by ONNX initializer name (as
+TensorRT's ONNX parser names them), asks for the weights "fused" with those set (the bias of a Conv, or of an Add
+after a MatMul, as TensorRT fuses them), reads the arrays only when refit_cuda_engine runs (so arrays freed before
+then are caught), and later runs compute with the new values. Each refit is logged in the engine's `refits`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import ctypes
 import enum
 import json
 import types
+import weakref
 
 import numpy as np
 
@@ -186,7 +192,8 @@ class Builder:
         io = [{"name": t.name, "mode": "INPUT", "dtype": t.dtype.name, "profile": profile.shapes[t.name]}
               for t in network.inputs]
         io += [{"name": t.name, "mode": "OUTPUT", "dtype": t.dtype.name} for t in network.outputs]
-        return json.dumps({"fake_engine": 1, "onnx": network.onnx_path, "io": io}).encode()
+        refittable = self.api.BuilderFlag.REFIT in config.flags
+        return json.dumps({"fake_engine": 1, "onnx": network.onnx_path, "io": io, "refittable": refittable}).encode()
 
 
 # ---- running ----------------------------------------------------------------------------------------
@@ -206,6 +213,9 @@ class _Engine:
         self.names = [t["name"] for t in spec["io"]]
         self.device_memory_size = DEVICE_MEMORY_BYTES
         self.session = None
+        self.refittable = spec["refittable"]
+        self.weights: dict[str, np.ndarray] = {}  # refitted initializers' values
+        self.refits: list[dict] = []  # per refit: the names set, in order, and those asked for besides
 
     @property
     def num_io_tensors(self):
@@ -236,10 +246,52 @@ class _Engine:
 
     def run_onnx(self, feeds):
         if self.session is None:
+            import onnx
             import onnxruntime
 
-            self.session = onnxruntime.InferenceSession(self.spec["onnx"], providers=["CPUExecutionProvider"])
+            model = self.spec["onnx"]
+            if self.weights:
+                model = onnx.load(model)
+                for tensor in model.graph.initializer:
+                    if tensor.name in self.weights:
+                        tensor.CopyFrom(onnx.numpy_helper.from_array(self.weights[tensor.name], tensor.name))
+                model = model.SerializeToString()
+            self.session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
         return dict(zip([o.name for o in self.session.get_outputs()], self.session.run(None, feeds)))
+
+    def initializers(self) -> dict[str, tuple[tuple[int, ...], DataType]]:
+        """The refittable weights: the ONNX's float initializers, by name, with their shapes and types."""
+        import onnx
+
+        graph = onnx.load(self.spec["onnx"], load_external_data=False).graph
+        return {t.name: (tuple(t.dims), _ONNX_TYPES[t.data_type]) for t in graph.initializer
+                if _ONNX_TYPES.get(t.data_type) in (DataType.FLOAT, DataType.HALF)}
+
+    def fused_weights(self) -> dict[str, set[str]]:
+        """Weights TensorRT would fuse into one layer, and so asks for together: a Conv's kernel and bias, a
+        MatMul's constant and that of an Add right after it."""
+        import onnx
+
+        graph = onnx.load(self.spec["onnx"], load_external_data=False).graph
+        constants = {t.name for t in graph.initializer}
+        consumers: dict[str, list] = {}
+        for node in graph.node:
+            for name in node.input:
+                consumers.setdefault(name, []).append(node)
+        groups: dict[str, set[str]] = {}
+        for node in graph.node:
+            if node.op_type == "Conv" and len(node.input) == 3 and {node.input[1], node.input[2]} <= constants:
+                group = {node.input[1], node.input[2]}
+            elif (node.op_type == "MatMul" and node.input[1] in constants
+                  and len(consumers.get(node.output[0], [])) == 1):
+                (after,) = consumers[node.output[0]]
+                biases = [name for name in after.input if name in constants] if after.op_type == "Add" else []
+                group = {node.input[1], *biases}
+            else:
+                continue
+            for name in group:
+                groups.setdefault(name, set()).update(group - {name})
+        return groups
 
 
 
@@ -251,6 +303,56 @@ class _Inspector:
         assert layer_format == LayerInformationFormat.JSON
         layers = [{"Name": name, "LayerType": op_type} for name, op_type in self.engine.onnx_nodes()]
         return json.dumps({"Layers": layers})
+
+
+class Weights:
+    """Where an array's values are, as TensorRT's Weights holds them (no copy, no reference that keeps it)."""
+
+    def __init__(self, array: np.ndarray):
+        assert array.flags.c_contiguous
+        self.dtype = DataType(array.dtype.type)
+        self.address, self.count = array.ctypes.data, array.size
+        self._alive = weakref.ref(array)
+
+    def values(self) -> np.ndarray:
+        assert self._alive() is not None, "the array behind a Weights was freed before the refit read it"
+        return _view(self.address, (self.count,), self.dtype).copy()
+
+
+class Refitter:
+    def __init__(self, engine, logger):
+        assert engine.refittable, "Refitter of an engine built without BuilderFlag.REFIT"
+        self.engine = engine
+        self.refittable = engine.initializers()
+        self.fused = engine.fused_weights()
+        self.named: dict[str, Weights] = {}
+        self.asked: set[str] = set()  # what get_missing_weights said
+
+    def get_all_weights(self):
+        return list(self.refittable)
+
+    def set_named_weights(self, name, weights):
+        if name not in self.refittable:
+            return False
+        shape, dtype = self.refittable[name]
+        if weights.count != int(np.prod(shape)) or weights.dtype != dtype:
+            return False
+        self.named[name] = weights
+        return True
+
+    def get_missing_weights(self):
+        missing = sorted({other for name in self.named for other in self.fused.get(name, ())} - set(self.named))
+        self.asked.update(missing)
+        return missing
+
+    def refit_cuda_engine(self):
+        if self.get_missing_weights():
+            return False
+        for name, weights in self.named.items():
+            self.engine.weights[name] = weights.values().reshape(self.refittable[name][0])
+        self.engine.session = None  # later runs compute with the new values
+        self.engine.refits.append({"set": list(self.named), "missing": sorted(self.asked)})
+        return True
 
 
 class LayerInformationFormat(enum.Enum):
@@ -379,7 +481,8 @@ def make_module(version: str) -> types.ModuleType:
     module.float32, module.float16, module.int32 = DataType.FLOAT, DataType.HALF, DataType.INT32
     module.TacticSource = enum.IntEnum("TacticSource", ["CUBLAS", "CUBLAS_LT", "CUDNN", "EDGE_MASK_CONVOLUTIONS"],
                                        start=0)
-    module.BuilderFlag = enum.Enum("BuilderFlag", ["FP16", "INT8"])
+    module.BuilderFlag = enum.Enum("BuilderFlag", ["FP16", "INT8", "REFIT"])
+    module.Weights, module.Refitter = Weights, Refitter
     module.ProfilingVerbosity = enum.Enum("ProfilingVerbosity", ["LAYER_NAMES_ONLY", "DETAILED"])
     flags = ["EXPLICIT_BATCH"] + (["STRONGLY_TYPED"] if newer else [])
     module.NetworkDefinitionCreationFlag = enum.IntEnum("NetworkDefinitionCreationFlag", flags, start=0)

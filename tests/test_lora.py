@@ -426,7 +426,8 @@ def no_loading(*_, **__):
 
 
 @pytest.mark.parametrize("spec, message", [("{good}:nan", "the scale must be a finite number"),
-                                           ("{good}", "LoRA on TensorRT engines needs engine refit")])
+                                           ("{good}", "LoRA on TensorRT engines needs engines built "
+                                                      "refittable: add --build-enable-refit")])
 def test_demo_lora_usage_errors_come_before_any_model_loads(sd, tmp_path, capsys, monkeypatch, spec, message):
     from demo.cli.generate import main
 

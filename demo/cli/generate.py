@@ -52,7 +52,8 @@ class RefinerFlags:
 class LoraFlags:
     lora: tuple[str, ...] | None = flag("fuse this LoRA file (.safetensors: diffusers/PEFT or kohya keys) into the "
                                         "UNet and text encoders, its delta times SCALE (default 1.0); repeatable, the "
-                                        "deltas add up; torch backend only", metavar="PATH[:SCALE]", repeatable=True)
+                                        "deltas add up; engines take it by refit, with --build-enable-refit",
+                                        metavar="PATH[:SCALE]", repeatable=True)
 
 
 @dataclass(frozen=True)
@@ -144,15 +145,15 @@ def validate(request: RequestFlags, demo: DemoFlags, source, mode: str, strength
     check_writable_directory("output directory", Path(demo.output_dir))  # made when the images are saved
 
 
-def read_loras(flags: LoraFlags, backend: str) -> list:
+def read_loras(flags: LoraFlags, backend: str, refit: bool) -> list:
     """The --lora files, read and checked for what they hold (run checks them against the model next), with their
-    scales; the engines refuse them."""
+    scales; engines take them only where built refittable (`refit`: --build-enable-refit)."""
     from core.errors import UsageError
     from demo.lora import ENGINES_NEED_REFIT
     from models.lora import parse_lora_spec, read_lora
 
     specs = [parse_lora_spec(text) for text in flags.lora or ()]
-    if specs and backend != "torch":
+    if specs and backend != "torch" and not refit:
         raise UsageError(ENGINES_NEED_REFIT)
     return [(read_lora(path), scale) for path, scale in specs]
 
@@ -256,7 +257,7 @@ def run(flags) -> int:
         print(message, file=sys.stderr, flush=True)
 
     backend, reason = select_backend(demo.backend)
-    loras = read_loras(flags[LoraFlags], backend)
+    loras = read_loras(flags[LoraFlags], backend, engine.build_enable_refit)
     image_flags = flags[ImageFlags]
     image, mask = read_inputs(image_flags)
     source = model.resolve()
@@ -296,7 +297,7 @@ def run(flags) -> int:
         unet_calls = pipeline.unet_calls(request.denoising_steps)
     else:
         unet_calls = pipeline.unet_calls(request.denoising_steps, generation.strength)
-    pipeline.set_loras(loras)
+    refit_ms = pipeline.set_loras(loras)
     for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt or "")):
         dropped = pipeline.dropped_text(text)
         if dropped:
@@ -323,7 +324,7 @@ def run(flags) -> int:
         options_reason=accel_reason, input_image=image_flags.input_image,
         mask_image=image_flags.mask_image,
         strength=None if generation.mode == TEXT_TO_IMAGE else generation.strength,
-        loras=[{"path": lora.path, "scale": scale} for lora, scale in loras],
+        loras=[{"path": lora.path, "scale": scale} for lora, scale in loras], lora_refit_ms=refit_ms,
     )
     written = save_outputs(Path(demo.output_dir), output_stem(source.name, request.seed), images, report)
     print(report.table())
