@@ -1,0 +1,91 @@
+"""LoRA by engine refit on a GPU with TensorRT (issue 19, part 4), from the repository root once the engines are built
+(refit.sh builds them: refittable in engine-refit, plain in engine-plain, same flags otherwise):
+
+    python3 results/refit-h200/refit_sd15.py OUT_JSON
+
+sd1.5-arch, 512x512, batch 1 with guidance, 30 DDIM steps, seed 0, `--plugins auto` (its fMHA packs Q, K and V into
+one weight, which the refit must follow), CUDA graphs. Measures: the refittable engines' pipeline and UNet time
+against the plain engines'; the first LoRA switch (it reads the base values from the ONNX) and a second one (another
+scale: base + new deltas) in ms; the image with the LoRA against the torch backend's with the LoRA fused (PSNR);
+after set_loras([]) the image against the one before any LoRA, bit for bit. Writes OUT_JSON after each step.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from demo.backends import create_stages
+from demo.engine import BuildOptions, EngineSettings, ImageProfile
+from demo.pipeline import GenerationRequest, image_psnr, make_pipeline, to_uint8
+from demo.report import StageTimer
+from models import STAGE_MODELS, text_to_image_stages
+from models.plugin_set import parse_plugin_set
+from models.source import resolve_model
+from tests.test_lora_refit import loras_for
+
+OUT = Path(sys.argv[1])
+CUDA, HALF = torch.device("cuda"), torch.float16
+source = resolve_model("sd1.5-arch")
+models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
+request = GenerationRequest(["a photo of an astronaut riding a horse"], None, 512, 512, 30, 7.5, 0)
+found: dict = {"model": source.name, "gpu": torch.cuda.get_device_name(), "request": "512x512, 30 DDIM steps, seed 0",
+               "plugins": list(parse_plugin_set("auto")), "optimization_level": 0}
+
+
+def save() -> None:
+    OUT.write_text(json.dumps(found, indent=1))
+
+
+def pipeline_of(refit: bool):
+    options = BuildOptions("tensorrt", 0, disabled_tactic_sources=("CUDNN",), refit=refit)
+    kind = "refit" if refit else "plain"  # the folders refit.sh's builds wrote
+    settings = EngineSettings(Path(f"onnx-{kind}"), Path(f"engine-{kind}"),
+                              ImageProfile.for_request(source, 1, 512, 512, static_batch=True, dynamic_shape=False),
+                              options, use_cuda_graph=True, plugins=parse_plugin_set("auto"))
+    stages = create_stages("tensorrt", models, CUDA, HALF, settings, log=print, progress=print)
+    return make_pipeline(source, stages, "DDIM", CUDA, HALF)
+
+
+def timed(pipeline, label: str) -> np.ndarray:
+    images, runs = pipeline.timed_runs(request, 1, 5)
+    found[label] = {"pipeline_ms": statistics.median(r["pipeline"] for r in runs),
+                    "unet_ms_per_step": statistics.median(r["unet"] for r in runs) / 30}
+    print(label, found[label], flush=True)
+    save()
+    return to_uint8(images)
+
+
+loras = loras_for(source, Path("/tmp"))
+found["loras"] = [{"path": str(lora.path), "scale": scale} for lora, scale in loras]
+plain = pipeline_of(refit=False)
+timed(plain, "plain")
+del plain
+torch.cuda.empty_cache()
+refit = pipeline_of(refit=True)
+base = timed(refit, "refittable")
+found["refittable_vs_plain"] = found["refittable"]["unet_ms_per_step"] / found["plain"]["unet_ms_per_step"]
+start = time.perf_counter()
+found["first_switch_ms"] = refit.set_loras(loras)
+found["first_switch_wall_ms"] = (time.perf_counter() - start) * 1e3
+with_lora = timed(refit, "refittable_with_lora")
+found["second_switch_ms"] = refit.set_loras([(lora, -scale) for lora, scale in loras])
+found["back_switch_ms"] = refit.set_loras([])
+back = timed(refit, "refittable_back_to_base")
+found["back_equals_base_bit_for_bit"] = bool(np.array_equal(back, base))
+found["lora_changes_the_image_psnr_db"] = image_psnr(with_lora, base)
+save()
+del refit
+torch.cuda.empty_cache()
+reference = make_pipeline(source, create_stages("torch", models, CUDA, HALF, log=print, progress=print), "DDIM", CUDA,
+                          HALF)
+reference.set_loras(loras)
+torch_image = to_uint8(reference(request, StageTimer(CUDA)))
+found["engine_lora_vs_torch_lora_psnr_db"] = image_psnr(with_lora, torch_image)
+found["engine_lora_vs_torch_lora_max_diff"] = int(np.abs(with_lora.astype(int) - torch_image.astype(int)).max())
+save()
+print(json.dumps(found, indent=1))
