@@ -181,12 +181,12 @@ class Engine:
     def refittable(self) -> bool:
         return bool(self.engine.refittable)
 
-    def refit(self, weights: Mapping[str, np.ndarray], more: Callable[[str], np.ndarray]) -> None:
+    def refit(self, weights: Mapping[str, np.ndarray], more: Callable[[list[str]], Mapping[str, np.ndarray]]) -> None:
         """Set the engine's named weights (its ONNX initializers' names, which TensorRT's parser gives them) to these
-        values in place, and any others TensorRT asks for besides (`more(name)` gives those: weights it fused with the
-        ones set, which it must fuse again). Work queued on the engine's stream is waited for first. A CUDA graph
-        captured over the engine is captured again: TensorRT does not promise that a refit leaves the weights where
-        the graph's kernels read them."""
+        values in place, and any others TensorRT asks for besides (`more(names)` gives those, all at once: weights it
+        fused with the ones set, which it must fuse again). Work queued on the engine's stream is waited for first. A
+        CUDA graph captured over the engine is captured again: TensorRT does not promise that a refit leaves the
+        weights where the graph's kernels read them."""
         trt = self.api.trt
         if self._stream is not None:
             _check_cuda(self._cudart.cudaStreamSynchronize(self._stream))
@@ -202,12 +202,14 @@ class Engine:
 
         for name, values in weights.items():
             put(name, values)
-        for name in refitter.get_missing_weights():
-            try:
-                put(name, more(name))
-            except KeyError:
-                raise EngineMismatchError(f"{self.stage}: TensorRT asks for weights '{name}' to refit, which are no "
-                                          "initializer of the ONNX the engine was built from") from None
+        missing = list(refitter.get_missing_weights())
+        try:
+            found = more(missing) if missing else {}
+        except KeyError as exc:
+            raise EngineMismatchError(f"{self.stage}: TensorRT asks for weights {exc} to refit, which are no "
+                                      "initializer of the ONNX the engine was built from") from None
+        for name in missing:
+            put(name, found[name])
         if not refitter.refit_cuda_engine():
             raise EngineMismatchError(f"{self.stage}: TensorRT could not refit the engine (see its log above)")
         if self._graph_exec is not None:
@@ -355,7 +357,8 @@ class EngineStage(Stage):
     def refittable(self) -> bool:
         return self.onnx is not None and self.engine.refittable
 
-    def refit(self, named_weights: Mapping[str, np.ndarray], more: Callable[[str], np.ndarray]) -> None:
+    def refit(self, named_weights: Mapping[str, np.ndarray],
+              more: Callable[[list[str]], Mapping[str, np.ndarray]]) -> None:
         """Engine.refit."""
         self.engine.refit(named_weights, more)
 

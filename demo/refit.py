@@ -72,7 +72,7 @@ class EngineRefit:
 
     def apply(self, planned: Mapping[str, np.ndarray], deltas: Mapping[str, np.ndarray]) -> None:
         """Refit the engine with what plan(deltas) gave."""
-        self.stage.refit(planned, lambda name: self.weights.value(name, deltas))
+        self.stage.refit(planned, lambda names: self.weights.values(names, deltas))
         self.weights.commit(deltas)
 
 

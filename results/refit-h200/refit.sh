@@ -40,12 +40,12 @@ work)
       --dry-refit >$L/names-$stage.txt 2>&1
     step "refit_names $stage: exit $?"
   done
-  python3 results/refit-h200/refit_sd15.py $L/refit-sd15.json >$L/refit-sd15.log 2>&1
+  PYTHONPATH=$PWD:$PYTHONPATH python3 results/refit-h200/refit_sd15.py $L/refit-sd15.json >$L/refit-sd15.log 2>&1
   step "refit_sd15 exit $?"
   wait
   step "finished" ;;
 poll)
-  for _ in $(seq 1 90); do grep -q "finished\|failed" $L/steps.log && break; sleep 5; done
+  for _ in $(seq 1 60); do grep -q "finished\|failed" $L/steps.log && break; sleep 5; done
   cat $L/steps.log; tail -n 4 $L/gpu-tests.log $L/build-*.log $L/names-*.txt 2>/dev/null | cut -c1-300
   cat $L/refit-sd15.json 2>/dev/null
   mkdir -p "$OUT" && tar -czf "$OUT/refit.tgz" -C /tmp refit ;;
