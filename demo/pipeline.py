@@ -154,6 +154,9 @@ class GenerationRequest:
     image: Image | None = None  # image-to-image and inpainting: the input image (RGB), resized to height x width
     mask: Image | None = None  # inpainting: white is repainted, black kept
     strength: float = 1.0  # the part of the schedule that noises the input image and denoises it again
+    # Text-to-image batches of several requests (sd-serve): one seed per image, each drawn as a one-image run of its
+    # seed draws it (None: the whole batch from `seed`, as diffusers draws a batch).
+    seeds: tuple[int, ...] | None = None
 
     @classmethod
     def from_flags(cls, flags: RequestFlags, image: Image | None = None, mask: Image | None = None,
@@ -172,6 +175,13 @@ class GenerationRequest:
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    def generator(self) -> torch.Generator | list[torch.Generator]:
+        """What draws the run's noise: a CPU generator of `seed`, or of each of `seeds` (diffusers draws row i of the
+        latents, and a stochastic scheduler's noise, from the i-th as a one-image run draws them from its one)."""
+        if self.seeds is None:
+            return torch.Generator("cpu").manual_seed(self.seed)
+        return [torch.Generator("cpu").manual_seed(seed) for seed in self.seeds]
 
     @property
     def guided(self) -> bool:
@@ -331,7 +341,7 @@ class Text2ImagePipeline:
         with timer.measure("pipeline"):
             with timer.measure("clip"):
                 conditioning = self.encode_prompt(request)
-            generator = torch.Generator("cpu").manual_seed(request.seed)
+            generator = request.generator()
             timesteps = self.timesteps(request.steps, request.strength)
             with timer.measure("vae_encoder") if self.encodes_image else contextlib.nullcontext():
                 latents = self.prepare_latents(request, generator, timesteps)
@@ -427,7 +437,7 @@ class ExpertsPipeline:
             with timer.measure("clip"):
                 base_conditioning = self.base.encode_prompt(request)
                 refiner_conditioning = self.refiner.encode_prompt(request)
-            generator = torch.Generator("cpu").manual_seed(request.seed)
+            generator = request.generator()
             base_steps, refiner_steps, start = self.split(request.steps)
             latents = self.base.prepare_latents(request, generator, base_steps)
             with timer.measure("unet"):

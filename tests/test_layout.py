@@ -56,7 +56,7 @@ def test_no_module_imports_a_script():
 def test_console_commands_are_package_functions():
     scripts = pyproject()["project"]["scripts"]
     assert set(scripts) == {"demo-diffusion", "build-engines", "export-onnx", "compare-backends", "sd-benchmark",
-                            "sd-ablation", "report-gpus"}
+                            "sd-ablation", "report-gpus", "sd-serve"}
     for command, target in scripts.items():
         module, function = target.split(":")
         source = (ROOT / Path(*module.split("."))).with_suffix(".py")

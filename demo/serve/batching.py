@@ -1,0 +1,101 @@
+"""Requests as pipeline calls: those that may share one (schema.batch_key) run as one batch, each image drawn from its
+own request's seed, so that it is the image the CLI makes for that request alone; a batch that fails is run again one
+request at a time, so that a request that cannot run (out of memory, say) fails alone."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from demo.serve.schema import RequestRejected, batch_key
+from demo.settings import RequestFlags
+
+
+class ServedPipeline:
+    """One device's text-to-image pipeline, called with batches of resolved one-image requests of one batch_key."""
+
+    def __init__(self, pipeline, device: torch.device, make_scheduler: Callable[[str], object]):
+        self.pipeline = pipeline
+        self.device = device
+        self._make_scheduler = make_scheduler
+        self._schedulers: dict[str, object] = {}  # by name: a request picks one; scheduler state is per pipeline
+
+    def __call__(self, requests: Sequence[RequestFlags]) -> np.ndarray:
+        """8-bit images [B, H, W, 3], one per request, in order, each drawn from its own request's seed."""
+        from demo.pipeline import GenerationRequest, to_uint8
+        from demo.report import StageTimer
+
+        first = requests[0]
+        negatives = None if first.negative_prompt is None else [r.negative_prompt for r in requests]
+        request = GenerationRequest([r.prompt for r in requests], negatives, first.height, first.width,
+                                    first.denoising_steps, first.guidance_scale, first.seed,
+                                    seeds=tuple(r.seed for r in requests))
+        pipeline = self.pipeline
+        if first.scheduler not in self._schedulers:
+            self._schedulers[first.scheduler] = self._make_scheduler(first.scheduler)
+        pipeline.scheduler = self._schedulers[first.scheduler]
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with on_device:  # the stages run in inference mode themselves, as in the CLI
+            return to_uint8(pipeline(request, StageTimer(self.device)))
+
+
+@dataclass
+class Outcome:
+    """What became of one request."""
+
+    request: RequestFlags | None  # None: rejected before it could run
+    image: np.ndarray | None = None
+    error: str | None = None
+    call: int | None = None  # which of run_requests' pipeline calls made its image (0, 1, ...)
+    batch_size: int = 0  # the requests that call ran
+    milliseconds: float = 0.0  # that call's
+
+
+def failure_line(exc: BaseException) -> str:
+    """An exception from inside the pipeline as one line."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return f"out of memory ({first}); try a smaller height and width"
+    return f"{type(exc).__name__}: {first}"
+
+
+def run_requests(parsed: Sequence[RequestFlags | RequestRejected], generate: Callable[[list[RequestFlags]], np.ndarray],
+                 on_failure: Callable[[BaseException], None] = lambda _: None) -> list[Outcome]:
+    """Each parsed request's outcome: the rejected ones fail with their reason, the rest run in batches of one
+    batch_key (in the order their first request came), a failing batch again one request at a time. `on_failure`
+    hears of each exception from `generate`."""
+    outcomes = [Outcome(None, error=str(item)) if isinstance(item, RequestRejected) else Outcome(item)
+                for item in parsed]
+    groups: dict[tuple, list[int]] = {}
+    for index, outcome in enumerate(outcomes):
+        if outcome.error is None:
+            groups.setdefault(batch_key(outcome.request), []).append(index)
+
+    calls = itertools.count()
+
+    def run(indices: list[int]) -> bool:
+        start = time.perf_counter()
+        try:
+            images = generate([outcomes[i].request for i in indices])
+        except Exception as exc:  # noqa: BLE001 -- a request's failure is its answer; the server goes on
+            on_failure(exc)
+            if len(indices) == 1:
+                outcomes[indices[0]].error = failure_line(exc)
+            return False
+        milliseconds, call = (time.perf_counter() - start) * 1000, next(calls)
+        for index, image in zip(indices, images):
+            outcomes[index].image, outcomes[index].call = image, call
+            outcomes[index].batch_size, outcomes[index].milliseconds = len(indices), milliseconds
+        return True
+
+    for indices in groups.values():
+        if not run(indices) and len(indices) > 1:
+            for index in indices:
+                run([index])
+    return outcomes

@@ -1,0 +1,345 @@
+"""sd-serve: the text-to-image pipeline behind Triton Inference Server (PyTriton), one pipeline per GPU, requests
+batched dynamically.
+
+    sd-serve --model tiny                                  # the CPU where there is no GPU; 127.0.0.1:8000
+    sd-serve --model sd1.5-arch --gpus 0,1 --max-batch-size 8 --max-queue-delay-ms 20
+
+Everything is prepared (engines built or loaded, LoRAs fused, graphs captured and compiled at every batch size) before
+Triton starts, so /v2/health/ready answers only then. SIGTERM or SIGINT: new requests are refused, those in flight
+finish, the process exits 143 / 130 within 30 s. Needs the `serve` extra (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from demo.cli.generate import DemoFlags, LoraFlags, read_loras
+from demo.settings import EngineFlags, ModelFlags, RequestFlags, TorchFlags, at_least, changed, flag, same_as
+
+PROG = "sd-serve"
+# Triton waits this long for requests in flight at a stop, so that with its own exit the process is gone in 30 s.
+DRAIN_SECONDS = 20
+
+
+@dataclass(frozen=True)
+class ServeFlags:
+    backend: str = same_as(DemoFlags, "backend")
+    gpus: str | None = flag("GPUs to serve on, one pipeline each, e.g. 0,1 (default: every GPU; the CPU where there "
+                            "is none)", metavar="IDS")
+    height: int | None = same_as(RequestFlags, "height")
+    width: int | None = same_as(RequestFlags, "width")
+    scheduler: str | None = same_as(RequestFlags, "scheduler")
+    host: str = flag("address the endpoints listen on (default: %(default)s, this machine only)", "127.0.0.1")
+    http_port: int = flag("Triton's HTTP port (default: %(default)s)", 8000)
+    grpc_port: int = flag("Triton's gRPC port (default: %(default)s)", 8001)
+    metrics_port: int = flag("Triton's Prometheus metrics port (default: %(default)s)", 8002)
+    max_batch_size: int = flag("most requests one pipeline call runs (default: %(default)s)", 8)
+    max_queue_delay_ms: float = flag("how long a request may wait for others to batch with (default: %(default)s)",
+                                     10.0)
+
+
+def build_parser():
+    from demo.arguments import Parser
+    from demo.settings import add_flags
+
+    p = Parser(prog=PROG, description="Serve text-to-image through Triton Inference Server: model txt2img, one "
+                                      "pipeline per GPU, dynamic batching. --height, --width and --scheduler are what "
+                                      "requests that leave them out get; engines are built for that size.")
+    add_flags(p, ModelFlags)
+    add_flags(p, ServeFlags, "serving")
+    add_flags(p, LoraFlags, "LoRA")
+    add_flags(p, EngineFlags, "ONNX and TensorRT engines")
+    add_flags(p, TorchFlags, "PyTorch backend")
+    return p
+
+
+def serving_devices(text: str | None) -> list:
+    """The devices --gpus names (default: every GPU, else the CPU)."""
+    import torch
+
+    from core.errors import UsageError
+
+    count = torch.cuda.device_count()
+    if text is None:
+        return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpus takes GPU numbers like 0,1; got '{text}'") from None
+    if count == 0:
+        raise UsageError("--gpus: there is no CUDA GPU here; leave --gpus out to serve on the CPU")
+    bad = [i for i in ids if not 0 <= i < count]
+    if bad or len(set(ids)) != len(ids):
+        raise UsageError(f"--gpus {text}: this machine has GPUs 0..{count - 1}, each named once")
+    return [torch.device("cuda", i) for i in ids]
+
+
+def check_ports_free(flags: ServeFlags) -> None:
+    """A UsageError now for an address or port Triton could not listen on, rather than its timeout later."""
+    from core.errors import UsageError
+
+    ports = {"--http-port": flags.http_port, "--grpc-port": flags.grpc_port, "--metrics-port": flags.metrics_port}
+    if len(set(ports.values())) != len(ports):
+        raise UsageError(f"the ports must differ, got {', '.join(f'{k} {v}' for k, v in ports.items())}")
+    for option, port in ports.items():
+        with socket.socket(socket.AF_INET6 if ":" in flags.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton binds
+            try:
+                probe.bind((flags.host, port))
+            except OSError as exc:
+                raise UsageError(f"{option} {port} on {flags.host}: cannot listen ({exc.strerror or exc})") from None
+
+
+def import_pytriton():
+    """pytriton.triton (Triton, TritonConfig), or a UsageError saying how to install it."""
+    from core.errors import UsageError
+
+    try:
+        import pytriton.triton
+    except ImportError:
+        raise UsageError("needs PyTriton: pip install -e '.[serve]' (docs/serving.md)") from None
+    return pytriton.triton
+
+
+def engine_limits(settings, source):
+    """What the served engines can run, as a request check (UsageError, flags named as in the CLI): their size, or
+    any the engines' multiple allows; guided batches only (their UNet profile is for two rows per image)."""
+    from core.errors import UsageError
+    from demo.arguments import check_engine_image_size
+
+    profile = settings.profile
+
+    def check(request: RequestFlags) -> None:
+        if not request.guided:
+            raise UsageError(f"--guidance-scale {request.guidance_scale}: the served engines run guided batches only "
+                             "(more than 1)")
+        check_engine_image_size(source, request.height, request.width)
+        for option, value, (low, _, high) in (("--height", request.height, profile.height),
+                                              ("--width", request.width, profile.width)):
+            if not low <= value <= high:
+                taken = str(low) if low == high else f"{low}..{high}"
+                raise UsageError(f"{option} {value}: the served engines take {taken} (engines built with "
+                                 "--build-dynamic-shape take any size)")
+
+    return check
+
+
+class Server:
+    """What Triton calls: one inference callable per pipeline, each answering a batch of requests."""
+
+    def __init__(self, pipelines, source, defaults: RequestFlags, check, verbose: bool):
+        self.pipelines, self.source, self.defaults, self.check = pipelines, source, defaults, check
+        self.verbose = verbose
+        self._ids = itertools.count(1)
+        self._batches = itertools.count(1)
+        self._lock = threading.Lock()  # the counters, shared by the pipelines' threads
+
+    def callable_for(self, served):
+        return lambda requests: self.answer(served, requests)
+
+    def answer(self, served, requests) -> list[dict]:
+        """Triton's batch of requests, answered: raises only where all of them failed (Triton then fails each one
+        with the message); otherwise a failed request's `error` output says why (PyTriton fails a batch only whole)."""
+        import numpy as np
+
+        from demo.serve.batching import run_requests
+        from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, RequestRejected, parse_request
+
+        parsed = []
+        for request in requests:
+            try:
+                parsed.append(parse_request(request.data, self.source, self.defaults, self.check))
+            except RequestRejected as exc:
+                parsed.append(exc)
+        outcomes = run_requests(parsed, served, on_failure=self._failed)
+        calls = sorted({outcome.call for outcome in outcomes if outcome.call is not None})
+        with self._lock:
+            ids = [next(self._ids) for _ in outcomes]
+            batch_ids = {call: next(self._batches) for call in calls}
+        for request_id, outcome in zip(ids, outcomes):
+            self._log(request_id, outcome, batch_ids.get(outcome.call), served.device)
+        if all(outcome.error for outcome in outcomes):
+            raise RequestFailed("; ".join(dict.fromkeys(outcome.error for outcome in outcomes)))
+        no_image = np.zeros((1, 0, 0, 3), np.uint8)
+        return [{IMAGE: no_image if outcome.image is None else outcome.image[None],
+                 BATCH_SIZE: np.array([[outcome.batch_size]], np.int32),
+                 ERROR: np.array([[(outcome.error or "").encode()]], np.bytes_)} for outcome in outcomes]
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.verbose:
+            import traceback
+
+            traceback.print_exception(exc, file=sys.stderr)
+
+    def _log(self, request_id: int, outcome, batch_id: int | None, device) -> None:
+        """One line per request: its id, shape, the batch it ran in (the server's count of pipeline calls), ms."""
+        request = outcome.request
+        what = "" if request is None else (f" {request.height}x{request.width} steps {request.denoising_steps} "
+                                           f"seed {request.seed}")
+        if outcome.error is not None:
+            line = f"request {request_id}{what} failed: {outcome.error}"
+        else:
+            line = (f"request {request_id}{what}: batch {batch_id} of {outcome.batch_size} on {device}, "
+                    f"{outcome.milliseconds:.1f} ms")
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+
+
+class RequestFailed(Exception):
+    """Every request of a Triton batch failed; the message says why (Triton returns it as each one's error)."""
+
+
+def load_pipelines(flags, source, request: RequestFlags, devices, backend: str, settings, progress) -> list:
+    """One prepared ServedPipeline per device: stages built or loaded (engines: as `settings` say), LoRAs fused, and a
+    warm-up call at every batch size up to --max-batch-size (CUDA graphs captured, torch.compile compiled, engine
+    buffers sized)."""
+    import torch
+
+    from demo.arguments import torch_settings
+    from demo.backends import create_stages, device_and_dtype
+    from demo.memory import check_memory
+    from demo.pipeline import make_pipeline, make_scheduler
+    from demo.serve.batching import ServedPipeline
+    from models import STAGE_MODELS, text_to_image_stages
+    from models.lora import check_loras, model_targets
+
+    engine, batch = flags[EngineFlags], flags[ServeFlags].max_batch_size
+    loras = read_loras(flags[LoraFlags], backend, engine.build_enable_refit)
+    if loras:
+        check_loras(loras, model_targets(source))
+    _, dtype = device_and_dtype(backend)
+    for device in devices:
+        check_memory(source, batch, request.height, request.width, device, dtype)
+    served = []
+    for device in devices:
+        accel = torch_settings(engine, flags[TorchFlags], device, source)[0] if backend == "torch" else None
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
+            stages = create_stages(backend, models, device, dtype, settings, log=lambda *_: None, progress=progress,
+                                   torch_settings=accel)
+            pipeline = make_pipeline(source, stages, request.scheduler, device, dtype)
+            pipeline.set_loras(loras)
+        one = ServedPipeline(pipeline, device, lambda name: make_scheduler(name, source))
+        for size in range(1, batch + 1):
+            progress(f"[{PROG}] {device}: warm-up at batch {size}/{batch} ...")
+            one([replace(request, denoising_steps=1, seed=0)] * size)
+        served.append(one)
+    return served
+
+
+def run(flags) -> int:
+    from core.errors import UsageError
+    from demo.arguments import engine_settings
+    from demo.backends import select_backend
+    from demo.logs import configure_library_logging
+    from demo.pipeline import check_request, resolve_request
+    from demo.settings import TORCH_USES_ENGINE_FLAGS
+
+    model, serve, engine = flags[ModelFlags], flags[ServeFlags], flags[EngineFlags]
+    configure_library_logging(model.verbose)
+    if not model.verbose:  # PyTriton logs each failed batch's traceback; the request's log line says why it failed
+        logging.getLogger("pytriton").setLevel(logging.ERROR)
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    at_least("--max-batch-size", serve.max_batch_size, 1)
+    at_least("--max-queue-delay-ms", serve.max_queue_delay_ms, 0)
+    check_ports_free(serve)
+    devices = serving_devices(serve.gpus)
+    backend, reason = select_backend(serve.backend)
+    source = model.resolve()
+    # What requests that leave them out get (the served size, scheduler), checked as flags: they are this command's.
+    defaults = resolve_request(RequestFlags(height=serve.height, width=serve.width, scheduler=serve.scheduler), source)
+    check_request(replace(defaults, batch_size=serve.max_batch_size), source)
+    defaults = replace(defaults, seed=None)  # a request's own, or a random one
+    settings, check = None, lambda _: None
+    if backend == "torch":
+        unused = changed(engine, ignore=TORCH_USES_ENGINE_FLAGS)
+    else:
+        if engine.build_static_batch or engine.use_cuda_graph:
+            raise UsageError("sd-serve batches requests dynamically: engines need a batch range; drop "
+                             "--build-static-batch and --use-cuda-graph")
+        settings = engine_settings(engine, source, backend, serve.max_batch_size, defaults.height, defaults.width,
+                                   guided=True)
+        check = engine_limits(settings, source)
+        unused = changed(flags[TorchFlags])
+    if unused:
+        print(f"note: {', '.join(unused)} unused by the {backend} backend", file=sys.stderr)
+    triton_api = import_pytriton()
+    progress(f"[{PROG}] model {source.name}, backend {backend} ({reason}), on {', '.join(map(str, devices))}")
+    pipelines = load_pipelines(flags, source, defaults, devices, backend, settings, progress)
+    return serve_forever(triton_api, Server(pipelines, source, defaults, check, model.verbose), serve, progress)
+
+
+def serve_forever(triton_api, server: Server, serve: ServeFlags, progress) -> int:
+    """Start Triton with the pipelines bound, then wait for SIGTERM or SIGINT (handled here: a process started in
+    the background ignores SIGINT) or for Triton to die; stop it, draining the requests in flight, and return the
+    exit status (128 + the signal)."""
+    import numpy as np
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+
+    from core.errors import RunFailure
+    from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, INPUTS, MODEL_NAME
+
+    # Triton's Python-backend stub must load the libpython this interpreter runs on, not the system's.
+    library_dir = sysconfig.get_config_var("LIBDIR")
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [library_dir, os.environ.get("LD_LIBRARY_PATH")]))
+    received: list[int] = []
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    config = triton_api.TritonConfig(http_address=serve.host, grpc_address=serve.host, metrics_address=serve.host,
+                                   http_port=serve.http_port, grpc_port=serve.grpc_port,
+                                   metrics_port=serve.metrics_port, exit_timeout_secs=DRAIN_SECONDS)
+    # The model written into a local model store before Triton starts, which loads it then: /v2/health/ready answers
+    # only once the model is there (by default PyTriton loads it into a running server, ready before it is).
+    triton = triton_api.Triton(config=config, triton_lifecycle_policy=triton_api.TritonLifecyclePolicy(
+        launch_triton_on_startup=False, local_model_store=True))
+    try:
+        triton.bind(
+            model_name=MODEL_NAME,
+            infer_func=[server.callable_for(pipeline) for pipeline in server.pipelines],
+            inputs=[Tensor(name=item.name, dtype=item.dtype, shape=(1,), optional=item.optional) for item in INPUTS],
+            outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
+                     Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,)),
+                     Tensor(name=ERROR, dtype=np.bytes_, shape=(1,))],
+            config=ModelConfig(max_batch_size=serve.max_batch_size, batcher=DynamicBatcher(
+                max_queue_delay_microseconds=int(serve.max_queue_delay_ms * 1000))),
+        )
+        try:
+            triton.run()
+        except Exception as exc:  # noqa: BLE001 -- PyTriton's start-up failures (a timeout, a dead server) as one line
+            raise RunFailure(f"Triton did not start: {exc}") from None
+        progress(f"[{PROG}] ready: model {MODEL_NAME} on http://{serve.host}:{serve.http_port}, gRPC "
+                 f"{serve.host}:{serve.grpc_port}, metrics http://{serve.host}:{serve.metrics_port}/metrics")
+        while not stop.wait(1.0):
+            if not triton.is_alive():
+                raise RunFailure("Triton stopped by itself (run with --verbose for the reason)")
+        progress(f"[{PROG}] {signal.Signals(received[0]).name}: refusing new requests, finishing those in flight")
+        started = time.monotonic()
+    finally:
+        triton.stop()  # waits for the requests in flight; removes PyTriton's workspace
+    progress(f"[{PROG}] stopped in {time.monotonic() - started:.1f} s")
+    return 128 + received[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from demo.arguments import run_command
+    from demo.settings import parse_flags
+
+    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv)))

@@ -1,0 +1,345 @@
+"""sd-serve (issue 21): requests checked as the CLI checks its flags, batches whose images equal the CLI's, a failing
+request failing alone; then a real Triton server on loopback with `tiny` (where PyTriton is installed: the `serve`
+extra): concurrent requests answered with the CLI's images, batching seen in the responses, the log and Triton's
+metrics, bad requests answered with errors while the server goes on, SIGTERM draining the requests in flight."""
+
+import concurrent.futures
+import importlib.util
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+
+NO_PYTRITON = importlib.util.find_spec("pytriton") is None
+needs_pytriton = pytest.mark.skipif(NO_PYTRITON, reason="needs PyTriton and tritonclient: pip install -e '.[serve]' "
+                                                        "(numpy 1.26.4; docs/serving.md)")
+SIZE, STEPS = 64, 4
+
+
+def request_flags(tiny, **values):
+    from demo.pipeline import resolve_request
+    from demo.settings import RequestFlags
+
+    return resolve_request(RequestFlags(**{"denoising_steps": STEPS, "height": SIZE, "width": SIZE, **values}), tiny)
+
+
+def inputs(**values) -> dict:
+    """A request's inputs as Triton hands them to the server: [1, 1] arrays."""
+    from demo.serve.schema import INPUTS
+
+    dtypes = {item.name: item.dtype for item in INPUTS}
+    return {name: np.array([[value.encode() if isinstance(value, str) else value]], dtypes[name])
+            for name, value in values.items()}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"steps": 0}, "steps must be at least 1, got 0"),
+    ({"height": 60}, "height must be a multiple of 8, got 60"),
+    ({"width": 4096}, "width 4096 is outside model 'tiny' range"),
+    ({"guidance_scale": float("nan")}, "guidance_scale must be a finite number, 0 or more, got nan"),
+    ({"scheduler": "Nope"}, "unknown scheduler 'Nope'"),
+    ({"steps": 5000}, "steps 5000 is more than scheduler"),
+    ({"prompt": b"\xff\xfe"}, "prompt: not UTF-8 text"),
+])
+def test_a_request_is_checked_as_the_cli_checks_its_flags_naming_the_input(tiny, values, message):
+    from demo.serve.schema import RequestRejected, parse_request
+    from demo.settings import RequestFlags
+
+    with pytest.raises(RequestRejected, match="^" + re.escape(message)):
+        parse_request(inputs(**{"prompt": "a castle", **values}), tiny, RequestFlags())
+
+
+def test_a_request_leaves_out_what_the_server_or_model_fills_in(tiny):
+    from demo.serve.schema import RequestRejected, parse_request
+    from demo.settings import RequestFlags
+
+    flags = parse_request(inputs(prompt="a castle", seed=2**64 - 1), tiny, RequestFlags(height=48, scheduler="Euler"))
+    assert (flags.height, flags.width, flags.scheduler, flags.seed) == (48, 64, "Euler", 2**64 - 1)
+    assert (flags.batch_size, flags.denoising_steps, flags.guidance_scale, flags.negative_prompt) == (1, 50, 7.5, None)
+    assert parse_request(inputs(prompt="a"), tiny, RequestFlags()).seed is not None  # a random one
+    with pytest.raises(RequestRejected, match=r"^seed: one value per request \(shape \[1, 1\]\), got shape \[2, 1\]"):
+        parse_request({**inputs(prompt="a"), "seed": np.array([[1], [2]], np.uint64)}, tiny, RequestFlags())
+
+
+def test_engines_serve_their_size_and_guided_requests_only(tiny):
+    from types import SimpleNamespace
+
+    from demo.engine import ImageProfile
+    from demo.serve.schema import RequestRejected, parse_request
+    from demo.serve.server import engine_limits
+    from demo.settings import RequestFlags
+
+    check = engine_limits(SimpleNamespace(profile=ImageProfile.for_request(tiny, 4, 64, 64, False, False)), tiny)
+    assert parse_request(inputs(prompt="a", height=64), tiny, RequestFlags(), check).height == 64
+    with pytest.raises(RequestRejected, match=r"^height 128: the served engines take 64 \(engines built with"):
+        parse_request(inputs(prompt="a", height=128), tiny, RequestFlags(), check)
+    with pytest.raises(RequestRejected, match=r"^guidance_scale 1.0: the served engines run guided batches only"):
+        parse_request(inputs(prompt="a", guidance_scale=1.0), tiny, RequestFlags(), check)
+
+
+def test_requests_batch_only_with_their_like_and_a_failing_one_fails_alone(tiny):
+    from demo.serve.batching import run_requests
+    from demo.serve.schema import RequestRejected
+
+    calls = []
+
+    def generate(requests):
+        calls.append([r.prompt for r in requests])
+        if any(r.prompt == "boom" for r in requests):
+            raise RuntimeError("CUDA out of memory\nmore detail")
+        return np.zeros((len(requests), 8, 8, 3), np.uint8)
+
+    parsed = [request_flags(tiny, prompt="a", seed=1), request_flags(tiny, prompt="b", seed=2, height=48),
+              RequestRejected("steps must be at least 1, got 0"), request_flags(tiny, prompt="c", seed=3),
+              request_flags(tiny, prompt="d", seed=4, guidance_scale=5.0),
+              request_flags(tiny, prompt="e", seed=5, negative_prompt="blurry")]
+    outcomes = run_requests(parsed, generate)
+    assert calls == [["a", "c"], ["b"], ["d"], ["e"]]  # one call per size, guidance, negative prompts given or not
+    assert [o.batch_size for o in outcomes] == [2, 1, 0, 2, 1, 1]
+    assert outcomes[2].error == "steps must be at least 1, got 0" and outcomes[2].image is None
+
+    calls.clear()
+    parsed = [request_flags(tiny, prompt=p, seed=i) for i, p in enumerate(["a", "boom", "c"])]
+    outcomes = run_requests(parsed, generate)
+    assert calls == [["a", "boom", "c"], ["a"], ["boom"], ["c"]]  # the batch failed: each again alone
+    assert [o.error for o in outcomes] == [None, "RuntimeError: CUDA out of memory", None]
+    assert [o.batch_size for o in outcomes] == [1, 0, 1]
+
+
+def test_a_batch_draws_each_image_from_its_own_seed(tiny, tiny_stages):
+    """A batch with different seeds and a stochastic scheduler (its noise drawn per step) gives each request the
+    image it gets alone."""
+    import torch
+
+    from demo.pipeline import make_pipeline, make_scheduler
+    from demo.serve.batching import ServedPipeline
+
+    pipeline = make_pipeline(tiny, tiny_stages, "EulerA", torch.device("cpu"), torch.float32)
+    served = ServedPipeline(pipeline, torch.device("cpu"), lambda name: make_scheduler(name, tiny))
+    requests = [request_flags(tiny, prompt=f"a photo {seed}", seed=seed, scheduler="EulerA") for seed in (3, 1, 2)]
+    batched = served(requests)
+    alone = np.concatenate([served([request]) for request in requests])
+    assert batched.shape == (3, SIZE, SIZE, 3) and batched.dtype == np.uint8
+    assert np.abs(batched.astype(int) - alone.astype(int)).max() <= 2
+    assert np.abs(batched[0].astype(int) - batched[1].astype(int)).max() > 20  # different seeds, different images
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for probe in sockets:
+        probe.bind(("127.0.0.1", 0))
+    ports = [probe.getsockname()[1] for probe in sockets]
+    for probe in sockets:
+        probe.close()
+    return ports
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "0"], "--gpus: there is no CUDA GPU here"),
+    (["--max-batch-size", "0"], "--max-batch-size must be at least 1, got 0"),
+    (["--height", "60"], "--height must be a multiple of 8, got 60"),
+])
+def test_sd_serve_refuses_bad_flags_in_one_line(args, message, capsys):
+    import torch
+
+    from demo.serve.server import main
+
+    if args[0] == "--gpus" and torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    http, grpc, metrics = free_ports(3)
+    assert main(["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sd-serve: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_sd_serve_refuses_a_port_taken(capsys):
+    from demo.serve.server import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        grpc, metrics = free_ports(2)
+        assert main(["--http-port", str(port), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]) == 2
+    assert f"--http-port {port} on 127.0.0.1: cannot listen" in capsys.readouterr().err
+
+
+class Served:
+    """An sd-serve process on loopback, its log in a file."""
+
+    def __init__(self, tmp_path):
+        self.http, self.grpc, self.metrics = free_ports(3)
+        self.log = tmp_path / "serve.log"
+        command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", "tiny", "--height", str(SIZE),
+                   "--width", str(SIZE), "--max-batch-size", "4", "--max-queue-delay-ms", "500",
+                   "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
+        with open(self.log, "w") as log:  # the child has its own copy
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                            start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"sd-serve exited {self.process.returncode}:\n{self.text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"sd-serve not ready in {timeout} s:\n{self.text()[-3000:]}")
+
+    def generate(self, protocol: str = "http", **values):
+        from demo.serve.client import connect, generate
+
+        module, client = connect(f"127.0.0.1:{self.http if protocol == 'http' else self.grpc}", protocol)
+        try:
+            return generate(module, client, {"denoising_steps": STEPS, **values})
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """SIGTERM, then (past 40 s) SIGKILL to the whole session it started: nothing it started outlives a test."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(40)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    served = Served(tmp_path_factory.mktemp("serve"))
+    try:
+        served.wait_ready()
+        yield served
+    finally:
+        served.stop()
+
+
+def cli_image(tmp_path, prompt: str, seed: int) -> np.ndarray:
+    from PIL import Image
+
+    from demo.cli.generate import main
+
+    out = tmp_path / f"cli-{seed}"
+    assert main([prompt, "--model", "tiny", "--seed", str(seed), "--denoising-steps", str(STEPS), "--height",
+                 str(SIZE), "--width", str(SIZE), "--num-warmup-runs", "0", "--output-dir", str(out)]) == 0
+    return np.asarray(Image.open(out / f"tiny-seed{seed}-0.png"))
+
+
+def together(calls) -> list:
+    """Run the calls at once, each in its own thread (so their requests arrive together): what each returned, or the
+    exception it raised."""
+    def outcome(call):
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 -- the caller looks at it
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(outcome, calls))
+
+
+@needs_pytriton
+def test_concurrent_requests_are_batched_and_answered_with_the_clis_images(server, tmp_path):
+    seeds = [11, 0, 2**40 + 3, 7]
+    answers = together([lambda seed=seed, i=i: server.generate("grpc" if i % 2 else "http", prompt=f"a photo {seed}",
+                                                               seed=seed) for i, seed in enumerate(seeds)])
+    for seed, (image, _) in zip(seeds, answers):
+        assert image.shape == (SIZE, SIZE, 3) and image.dtype == np.uint8
+        assert np.abs(image.astype(int) - cli_image(tmp_path, f"a photo {seed}", seed).astype(int)).max() <= 2, seed
+    # They arrived within the 500 ms queue delay: one pipeline call ran them all, as the responses, the log and
+    # Triton's metrics say.
+    assert [batch for _, batch in answers] == [4] * 4
+    assert len(re.findall(r"sd-serve: request \d+ 64x64 steps 4 seed \d+: batch \d+ of 4 on cpu, [\d.]+ ms",
+                          server.text())) >= 4
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as answer:
+        metrics = answer.read().decode()
+    counts = {name: float(re.search(rf'^{name}{{model="txt2img",version="1"}} ([\d.]+)$', metrics, re.M).group(1))
+              for name in ("nv_inference_count", "nv_inference_exec_count")}
+    assert counts["nv_inference_count"] >= counts["nv_inference_exec_count"] + 3, counts
+
+
+@needs_pytriton
+def test_bad_requests_get_an_error_naming_the_input_and_the_server_goes_on(server):
+    from demo.serve.client import ServeError
+
+    with pytest.raises(ServeError, match="^steps must be at least 1, got 0$"):  # alone: Triton's own error
+        server.generate(prompt="a", seed=1, denoising_steps=0)
+    good, bad = together([lambda: server.generate(prompt="a", seed=1),
+                          lambda: server.generate(prompt="b", seed=2, height=60)])  # a batch: its error output
+    assert good[0].shape == (SIZE, SIZE, 3) and good[1] == 1
+    assert isinstance(bad, ServeError) and str(bad) == "height must be a multiple of 8, got 60"
+    assert server.generate(prompt="still here", seed=3)[0].shape == (SIZE, SIZE, 3)
+    assert "request" in server.text() and "failed: height must be a multiple of 8, got 60" in server.text()
+
+
+@needs_pytriton
+def test_the_client_writes_the_png(server, tmp_path):
+    from PIL import Image
+
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "client.py"), "a red apple", "--url",
+                             f"127.0.0.1:{server.http}", "--seed", "5", "--denoising-steps", str(STEPS),
+                             "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert Image.open(tmp_path / "txt2img-seed5.png").size == (SIZE, SIZE)
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "client.py"), "a", "--url",
+                             f"127.0.0.1:{server.http}", "--guidance-scale", "-1"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and result.stderr == ("client: error: guidance_scale must be a finite number, 0 or "
+                                                        "more, got -1.0\n"), result.stderr
+
+
+@needs_pytriton
+def test_the_load_test_reports_throughput_latency_and_batch_sizes(server, tmp_path):
+    import json
+
+    from bench.loadtest import main
+
+    assert main(["--url", f"127.0.0.1:{server.http}", "--concurrency", "4", "--requests", "8", "--denoising-steps",
+                 "2", "--sizes", "64x64,48x48", "--results-dir", str(tmp_path), "--name", "t"]) == 0
+    report = json.loads((tmp_path / "loadtest-t.json").read_text())
+    assert (report["requests"], report["answered"], report["errors"]) == (8, 8, 0)
+    assert report["sizes"] == ["48x48", "64x64"] and report["latency_ms"]["p50"] > 0
+    assert sum(report["batch_sizes"].values()) == 8 and max(map(int, report["batch_sizes"])) >= 2
+    assert report["images_per_s"] > 0 and (tmp_path / "loadtest-t.png").stat().st_size > 0
+
+
+@needs_pytriton
+def test_sigterm_drains_the_requests_in_flight_and_refuses_new_ones(server):
+    """Last: it stops the module's server."""
+    from demo.serve.client import ServeError
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        in_flight = [pool.submit(server.generate, prompt="slow", seed=seed, denoising_steps=40) for seed in (1, 2)]
+        time.sleep(1.5)  # queued, batched, running
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.5)
+        with pytest.raises(ServeError):
+            server.generate(prompt="late", seed=3)
+        assert [future.result()[0].shape for future in in_flight] == [(SIZE, SIZE, 3)] * 2
+    assert server.process.wait(30) == 128 + signal.SIGTERM
+    assert time.monotonic() - signalled < 30
+    assert "SIGTERM: refusing new requests, finishing those in flight" in server.text()
+    assert re.search(r"stopped in [\d.]+ s", server.text())
