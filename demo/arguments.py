@@ -130,8 +130,10 @@ def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, h
     api = TensorRTAPI(flavour)
     build_targets(options, api)  # a target or tactic source the flavour lacks fails before any export
     api.check_tactic_sources(options.disabled_tactic_sources)
+    # Unset, graphs replay engines whose shapes are all static: there a graph saves the launches and costs nothing.
+    use_cuda_graph = profile.static if flags.use_cuda_graph is None else flags.use_cuda_graph
     return EngineSettings(Path(flags.onnx_dir), Path(flags.engine_dir), profile, options, guided=guided,
-                          use_cuda_graph=bool(flags.use_cuda_graph), force_onnx_export=flags.force_onnx_export,
+                          use_cuda_graph=use_cuda_graph, force_onnx_export=flags.force_onnx_export,
                           force_onnx_optimize=flags.force_onnx_optimize, force_engine_build=flags.force_engine_build,
                           plugins=engine_plugins(flags.plugins, flavour, flags.plugin_convention, source.is_xl),
                           plugin_convention=flags.plugin_convention)

@@ -96,9 +96,10 @@ class EngineFlags:
                                     "needs no rebuild", False)
     optimization_level: int = flag("TensorRT builder level 0-5 (default: %(default)s)", 3)
     timing_cache: str | None = flag("timing cache file, read and updated by builds")
-    use_cuda_graph: bool | None = flag("replay each engine from a CUDA graph (static shapes; default: off); with "
-                                       "--backend torch, each stage from a graph captured per input shape "
-                                       "(default: the torch defaults)")
+    use_cuda_graph: bool | None = flag("replay each engine from a CUDA graph (default: on where the engines take "
+                                       "exactly the request's shapes: --build-static-batch without "
+                                       "--build-dynamic-shape); with --backend torch, each stage from a graph captured "
+                                       "per input shape (default: the torch defaults)")
     plugins: str = flag(lambda: f"{_plugins_help()}; with --backend torch, the kernels substituted into the diffusers "
                                 "modules (auto: the torch defaults)", "auto")
     plugin_convention: str = flag("whose plugin nodes the passes emit: ours (sdplugins, default) or TensorRT "

@@ -196,7 +196,25 @@ def test_cuda_graphs_get_the_static_engines_they_need(tiny, tmp_path, capsys):
     assert "engines built for exactly batch 2" in capsys.readouterr().err
     plain = engine_settings(dataclasses.replace(flags, use_cuda_graph=None), tiny, "tensorrt-rtx", 2, 64, 64,
                             guided=True)
-    assert not plain.profile.static and capsys.readouterr().err == ""
+    assert not plain.profile.static and not plain.use_cuda_graph and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("static_batch, dynamic_shape, given, expected", [
+    (True, False, None, True),  # engines for exactly the request: graphs by default
+    (True, False, False, False),  # --no-use-cuda-graph
+    (False, False, None, False),  # a batch range: no graphs
+    (True, True, None, False),  # any height and width: no graphs
+])
+def test_cuda_graphs_are_on_by_default_where_the_engines_are_static(tiny, tmp_path, static_batch, dynamic_shape,
+                                                                     given, expected):
+    from demo.arguments import engine_settings
+    from demo.settings import EngineFlags
+
+    flags = EngineFlags(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), target_cc="8.6",
+                        plugins="none", build_static_batch=static_batch, build_dynamic_shape=dynamic_shape,
+                        use_cuda_graph=given)
+    settings = engine_settings(flags, tiny, "tensorrt-rtx", 1, 64, 64, guided=True)
+    assert settings.use_cuda_graph is expected
 
 
 def test_sdxl_engines_build_for_every_stage(tmp_path, capsys):
