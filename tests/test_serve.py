@@ -1,7 +1,9 @@
 """sd-serve (issue 21): requests checked as the CLI checks its flags, batches whose images equal the CLI's, a failing
 request failing alone; then a real Triton server on loopback with `tiny` (where PyTriton is installed: the `serve`
 extra): concurrent requests answered with the CLI's images, batching seen in the responses, the log and Triton's
-metrics, bad requests answered with errors while the server goes on, SIGTERM draining the requests in flight."""
+metrics, bad requests answered with errors while the server goes on, img2img and inpaint (the latent blend) answered
+with the CLI's images for --input-image and --mask-image, SIGTERM draining the requests in flight; and one with
+`tiny-inpaint` (a 9-channel UNet), which serves inpaint only."""
 
 import concurrent.futures
 import importlib.util
@@ -25,20 +27,35 @@ needs_pytriton = pytest.mark.skipif(NO_PYTRITON, reason="needs PyTriton and trit
 SIZE, STEPS = 64, 4
 
 
-def request_flags(tiny, **values):
+def text_request(tiny, **values):
+    """A parsed text-to-image request."""
     from demo.pipeline import resolve_request
+    from demo.serve.schema import Request
     from demo.settings import RequestFlags
 
-    return resolve_request(RequestFlags(**{"denoising_steps": STEPS, "height": SIZE, "width": SIZE, **values}), tiny)
+    return Request(resolve_request(RequestFlags(**{"denoising_steps": STEPS, "height": SIZE, "width": SIZE, **values}),
+                                   tiny))
 
 
 def inputs(**values) -> dict:
-    """A request's inputs as Triton hands them to the server: [1, 1] arrays."""
+    """A request's inputs as Triton hands them to the server: [1, 1] arrays, images [1, H, W, 3] and masks [1, H, W]."""
     from demo.serve.schema import INPUTS
 
     dtypes = {item.name: item.dtype for item in INPUTS}
-    return {name: np.array([[value.encode() if isinstance(value, str) else value]], dtypes[name])
-            for name, value in values.items()}
+    return {name: np.asarray(value, dtypes[name])[None] if isinstance(value, np.ndarray) else
+            np.array([[value.encode() if isinstance(value, str) else value]], dtypes[name])
+            for name, value in values.items() if value is not None}
+
+
+def random_pixels(height: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def a_mask(height: int, width: int) -> np.ndarray:
+    """White (repaint) in the middle, black (keep) around it."""
+    mask = np.zeros((height, width), np.uint8)
+    mask[height // 4: 3 * height // 4, width // 4: 3 * width // 4] = 255
+    return mask
 
 
 @pytest.mark.parametrize("values, message", [
@@ -62,10 +79,11 @@ def test_a_request_leaves_out_what_the_server_or_model_fills_in(tiny):
     from demo.serve.schema import RequestRejected, parse_request
     from demo.settings import RequestFlags
 
-    flags = parse_request(inputs(prompt="a castle", seed=2**64 - 1), tiny, RequestFlags(height=48, scheduler="Euler"))
+    flags = parse_request(inputs(prompt="a castle", seed=2**64 - 1), tiny,
+                          RequestFlags(height=48, scheduler="Euler")).flags
     assert (flags.height, flags.width, flags.scheduler, flags.seed) == (48, 64, "Euler", 2**64 - 1)
     assert (flags.batch_size, flags.denoising_steps, flags.guidance_scale, flags.negative_prompt) == (1, 50, 7.5, None)
-    assert parse_request(inputs(prompt="a"), tiny, RequestFlags()).seed is not None  # a random one
+    assert parse_request(inputs(prompt="a"), tiny, RequestFlags()).flags.seed is not None  # a random one
     with pytest.raises(RequestRejected, match=r"^seed: one value per request \(shape \[1, 1\]\), got shape \[2, 1\]"):
         parse_request({**inputs(prompt="a"), "seed": np.array([[1], [2]], np.uint64)}, tiny, RequestFlags())
 
@@ -79,11 +97,54 @@ def test_engines_serve_their_size_and_guided_requests_only(tiny):
     from demo.settings import RequestFlags
 
     check = engine_limits(SimpleNamespace(profile=ImageProfile.for_request(tiny, 4, 64, 64, False, False)), tiny)
-    assert parse_request(inputs(prompt="a", height=64), tiny, RequestFlags(), check).height == 64
+    assert parse_request(inputs(prompt="a", height=64), tiny, RequestFlags(), check).flags.height == 64
     with pytest.raises(RequestRejected, match=r"^height 128: the served engines take 64 \(engines built with"):
         parse_request(inputs(prompt="a", height=128), tiny, RequestFlags(), check)
     with pytest.raises(RequestRejected, match=r"^guidance_scale 1.0: the served engines run guided batches only"):
         parse_request(inputs(prompt="a", guidance_scale=1.0), tiny, RequestFlags(), check)
+
+
+def test_an_image_request_is_sized_and_checked_as_the_cli_checks_input_images(tiny):
+    from demo.pipeline import IMAGE_TO_IMAGE, INPAINTING
+    from demo.serve.schema import RequestRejected, parse_request
+    from demo.settings import RequestFlags
+
+    image, mask = random_pixels(60, 70), a_mask(60, 70)
+    defaults = RequestFlags(height=SIZE, width=SIZE)  # the server's: for text-to-image only
+    parsed = parse_request(inputs(prompt="a", image=image), tiny, defaults, mode=IMAGE_TO_IMAGE)
+    assert (parsed.flags.height, parsed.flags.width, parsed.strength, parsed.mask) == (56, 64, 0.8, None)
+    assert np.array_equal(np.asarray(parsed.image), image)
+    parsed = parse_request(inputs(prompt="a", image=image, mask=mask, height=32, strength=0.5), tiny, defaults,
+                           mode=INPAINTING)
+    assert (parsed.flags.height, parsed.flags.width, parsed.strength, parsed.mask.mode) == (32, 64, 0.5, "L")
+
+    def refused(message: str, mode: str = INPAINTING, **values) -> None:
+        with pytest.raises(RequestRejected, match="^" + re.escape(message)):
+            parse_request(inputs(**{"prompt": "a", "image": image, "mask": mask, **values}), tiny, defaults,
+                          mode=mode)
+
+    refused("strength must be more than 0 and at most 1, got 0.0", strength=0.0)
+    refused("strength 0.1 leaves none of the 4 denoising steps to run; raise strength or steps", strength=0.1,
+            steps=4)
+    refused("mask is 70x30, image 70x60: the mask must have the image's proportions", mask=a_mask(30, 70))
+    refused("image is 5000x60; model 'tiny' takes", image=random_pixels(60, 5000), mask=a_mask(60, 5000))
+    refused("mask: required", mask=None)
+    refused("image: one image per request (shape [1, H, W, 3]), got shape [1, 60, 70, 4]", mode=IMAGE_TO_IMAGE,
+            image=np.zeros((60, 70, 4), np.uint8))
+    refused("image: one image per request (shape [1, H, W, 3]), got shape [1, 0, 70, 3]", mode=IMAGE_TO_IMAGE,
+            image=np.zeros((0, 70, 3), np.uint8))
+
+
+def test_image_requests_each_run_alone(tiny):
+    from demo.pipeline import IMAGE_TO_IMAGE
+    from demo.serve.batching import run_requests
+    from demo.serve.schema import parse_request
+    from demo.settings import RequestFlags
+
+    same = inputs(prompt="a", image=random_pixels(SIZE, SIZE), seed=1, steps=STEPS)
+    parsed = [parse_request(same, tiny, RequestFlags(), mode=IMAGE_TO_IMAGE) for _ in range(3)]
+    outcomes = run_requests(parsed, lambda requests: np.zeros((len(requests), 8, 8, 3), np.uint8))
+    assert [o.batch_size for o in outcomes] == [1, 1, 1]  # one input image per pipeline call
 
 
 def test_requests_batch_only_with_their_like_and_a_failing_one_fails_alone(tiny):
@@ -93,22 +154,22 @@ def test_requests_batch_only_with_their_like_and_a_failing_one_fails_alone(tiny)
     calls = []
 
     def generate(requests):
-        calls.append([r.prompt for r in requests])
-        if any(r.prompt == "boom" for r in requests):
+        calls.append([r.flags.prompt for r in requests])
+        if any(r.flags.prompt == "boom" for r in requests):
             raise RuntimeError("CUDA out of memory\nmore detail")
         return np.zeros((len(requests), 8, 8, 3), np.uint8)
 
-    parsed = [request_flags(tiny, prompt="a", seed=1), request_flags(tiny, prompt="b", seed=2, height=48),
-              RequestRejected("steps must be at least 1, got 0"), request_flags(tiny, prompt="c", seed=3),
-              request_flags(tiny, prompt="d", seed=4, guidance_scale=5.0),
-              request_flags(tiny, prompt="e", seed=5, negative_prompt="blurry")]
+    parsed = [text_request(tiny, prompt="a", seed=1), text_request(tiny, prompt="b", seed=2, height=48),
+              RequestRejected("steps must be at least 1, got 0"), text_request(tiny, prompt="c", seed=3),
+              text_request(tiny, prompt="d", seed=4, guidance_scale=5.0),
+              text_request(tiny, prompt="e", seed=5, negative_prompt="blurry")]
     outcomes = run_requests(parsed, generate)
     assert calls == [["a", "c"], ["b"], ["d"], ["e"]]  # one call per size, guidance, negative prompts given or not
     assert [o.batch_size for o in outcomes] == [2, 1, 0, 2, 1, 1]
     assert outcomes[2].error == "steps must be at least 1, got 0" and outcomes[2].image is None
 
     calls.clear()
-    parsed = [request_flags(tiny, prompt=p, seed=i) for i, p in enumerate(["a", "boom", "c"])]
+    parsed = [text_request(tiny, prompt=p, seed=i) for i, p in enumerate(["a", "boom", "c"])]
     outcomes = run_requests(parsed, generate)
     assert calls == [["a", "boom", "c"], ["a"], ["boom"], ["c"]]  # the batch failed: each again alone
     assert [o.error for o in outcomes] == [None, "RuntimeError: CUDA out of memory", None]
@@ -120,12 +181,12 @@ def test_a_batch_draws_each_image_from_its_own_seed(tiny, tiny_stages):
     image it gets alone."""
     import torch
 
-    from demo.pipeline import make_pipeline, make_scheduler
+    from demo.pipeline import TEXT_TO_IMAGE, make_pipeline, make_scheduler
     from demo.serve.batching import ServedPipeline
 
     pipeline = make_pipeline(tiny, tiny_stages, "EulerA", torch.device("cpu"), torch.float32)
-    served = ServedPipeline(pipeline, torch.device("cpu"), lambda name: make_scheduler(name, tiny))
-    requests = [request_flags(tiny, prompt=f"a photo {seed}", seed=seed, scheduler="EulerA") for seed in (3, 1, 2)]
+    served = ServedPipeline({TEXT_TO_IMAGE: pipeline}, torch.device("cpu"), lambda name: make_scheduler(name, tiny))
+    requests = [text_request(tiny, prompt=f"a photo {seed}", seed=seed, scheduler="EulerA") for seed in (3, 1, 2)]
     batched = served(requests)
     alone = np.concatenate([served([request]) for request in requests])
     assert batched.shape == (3, SIZE, SIZE, 3) and batched.dtype == np.uint8
@@ -176,10 +237,10 @@ def test_sd_serve_refuses_a_port_taken(capsys):
 class Served:
     """An sd-serve process on loopback, its log in a file."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, model: str = "tiny"):
         self.http, self.grpc, self.metrics = free_ports(3)
         self.log = tmp_path / "serve.log"
-        command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", "tiny", "--height", str(SIZE),
+        command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", model, "--height", str(SIZE),
                    "--width", str(SIZE), "--max-batch-size", "4", "--max-queue-delay-ms", "500",
                    "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
         with open(self.log, "w") as log:  # the child has its own copy
@@ -236,15 +297,27 @@ def server(tmp_path_factory):
         served.stop()
 
 
-def cli_image(tmp_path, prompt: str, seed: int) -> np.ndarray:
+def cli_image(tmp_path, prompt: str, seed: int, model: str = "tiny", image=None, mask=None,
+              args=("--height", str(SIZE), "--width", str(SIZE))) -> np.ndarray:
+    """demo-diffusion's image, with --input-image and --mask-image (PNGs of `image` and `mask`) where given."""
     from PIL import Image
 
     from demo.cli.generate import main
 
-    out = tmp_path / f"cli-{seed}"
-    assert main([prompt, "--model", "tiny", "--seed", str(seed), "--denoising-steps", str(STEPS), "--height",
-                 str(SIZE), "--width", str(SIZE), "--num-warmup-runs", "0", "--output-dir", str(out)]) == 0
-    return np.asarray(Image.open(out / f"tiny-seed{seed}-0.png"))
+    out = tmp_path / f"cli-{model}-{seed}"
+    files = []
+    for option, pixels in (("--input-image", image), ("--mask-image", mask)):
+        if pixels is not None:
+            path = tmp_path / f"{option[2:]}-{seed}.png"
+            Image.fromarray(pixels).save(path)
+            files += [option, str(path)]
+    assert main([prompt, "--model", model, "--seed", str(seed), "--denoising-steps", str(STEPS), *args, *files,
+                 "--num-warmup-runs", "0", "--output-dir", str(out)]) == 0
+    return np.asarray(Image.open(out / f"{model}-seed{seed}-0.png"))
+
+
+def differs(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
 
 
 def together(calls) -> list:
@@ -303,11 +376,64 @@ def test_the_client_writes_the_png(server, tmp_path):
                              "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert Image.open(tmp_path / "txt2img-seed5.png").size == (SIZE, SIZE)
+    Image.fromarray(random_pixels(48, 40)).save(tmp_path / "in.png")
+    Image.fromarray(a_mask(48, 40)).convert("RGB").save(tmp_path / "mask.png")  # made grayscale, as the CLI does
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "client.py"), "a red apple", "--url",
+                             f"127.0.0.1:{server.http}", "--seed", "5", "--denoising-steps", str(STEPS),
+                             "--input-image", str(tmp_path / "in.png"), "--mask-image", str(tmp_path / "mask.png"),
+                             "--strength", "0.9", "--output-dir", str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert Image.open(tmp_path / "inpaint-seed5.png").size == (40, 48)
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "client.py"), "a", "--url",
                              f"127.0.0.1:{server.http}", "--guidance-scale", "-1"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 1 and result.stderr == ("client: error: guidance_scale must be a finite number, 0 or "
                                                         "more, got -1.0\n"), result.stderr
+
+
+@needs_pytriton
+def test_img2img_and_inpaint_answer_with_the_clis_images_each_run_alone(server, tmp_path):
+    """An ordinary model serves img2img and inpaint (the latent blend): each request the CLI's image for
+    --input-image [--mask-image], sized as it sizes them (the image's own size, rounded down to a multiple of 8),
+    and each in a pipeline call of its own."""
+    image, mask = random_pixels(60, 68), a_mask(60, 68)
+    answers = together([lambda: server.generate(prompt="a castle", seed=5, input_image=image, strength=0.6),
+                        lambda: server.generate(prompt="a castle", seed=5, input_image=image),
+                        lambda: server.generate(prompt="a tree", seed=6, input_image=image, mask_image=mask,
+                                                scheduler="EulerA")])
+    assert [batch for _, batch in answers] == [1, 1, 1]
+    assert answers[0][0].shape == (56, 64, 3)
+    assert differs(answers[0][0], cli_image(tmp_path, "a castle", 5, image=image, args=("--strength", "0.6"))) <= 2
+    assert differs(answers[0][0], answers[1][0]) > 20  # strength 0.8 (the default) re-draws more
+    assert differs(answers[2][0], cli_image(tmp_path, "a tree", 6, image=image, mask=mask,
+                                            args=("--scheduler", "EulerA"))) <= 2
+
+
+@pytest.fixture(scope="module")
+def inpaint_server(tmp_path_factory):
+    served = Served(tmp_path_factory.mktemp("serve-inpaint"), "tiny-inpaint")
+    try:
+        served.wait_ready()
+        yield served
+    finally:
+        served.stop()
+
+
+@needs_pytriton
+def test_an_inpainting_model_serves_inpaint_only_with_the_clis_images(inpaint_server, tmp_path):
+    from demo.serve.client import ServeError
+
+    image, mask = random_pixels(SIZE, SIZE, seed=1), a_mask(SIZE, SIZE)
+    for seed, strength in ((9, 0.75), (10, None)):  # a noised input image; from noise (the UNet sees it masked)
+        answer, batch = inpaint_server.generate(prompt="a castle", seed=seed, input_image=image, mask_image=mask,
+                                                strength=strength)
+        expected = cli_image(tmp_path, "a castle", seed, "tiny-inpaint", image, mask,
+                             ("--strength", str(strength)) if strength else ())
+        assert batch == 1 and differs(answer, expected) <= 2, strength
+    for values in ({}, {"input_image": image}):
+        with pytest.raises(ServeError, match="unknown model|not found"):
+            inpaint_server.generate(prompt="a", seed=1, **values)
 
 
 @needs_pytriton

@@ -112,11 +112,17 @@ def read_inputs(flags: ImageFlags):
     if flags.mask_image is None:
         return image, None
     mask = read_image("--mask-image", flags.mask_image)
-    if abs(mask.width / mask.height - image.width / image.height) > 0.01 * image.width / image.height:
-        raise UsageError(f"--mask-image {flags.mask_image} is {mask.width}x{mask.height}, --input-image "
-                         f"{image.width}x{image.height}: the mask must have the image's proportions (it is resized "
-                         "with it)")
+    check_mask(image, mask, f"--mask-image {flags.mask_image}")
     return image, mask
+
+
+def check_mask(image, mask, what: str) -> None:
+    """A UsageError, naming the mask as `what`, where it has not the input image's proportions."""
+    from core.errors import UsageError
+
+    if abs(mask.width / mask.height - image.width / image.height) > 0.01 * image.width / image.height:
+        raise UsageError(f"{what} is {mask.width}x{mask.height}, --input-image {image.width}x{image.height}: the mask "
+                         "must have the image's proportions (it is resized with it)")
 
 
 def image_size(image, flags: RequestFlags, source) -> tuple[int, int] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -13,35 +14,38 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from demo.serve.schema import RequestRejected, batch_key
-from demo.settings import RequestFlags
+from demo.serve.schema import Request, RequestRejected, batch_key
 
 
 class ServedPipeline:
-    """One device's text-to-image pipeline, called with batches of resolved one-image requests of one batch_key."""
+    """One device's pipelines, one per served mode over one set of stages, called with batches of parsed one-image
+    requests of one batch_key."""
 
-    def __init__(self, pipeline, device: torch.device, make_scheduler: Callable[[str], object]):
-        self.pipeline = pipeline
+    def __init__(self, pipelines: dict, device: torch.device, make_scheduler: Callable[[str], object]):
+        self.pipelines = pipelines  # mode -> pipeline
         self.device = device
         self._make_scheduler = make_scheduler
-        self._schedulers: dict[str, object] = {}  # by name: a request picks one; scheduler state is per pipeline
+        self._schedulers: dict[str, object] = {}  # by name: a request picks one; scheduler state is per call
+        # One call at a time: each served model's instances on this device share its stages (engine buffers, graphs).
+        self._lock = threading.Lock()
 
-    def __call__(self, requests: Sequence[RequestFlags]) -> np.ndarray:
+    def __call__(self, requests: Sequence[Request]) -> np.ndarray:
         """8-bit images [B, H, W, 3], one per request, in order, each drawn from its own request's seed."""
         from demo.pipeline import GenerationRequest, to_uint8
         from demo.report import StageTimer
 
-        first = requests[0]
-        negatives = None if first.negative_prompt is None else [r.negative_prompt for r in requests]
-        request = GenerationRequest([r.prompt for r in requests], negatives, first.height, first.width,
-                                    first.denoising_steps, first.guidance_scale, first.seed,
-                                    seeds=tuple(r.seed for r in requests))
-        pipeline = self.pipeline
-        if first.scheduler not in self._schedulers:
-            self._schedulers[first.scheduler] = self._make_scheduler(first.scheduler)
-        pipeline.scheduler = self._schedulers[first.scheduler]
+        head = requests[0]  # an image request runs alone (batch_key): its image, mask and strength
+        first = head.flags
+        negatives = None if first.negative_prompt is None else [r.flags.negative_prompt for r in requests]
+        request = GenerationRequest([r.flags.prompt for r in requests], negatives, first.height, first.width,
+                                    first.denoising_steps, first.guidance_scale, first.seed, head.image, head.mask,
+                                    head.strength, seeds=tuple(r.flags.seed for r in requests))
+        pipeline = self.pipelines[request.mode]
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with on_device:  # the stages run in inference mode themselves, as in the CLI
+        with self._lock, on_device:  # the stages run in inference mode themselves, as in the CLI
+            if first.scheduler not in self._schedulers:
+                self._schedulers[first.scheduler] = self._make_scheduler(first.scheduler)
+            pipeline.scheduler = self._schedulers[first.scheduler]
             return to_uint8(pipeline(request, StageTimer(self.device)))
 
 
@@ -49,7 +53,7 @@ class ServedPipeline:
 class Outcome:
     """What became of one request."""
 
-    request: RequestFlags | None  # None: rejected before it could run
+    request: Request | None  # None: rejected before it could run
     image: np.ndarray | None = None
     error: str | None = None
     call: int | None = None  # which of run_requests' pipeline calls made its image (0, 1, ...)
@@ -65,7 +69,7 @@ def failure_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
-def run_requests(parsed: Sequence[RequestFlags | RequestRejected], generate: Callable[[list[RequestFlags]], np.ndarray],
+def run_requests(parsed: Sequence[Request | RequestRejected], generate: Callable[[list[Request]], np.ndarray],
                  on_failure: Callable[[BaseException], None] = lambda _: None) -> list[Outcome]:
     """Each parsed request's outcome: the rejected ones fail with their reason, the rest run in batches of one
     batch_key (in the order their first request came), a failing batch again one request at a time. `on_failure`

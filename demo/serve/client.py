@@ -1,7 +1,10 @@
-"""A client of sd-serve's txt2img model (tritonclient, HTTP or gRPC), and the command that writes its images as PNGs.
+"""A client of sd-serve's models (tritonclient, HTTP or gRPC), and the command that writes their images as PNGs:
+txt2img, or with --input-image img2img, with --mask-image too inpaint.
 
     python scripts/client.py "a castle on a hill" --seed 42 --denoising-steps 30
     python scripts/client.py "a castle" --url 127.0.0.1:8001 --protocol grpc --height 64 --width 64
+    python scripts/client.py "a castle" --input-image photo.png --strength 0.6
+    python scripts/client.py "a castle" --input-image photo.png --mask-image mask.png
 
 Bad flags are one line and exit 2; a server that cannot be reached, or that refused or failed the request, one line
 (its own, naming the input it refused) and exit 1.
@@ -14,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.cli.generate import DemoFlags
+from demo.cli.generate import DemoFlags, ImageFlags
 from demo.settings import RequestFlags, flag, same_as
 
 PROG = "client"
@@ -60,20 +63,23 @@ def connect(url: str, protocol: str = "http", concurrency: int = 1):
                                                 connection_timeout=3600.0)
 
 
-def request_inputs(module, values: dict) -> list:
-    """tritonclient InferInputs, shape [1, 1] each, for the given request fields (None: left out)."""
+def request_inputs(module, values: dict, mode: str) -> list:
+    """tritonclient InferInputs for the given request fields (None: left out) that `mode`'s model takes, the batch
+    dimension first: [1, 1] each, an image's array (HxWx3 RGB, a mask HxW) as [1, H, W, 3] and [1, H, W]."""
     import numpy as np
 
-    from demo.serve.schema import INPUTS
+    from demo.serve.schema import inputs_of
 
     inputs = []
-    for item in INPUTS:
+    for item in inputs_of(mode):
         value = values.get(item.field)
         if value is None:
             continue
-        array = np.array([[value.encode() if isinstance(value, str) else value]], dtype=item.dtype)
-        tensor = module.InferInput(item.name, [1, 1], "BYTES" if item.dtype is np.bytes_ else
-                                   {np.uint64: "UINT64", np.int32: "INT32", np.float32: "FP32"}[item.dtype])
+        array = np.array([[value.encode() if isinstance(value, str) else value]] if item.shape == (1,) else [value],
+                         dtype=item.dtype)
+        tensor = module.InferInput(item.name, list(array.shape), "BYTES" if item.dtype is np.bytes_ else
+                                   {np.uint64: "UINT64", np.int32: "INT32", np.float32: "FP32",
+                                    np.uint8: "UINT8"}[item.dtype])
         tensor.set_data_from_numpy(array.astype(object) if item.dtype is np.bytes_ else array)
         inputs.append(tensor)
     return inputs
@@ -86,14 +92,24 @@ def server_message(exc: Exception) -> str:
     return found[-1].strip() if found else (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
-def generate(module, client, values: dict, model: str | None = None):
-    """(image HxWx3 uint8, the number of requests its pipeline call ran) for one request; ServeError with the server's
-    one line where it failed."""
-    from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAME
+def mode_of(values: dict) -> str:
+    """The mode a request's fields ask for: inpainting with a mask, image-to-image with an input image alone."""
+    from demo.pipeline import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
 
+    if values.get("mask_image") is not None:
+        return INPAINTING
+    return IMAGE_TO_IMAGE if values.get("input_image") is not None else TEXT_TO_IMAGE
+
+
+def generate(module, client, values: dict):
+    """(image HxWx3 uint8, the number of requests its pipeline call ran) for one request, from the model its fields
+    ask for (mode_of); ServeError with the server's one line where it failed."""
+    from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAMES
+
+    mode = mode_of(values)
     outputs = [module.InferRequestedOutput(name) for name in (IMAGE, BATCH_SIZE, ERROR)]
     try:
-        result = client.infer(model or MODEL_NAME, request_inputs(module, values), outputs=outputs)
+        result = client.infer(MODEL_NAMES[mode], request_inputs(module, values, mode), outputs=outputs)
     except OSError as exc:  # HTTP: nothing listening, the connection dropped
         raise ServeError(f"cannot reach the server: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 -- tritonclient's InferenceServerException: what the server answered
@@ -113,8 +129,10 @@ def build_parser():
     from demo.arguments import Parser
     from demo.settings import add_flags
 
-    p = Parser(prog=PROG, description="Ask sd-serve for an image and write it as a PNG.")
+    p = Parser(prog=PROG, description="Ask sd-serve for an image and write it as a PNG: model txt2img, or with "
+                                      "--input-image img2img, with --mask-image too inpaint.")
     add_flags(p, ClientRequestFlags, required=("prompt",))
+    add_flags(p, ImageFlags, "image-to-image and inpainting")
     add_flags(p, ClientFlags)
     add_flags(p, OutputFlags)
     return p
@@ -138,11 +156,18 @@ def save_png(directory: Path, stem: str, image) -> Path:
 def run(flags) -> int:
     from dataclasses import asdict
 
-    from core.errors import RunFailure
-    from demo.pipeline import random_seed
+    import numpy as np
 
-    request, client_flags = flags[ClientRequestFlags], flags[ClientFlags]
-    values = asdict(request)
+    from core.errors import RunFailure
+    from demo.cli.generate import read_inputs
+    from demo.pipeline import random_seed
+    from demo.serve.schema import MODEL_NAMES
+
+    request, client_flags, image_flags = flags[ClientRequestFlags], flags[ClientFlags], flags[ImageFlags]
+    input_image, mask = read_inputs(image_flags)  # checked as the CLI checks them
+    values = {**asdict(request), "strength": image_flags.strength,
+              "input_image": None if input_image is None else np.asarray(input_image),
+              "mask_image": None if mask is None else np.asarray(mask.convert("L"))}  # grayscale, as the CLI's is made
     values["seed"] = request.seed if request.seed is not None else random_seed()
     module, client = None, None
     try:
@@ -153,7 +178,7 @@ def run(flags) -> int:
     finally:
         if client is not None:
             client.close()
-    path = save_png(Path(flags[OutputFlags].output_dir), f"txt2img-seed{values['seed']}", image)
+    path = save_png(Path(flags[OutputFlags].output_dir), f"{MODEL_NAMES[mode_of(values)]}-seed{values['seed']}", image)
     print(f"saved {path} ({image.shape[1]}x{image.shape[0]}, seed {values['seed']}, ran in a batch of {batch_size})")
     return 0
 

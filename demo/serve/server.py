@@ -1,5 +1,5 @@
-"""sd-serve: the text-to-image pipeline behind Triton Inference Server (PyTriton), one pipeline per GPU, requests
-batched dynamically.
+"""sd-serve: the text-to-image, image-to-image and inpainting pipelines behind Triton Inference Server (PyTriton),
+models txt2img, img2img and inpaint (those the model can run), one set of stages per GPU, requests batched dynamically.
 
     sd-serve --model tiny                                  # the CPU where there is no GPU; 127.0.0.1:8000
     sd-serve --model sd1.5-arch --gpus 0,1 --max-batch-size 8 --max-queue-delay-ms 20
@@ -52,8 +52,9 @@ def build_parser():
     from demo.arguments import Parser
     from demo.settings import add_flags
 
-    p = Parser(prog=PROG, description="Serve text-to-image through Triton Inference Server: model txt2img, one "
-                                      "pipeline per GPU, dynamic batching. --height, --width and --scheduler are what "
+    p = Parser(prog=PROG, description="Serve Stable Diffusion through Triton Inference Server: models txt2img, img2img "
+                                      "and inpaint (an inpainting model: inpaint only), one set of stages per GPU, "
+                                      "dynamic batching. --height, --width and --scheduler are what text-to-image "
                                       "requests that leave them out get; engines are built for that size.")
     add_flags(p, ModelFlags)
     add_flags(p, ServeFlags, "serving")
@@ -135,7 +136,7 @@ def engine_limits(settings, source):
 
 
 class Server:
-    """What Triton calls: one inference callable per pipeline, each answering a batch of requests."""
+    """What Triton calls: one inference callable per device and model, each answering a batch of its requests."""
 
     def __init__(self, pipelines, source, defaults: RequestFlags, check, verbose: bool):
         self.pipelines, self.source, self.defaults, self.check = pipelines, source, defaults, check
@@ -144,10 +145,10 @@ class Server:
         self._batches = itertools.count(1)
         self._lock = threading.Lock()  # the counters, shared by the pipelines' threads
 
-    def callable_for(self, served):
-        return lambda requests: self.answer(served, requests)
+    def callable_for(self, served, mode: str):
+        return lambda requests: self.answer(served, mode, requests)
 
-    def answer(self, served, requests) -> list[dict]:
+    def answer(self, served, mode: str, requests) -> list[dict]:
         """Triton's batch of requests, answered: raises only where all of them failed (Triton then fails each one
         with the message); otherwise a failed request's `error` output says why (PyTriton fails a batch only whole)."""
         import numpy as np
@@ -158,7 +159,7 @@ class Server:
         parsed = []
         for request in requests:
             try:
-                parsed.append(parse_request(request.data, self.source, self.defaults, self.check))
+                parsed.append(parse_request(request.data, self.source, self.defaults, self.check, mode))
             except RequestRejected as exc:
                 parsed.append(exc)
         outcomes = run_requests(parsed, served, on_failure=self._failed)
@@ -183,7 +184,7 @@ class Server:
 
     def _log(self, request_id: int, outcome, batch_id: int | None, device) -> None:
         """One line per request: its id, shape, the batch it ran in (the server's count of pipeline calls), ms."""
-        request = outcome.request
+        request = None if outcome.request is None else outcome.request.flags
         what = "" if request is None else (f" {request.height}x{request.width} steps {request.denoising_steps} "
                                            f"seed {request.seed}")
         if outcome.error is not None:
@@ -198,18 +199,21 @@ class RequestFailed(Exception):
     """Every request of a Triton batch failed; the message says why (Triton returns it as each one's error)."""
 
 
-def load_pipelines(flags, source, request: RequestFlags, devices, backend: str, settings, progress) -> list:
-    """One prepared ServedPipeline per device: stages built or loaded (engines: as `settings` say), LoRAs fused, and a
-    warm-up call at every batch size up to --max-batch-size (CUDA graphs captured, torch.compile compiled, engine
-    buffers sized)."""
+def load_pipelines(flags, source, request: RequestFlags, devices, backend: str, settings, modes, progress) -> list:
+    """One prepared ServedPipeline per device, a pipeline for each of `modes` over one set of stages (the VAE encoder
+    too: image-to-image's): stages built or loaded (engines: as `settings` say), LoRAs fused, and warm-up calls (CUDA
+    graphs captured, torch.compile compiled, engine buffers sized): text-to-image at every batch size up to
+    --max-batch-size, each image mode at 1 (its requests run alone)."""
     import torch
+    from PIL import Image
 
     from demo.arguments import torch_settings
     from demo.backends import create_stages, device_and_dtype
     from demo.memory import check_memory
-    from demo.pipeline import make_pipeline, make_scheduler
+    from demo.pipeline import INPAINTING, TEXT_TO_IMAGE, make_pipeline, make_scheduler
     from demo.serve.batching import ServedPipeline
-    from models import STAGE_MODELS, text_to_image_stages
+    from demo.serve.schema import Request
+    from models import STAGE_MODELS, image_to_image_stages
     from models.lora import check_loras, model_targets
 
     engine, batch = flags[EngineFlags], flags[ServeFlags].max_batch_size
@@ -223,15 +227,23 @@ def load_pipelines(flags, source, request: RequestFlags, devices, backend: str, 
     for device in devices:
         accel = torch_settings(engine, flags[TorchFlags], device, source)[0] if backend == "torch" else None
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
+            models = [STAGE_MODELS[name](source) for name in image_to_image_stages(source)]
             stages = create_stages(backend, models, device, dtype, settings, log=lambda *_: None, progress=progress,
                                    torch_settings=accel)
-            pipeline = make_pipeline(source, stages, request.scheduler, device, dtype)
-            pipeline.set_loras(loras)
-        one = ServedPipeline(pipeline, device, lambda name: make_scheduler(name, source))
-        for size in range(1, batch + 1):
-            progress(f"[{PROG}] {device}: warm-up at batch {size}/{batch} ...")
-            one([replace(request, denoising_steps=1, seed=0)] * size)
+            pipelines = {mode: make_pipeline(source, stages, request.scheduler, device, dtype, mode) for mode in modes}
+            next(iter(pipelines.values())).set_loras(loras)  # into the stages, which they share
+        one = ServedPipeline(pipelines, device, lambda name: make_scheduler(name, source))
+        warm = replace(request, denoising_steps=1, seed=0)
+        if TEXT_TO_IMAGE in modes:
+            for size in range(1, batch + 1):
+                progress(f"[{PROG}] {device}: text-to-image warm-up at batch {size}/{batch} ...")
+                one([Request(warm)] * size)
+        gray = Image.new("RGB", (warm.width, warm.height), (128, 128, 128))
+        half = Image.new("L", gray.size)  # repaint the left half
+        half.paste(255, (0, 0, warm.width // 2, warm.height))
+        for mode in (mode for mode in modes if mode != TEXT_TO_IMAGE):
+            progress(f"[{PROG}] {device}: {mode} warm-up ...")
+            one([Request(warm, gray, half if mode == INPAINTING else None, strength=1.0)])  # its one step runs
         served.append(one)
     return served
 
@@ -242,6 +254,7 @@ def run(flags) -> int:
     from demo.backends import select_backend
     from demo.logs import configure_library_logging
     from demo.pipeline import check_request, resolve_request
+    from demo.serve.schema import served_modes
     from demo.settings import TORCH_USES_ENGINE_FLAGS
 
     model, serve, engine = flags[ModelFlags], flags[ServeFlags], flags[EngineFlags]
@@ -260,7 +273,8 @@ def run(flags) -> int:
     source = model.resolve()
     # What requests that leave them out get (the served size, scheduler), checked as flags: they are this command's.
     defaults = resolve_request(RequestFlags(height=serve.height, width=serve.width, scheduler=serve.scheduler), source)
-    check_request(replace(defaults, batch_size=serve.max_batch_size), source)
+    modes = served_modes(source)
+    check_request(replace(defaults, batch_size=serve.max_batch_size), source, modes[0])  # inpainting models: inpaint
     defaults = replace(defaults, seed=None)  # a request's own, or a random one
     settings, check = None, lambda _: None
     if backend == "torch":
@@ -277,19 +291,20 @@ def run(flags) -> int:
         print(f"note: {', '.join(unused)} unused by the {backend} backend", file=sys.stderr)
     triton_api = import_pytriton()
     progress(f"[{PROG}] model {source.name}, backend {backend} ({reason}), on {', '.join(map(str, devices))}")
-    pipelines = load_pipelines(flags, source, defaults, devices, backend, settings, progress)
-    return serve_forever(triton_api, Server(pipelines, source, defaults, check, model.verbose), serve, progress)
+    pipelines = load_pipelines(flags, source, defaults, devices, backend, settings, modes, progress)
+    return serve_forever(triton_api, Server(pipelines, source, defaults, check, model.verbose), modes, serve,
+                         progress)
 
 
-def serve_forever(triton_api, server: Server, serve: ServeFlags, progress) -> int:
-    """Start Triton with the pipelines bound, then wait for SIGTERM or SIGINT (handled here: a process started in
-    the background ignores SIGINT) or for Triton to die; stop it, draining the requests in flight, and return the
-    exit status (128 + the signal)."""
+def serve_forever(triton_api, server: Server, modes, serve: ServeFlags, progress) -> int:
+    """Start Triton with a model for each of `modes` bound to the pipelines, then wait for SIGTERM or SIGINT (handled
+    here: a process started in the background ignores SIGINT) or for Triton to die; stop it, draining the requests in
+    flight, and return the exit status (128 + the signal)."""
     import numpy as np
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
     from core.errors import RunFailure
-    from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, INPUTS, MODEL_NAME
+    from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAMES, inputs_of
 
     # Triton's Python-backend stub must load the libpython this interpreter runs on, not the system's.
     library_dir = sysconfig.get_config_var("LIBDIR")
@@ -310,22 +325,25 @@ def serve_forever(triton_api, server: Server, serve: ServeFlags, progress) -> in
     # only once the model is there (by default PyTriton loads it into a running server, ready before it is).
     triton = triton_api.Triton(config=config, triton_lifecycle_policy=triton_api.TritonLifecyclePolicy(
         launch_triton_on_startup=False, local_model_store=True))
+    names = [MODEL_NAMES[mode] for mode in modes]
     try:
-        triton.bind(
-            model_name=MODEL_NAME,
-            infer_func=[server.callable_for(pipeline) for pipeline in server.pipelines],
-            inputs=[Tensor(name=item.name, dtype=item.dtype, shape=(1,), optional=item.optional) for item in INPUTS],
-            outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
-                     Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,)),
-                     Tensor(name=ERROR, dtype=np.bytes_, shape=(1,))],
-            config=ModelConfig(max_batch_size=serve.max_batch_size, batcher=DynamicBatcher(
-                max_queue_delay_microseconds=int(serve.max_queue_delay_ms * 1000))),
-        )
+        for mode, name in zip(modes, names):
+            triton.bind(
+                model_name=name,
+                infer_func=[server.callable_for(pipeline, mode) for pipeline in server.pipelines],
+                inputs=[Tensor(name=item.name, dtype=item.dtype, shape=item.shape, optional=item.optional)
+                        for item in inputs_of(mode)],
+                outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
+                         Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,)),
+                         Tensor(name=ERROR, dtype=np.bytes_, shape=(1,))],
+                config=ModelConfig(max_batch_size=serve.max_batch_size, batcher=DynamicBatcher(
+                    max_queue_delay_microseconds=int(serve.max_queue_delay_ms * 1000))),
+            )
         try:
             triton.run()
         except Exception as exc:  # noqa: BLE001 -- PyTriton's start-up failures (a timeout, a dead server) as one line
             raise RunFailure(f"Triton did not start: {exc}") from None
-        progress(f"[{PROG}] ready: model {MODEL_NAME} on http://{serve.host}:{serve.http_port}, gRPC "
+        progress(f"[{PROG}] ready: models {', '.join(names)} on http://{serve.host}:{serve.http_port}, gRPC "
                  f"{serve.host}:{serve.grpc_port}, metrics http://{serve.host}:{serve.metrics_port}/metrics")
         while not stop.wait(1.0):
             if not triton.is_alive():
