@@ -62,7 +62,9 @@ def one_node_model(op_type: str, inputs: list, constants: set, output_shape: lis
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PLUGIN_DOMAIN, 1)])
 
 
-def build_engine(model, op_type: str):
+def build_engine(model, op_type: str, channels_last: bool = False):
+    """channels_last: the network's inputs and output in kHWC8, with no reformat allowed between them and the
+    plugin, so the plugin itself must take kHWC8."""
     builder = trt.Builder(LOGGER)
     creation = trt.NetworkDefinitionCreationFlag
     network = builder.create_network(1 << int(creation.EXPLICIT_BATCH) if hasattr(creation, "EXPLICIT_BATCH") else 0)
@@ -79,24 +81,43 @@ def build_engine(model, op_type: str):
     config.set_flag(trt.BuilderFlag.FP16)
     if hasattr(trt.TacticSource, "CUDNN"):  # cuDNN may be a stub where this runs; our layer needs none of it
         config.set_tactic_sources(config.get_tactic_sources() & ~(1 << int(trt.TacticSource.CUDNN)))
+    if channels_last:
+        io = [network.get_input(i) for i in range(network.num_inputs)] + [network.get_output(0)]
+        for tensor in io:
+            tensor.allowed_formats = 1 << int(trt.TensorFormat.HWC8)
+        if hasattr(trt.BuilderFlag, "DIRECT_IO"):  # fail rather than reformat (deprecated in 10.7; see the check below)
+            config.set_flag(trt.BuilderFlag.DIRECT_IO)
     plan = builder.build_serialized_network(network, config)
     assert plan is not None, "engine build failed (TensorRT's log above says why)"
-    return trt.Runtime(LOGGER).deserialize_cuda_engine(plan)
+    engine = trt.Runtime(LOGGER).deserialize_cuda_engine(plan)
+    if channels_last:  # no reformat layer around the plugin (TensorRT names them "Reformatting CopyNode ...")
+        layers = engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.ONELINE)
+        assert "reformat" not in layers.lower(), layers
+    return engine
 
 
-def run_plugin(op_type: str, inputs: list, constants: set, output_shape: list, **attributes) -> torch.Tensor:
-    engine = build_engine(one_node_model(op_type, inputs, constants, output_shape, **attributes), op_type)
+def run_plugin(op_type: str, inputs: list, constants: set, output_shape: list, channels_last: bool = False,
+               **attributes) -> torch.Tensor:
+    """channels_last: the engine's I/O in kHWC8 (see build_engine); inputs then must be torch.channels_last, which
+    is kHWC8's byte layout where C % 8 == 0, and the output comes back in that memory format."""
+    model = one_node_model(op_type, inputs, constants, output_shape, **attributes)
+    engine = build_engine(model, op_type, channels_last)
     feeds = dict(inputs)
     context = engine.create_execution_context()
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
     out = None
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)
         assert engine.get_tensor_dtype(name) == trt.float16, f"{name} is {engine.get_tensor_dtype(name)}, not fp16"
+        expected = trt.TensorFormat.HWC8 if channels_last else trt.TensorFormat.LINEAR
+        assert engine.get_tensor_format(name) == expected, f"{name} is {engine.get_tensor_format(name)}"
         if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+            assert feeds[name].is_contiguous(memory_format=memory_format), f"{name} is not in {memory_format}"
             context.set_tensor_address(name, feeds[name].data_ptr())
         else:
             assert list(context.get_tensor_shape(name)) == output_shape
             out = torch.full(output_shape, float("nan"), dtype=torch.float16, device="cuda")
+            out = out.contiguous(memory_format=memory_format)
             context.set_tensor_address(name, out.data_ptr())
     stream = torch.cuda.current_stream()
     assert context.execute_async_v3(stream.cuda_stream)
@@ -127,6 +148,11 @@ def test_fmhca():
     assert rel_error(out, attention(q.float(), k, v, 1 / math.sqrt(d))) > 10 * ATTENTION_BOUND
 
 
+def group_norm_reference(x, groups, gamma, beta, epsilon, silu):
+    y = F.group_norm(x.float(), groups, gamma.float(), beta.float(), epsilon)
+    return F.silu(y) if silu else y
+
+
 @pytest.mark.parametrize("silu", [0, 1])
 def test_group_norm(silu):
     b, c, h, w, groups, eps = 2, 320, 64, 64, 32, 0.05
@@ -134,13 +160,21 @@ def test_group_norm(silu):
     gamma, beta = randn(c), randn(c)
     out = run_plugin(OPS["GroupNorm"], [("x", x), ("gamma", gamma), ("beta", beta)], {"gamma", "beta"}, [b, c, h, w],
                      num_groups=groups, epsilon=eps, silu=silu)
+    assert rel_error(out, group_norm_reference(x, groups, gamma, beta, eps, silu)) < NORM_BOUND
+    assert rel_error(out, group_norm_reference(x, groups, gamma, beta, 1e-5, silu)) > 10 * NORM_BOUND
 
-    def reference(epsilon):
-        y = F.group_norm(x.float(), groups, gamma.float(), beta.float(), epsilon)
-        return F.silu(y) if silu else y
 
-    assert rel_error(out, reference(eps)) < NORM_BOUND
-    assert rel_error(out, reference(1e-5)) > 10 * NORM_BOUND
+# x and y in kHWC8, TensorRT's format next to fp16 convolutions: the plugin runs the kernel's NHWC layout.
+@pytest.mark.parametrize("silu", [0, 1])
+@pytest.mark.parametrize("b, c, h, w", [(2, 320, 64, 64), (1, 640, 16, 16)])
+def test_group_norm_in_hwc8(b, c, h, w, silu):
+    groups, eps = 32, 0.05
+    x = randn(b, c, h, w, scale=0.2, shift=0.5).contiguous(memory_format=torch.channels_last)
+    gamma, beta = randn(c), randn(c)
+    out = run_plugin(OPS["GroupNorm"], [("x", x), ("gamma", gamma), ("beta", beta)], {"gamma", "beta"}, [b, c, h, w],
+                     channels_last=True, num_groups=groups, epsilon=eps, silu=silu)
+    assert rel_error(out, group_norm_reference(x, groups, gamma, beta, eps, silu)) < NORM_BOUND
+    assert rel_error(out, group_norm_reference(x, groups, gamma, beta, 1e-5, silu)) > 10 * NORM_BOUND
 
 
 def test_layer_norm():

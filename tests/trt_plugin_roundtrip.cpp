@@ -7,6 +7,7 @@
 // Usage: trt_plugin_roundtrip <path to libsdplugins_trt.so>; exit status 0 when every check passed.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -292,7 +293,7 @@ int main(int argc, char** argv) {
       restored->destroy();
     }
 
-    // fp16 linear for every tensor, constants included; nothing else.
+    // fp16 linear for every tensor, constants included; no fp32; kHWC8 only at GroupNorm's x (more below).
     std::vector<nv::PluginTensorDesc> io;
     for (auto const& shape : c.inputs) {
       nv::PluginTensorDesc d = desc({});
@@ -308,7 +309,9 @@ int main(int argc, char** argv) {
       CHECK(!plugin->supportsFormatCombination(pos, io.data(), inputs, 1), what + ": no fp32 at " + std::to_string(pos));
       io[pos] = saved;
       io[pos].format = nv::TensorFormat::kHWC8;
-      CHECK(!plugin->supportsFormatCombination(pos, io.data(), inputs, 1), what + ": no HWC8 at " + std::to_string(pos));
+      const bool channels_last = std::string(c.plugin) == "SDPGroupNorm" && pos == 0;
+      CHECK(plugin->supportsFormatCombination(pos, io.data(), inputs, 1) == channels_last,
+            what + (channels_last ? ": HWC8 at " : ": no HWC8 at ") + std::to_string(pos));
       io[pos] = saved;
     }
     CHECK(!plugin->supportsFormatCombination(0, io.data(), inputs - 1, 1), what + ": one input too few admits nothing");
@@ -366,12 +369,61 @@ int main(int argc, char** argv) {
   expect_error("fMHA with K/V count 4", "qkv must be [B, S, H, 3, D]",
                [&] { return !output_of(attention, {{2, 64, 8, 4, 40}}).empty(); });
 
-  // The GroupNorm workspace covers every smaller batch; the others need none.
+  // GroupNorm: x in kHWC8 (NHWC where C % 8 == 0) with the output in x's format, gamma and beta linear. Each
+  // position is asked with the positions before it chosen, as TensorRT does.
   nv::IPluginV2DynamicExt* norm = create(group_norm, {i32("num_groups", 32), f32("epsilon", 1e-5f), i32("silu", 1)});
-  nv::PluginTensorDesc norm_io[] = {desc({2, 320, 64, 64}), desc({320}), desc({320}), desc({2, 320, 64, 64})};
-  const size_t workspace = norm->getWorkspaceSize(norm_io, 3, norm_io + 3, 1);
-  CHECK(workspace > 0 && workspace >= kernel_workspace(2, 320, 4096, 32, 0) && workspace >= kernel_workspace(1, 320, 4096, 32, 0),
-        "GroupNorm workspace " + std::to_string(workspace));
+  const nv::DataType half = nv::DataType::kHALF;
+  const nv::TensorFormat linear = nv::TensorFormat::kLINEAR, hwc8 = nv::TensorFormat::kHWC8;
+  auto admits = [](nv::IPluginV2DynamicExt* plugin, std::vector<nv::PluginTensorDesc> io, int32_t pos) {
+    return plugin->supportsFormatCombination(pos, io.data(), 3, 1);
+  };
+  const std::vector<nv::PluginTensorDesc> nhwc = {desc({2, 320, 64, 64}, half, hwc8), desc({320}), desc({320}),
+                                                  desc({2, 320, 64, 64}, half, hwc8)};
+  CHECK(admits(norm, nhwc, 0) && admits(norm, nhwc, 1) && admits(norm, nhwc, 2) && admits(norm, nhwc, 3),
+        "GroupNorm: HWC8 x and output, linear gamma and beta");
+  auto with = [](std::vector<nv::PluginTensorDesc> io, size_t pos, nv::DataType type, nv::TensorFormat format) {
+    io[pos].type = type, io[pos].format = format;
+    return io;
+  };
+  CHECK(!admits(norm, with(nhwc, 3, half, linear), 3), "GroupNorm: no linear output after an HWC8 x");
+  CHECK(!admits(norm, with(nhwc, 0, half, linear), 3), "GroupNorm: no HWC8 output after a linear x");
+  CHECK(!admits(norm, with(nhwc, 3, nv::DataType::kFLOAT, hwc8), 3), "GroupNorm: no fp32 HWC8 output");
+  CHECK(!admits(norm, with(nhwc, 0, nv::DataType::kFLOAT, hwc8), 0), "GroupNorm: no fp32 HWC8 x");
+  CHECK(!admits(norm, with(nhwc, 1, half, hwc8), 1) && !admits(norm, with(nhwc, 2, half, hwc8), 2),
+        "GroupNorm: no HWC8 gamma or beta");
+  // kHWC8 is our NHWC only for 4-D x with a known C that is a multiple of 8 (else padded, or another dimension's).
+  nv::IPluginV2DynamicExt* norm4 = create(group_norm, {i32("num_groups", 4), f32("epsilon", 1e-5f), i32("silu", 0)});
+  auto x_only = [](nv::IPluginV2DynamicExt* plugin, nv::PluginTensorDesc const& x) {
+    const std::vector<nv::PluginTensorDesc> io = {x, desc({}), desc({}), x};
+    return plugin->supportsFormatCombination(0, io.data(), 3, 1);
+  };
+  CHECK(x_only(norm4, desc({2, 12, 8, 8})) && !x_only(norm4, desc({2, 12, 8, 8}, half, hwc8)),
+        "GroupNorm: C = 12 linear only");
+  CHECK(x_only(norm4, desc({2, -1, 8, 8})) && !x_only(norm4, desc({2, -1, 8, 8}, half, hwc8)),
+        "GroupNorm: dynamic C linear only");
+  CHECK(x_only(norm, desc({2, 320, 4096})) && !x_only(norm, desc({2, 320, 4096}, half, hwc8)),
+        "GroupNorm: 3-D x linear only");
+  CHECK(x_only(norm, desc({-1, 320, -1, -1}, half, hwc8)), "GroupNorm: HWC8 with dynamic B, H, W");
+  // The NHWC kernel keeps at most 1024 groups' sums in shared memory.
+  nv::IPluginV2DynamicExt* norm2048 =
+      create(group_norm, {i32("num_groups", 2048), f32("epsilon", 1e-5f), i32("silu", 0)});
+  CHECK(x_only(norm2048, desc({1, 4096, 2, 2})) && !x_only(norm2048, desc({1, 4096, 2, 2}, half, hwc8)),
+        "GroupNorm: 2048 groups linear only");
+
+  // The GroupNorm workspace is the kernel's largest over every batch up to this one, in x's layout; the others
+  // need none.
+  auto largest = [&](int layout) {
+    size_t most = 0;
+    for (int batch = 1; batch <= 2; ++batch) most = std::max(most, kernel_workspace(batch, 320, 4096, 32, layout));
+    return most;
+  };
+  const std::vector<nv::PluginTensorDesc> nchw = with(with(nhwc, 0, half, linear), 3, half, linear);
+  const size_t nchw_workspace = norm->getWorkspaceSize(nchw.data(), 3, nchw.data() + 3, 1);
+  const size_t nhwc_workspace = norm->getWorkspaceSize(nhwc.data(), 3, nhwc.data() + 3, 1);
+  CHECK(nchw_workspace == largest(0) && nchw_workspace > 0,
+        "GroupNorm NCHW workspace " + std::to_string(nchw_workspace) + ", expected " + std::to_string(largest(0)));
+  CHECK(nhwc_workspace == largest(1) && nhwc_workspace != nchw_workspace,
+        "GroupNorm HWC8 workspace " + std::to_string(nhwc_workspace) + ", expected " + std::to_string(largest(1)));
   nv::PluginTensorDesc attention_io[] = {desc({2, 64, 8, 3, 40}), desc({2, 64, 8, 40})};
   CHECK(attention->getWorkspaceSize(attention_io, 1, attention_io + 1, 1) == 0, "fMHA needs no workspace");
 
@@ -391,12 +443,22 @@ int main(int argc, char** argv) {
   expect_error("GroupNorm enqueue with 32 groups of 30 channels", "groups (32) must divide channels (30)", [&] {
     return norm->enqueue(odd_groups, odd_groups + 3, fake_inputs, fake_outputs, fake, nullptr) == 0;
   });
+  nv::PluginTensorDesc mixed[] = {desc({2, 320, 8, 8}, half, hwc8), desc({320}), desc({320}), desc({2, 320, 8, 8})};
+  expect_error("GroupNorm enqueue with an HWC8 x and a linear output",
+               "the output must have x's format, kHWC8, got kLINEAR",
+               [&] { return norm->enqueue(mixed, mixed + 3, fake_inputs, fake_outputs, fake, nullptr) == 0; });
+  // An HWC8 x reaches the kernel as NHWC: 2048 groups are refused there (NCHW would take them).
+  nv::PluginTensorDesc many_groups[] = {desc({1, 4096, 2, 2}, half, hwc8), desc({4096}), desc({4096}),
+                                        desc({1, 4096, 2, 2}, half, hwc8)};
+  expect_error("GroupNorm enqueue of an HWC8 x with 2048 groups", "NHWC supports at most 1024 groups", [&] {
+    return norm2048->enqueue(many_groups, many_groups + 3, fake_inputs, fake_outputs, fake, nullptr) == 0;
+  });
   nv::PluginTensorDesc nchw_residual[] = {desc({2, 64, 32}), desc({32}), desc({2, 32, 8, 8}), desc({2, 4, 8, 8}),
                                           desc({2, 32, 8, 8})};
   expect_error("Seq2Spatial layout 1 enqueue with an NCHW residual", "residual must be [2, 64, 32]", [&] {
     return sequence->enqueue(nchw_residual, nchw_residual + 4, fake_inputs, fake_outputs, nullptr, nullptr) == 0;
   });
-  for (nv::IPluginV2DynamicExt* p : {sequence, attention, norm}) p->destroy();
+  for (nv::IPluginV2DynamicExt* p : {sequence, attention, norm, norm4, norm2048}) p->destroy();
 
   std::printf("checks: %d, failures: %d\n", checks, failures);
   return failures ? 1 : 0;

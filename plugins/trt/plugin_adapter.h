@@ -7,9 +7,10 @@
 //   arity(fields)            its input count,
 //   output_dims(...)         its shape rule, through IExprBuilder,
 //   enqueue(...)             the kernel call, returning "" or the error,
-// and, by deriving from NoWorkspace or not, workspace(fields, inputs).
+// by deriving from NoWorkspace or not, workspace(fields, inputs), and optionally
+//   supports_format(fields, pos, in_out, inputs)   the formats it takes beyond fp16 linear (see below).
 // Plugin<Spec> and Creator<Spec> do the rest once for all plugins: field parsing and validation,
-// serialization, fp16 linear formats, error logging through TensorRT's logger.
+// serialization, fp16 linear formats by default, error logging through TensorRT's logger.
 #pragma once
 
 #include <array>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "sdplugins.h"
@@ -156,6 +158,18 @@ inline bool known_and_not(nv::IDimensionExpr const* dim, int32_t value) {
   return dim->isConstant() && dim->getConstantValue() != value;
 }
 
+inline std::string format_name(nv::TensorFormat format) {
+  switch (format) {
+    case nv::TensorFormat::kLINEAR: return "kLINEAR";
+    case nv::TensorFormat::kHWC8: return "kHWC8";
+    default: return "TensorFormat " + std::to_string(static_cast<int32_t>(format));
+  }
+}
+
+inline bool fp16_linear(nv::PluginTensorDesc const& desc) {
+  return desc.type == nv::DataType::kHALF && desc.format == nv::TensorFormat::kLINEAR;
+}
+
 inline std::string kernel_status(int code) { return code == 0 ? std::string() : std::string(sdp_last_error()); }
 
 // Specs without a workspace derive from this.
@@ -165,6 +179,12 @@ struct NoWorkspace {
     return 0;
   }
 };
+
+// A Spec that takes more than fp16 linear declares supports_format(fields, pos, in_out, inputs).
+template <class Spec, class = void>
+struct HasFormatRule : std::false_type {};
+template <class Spec>
+struct HasFormatRule<Spec, std::void_t<decltype(&Spec::supports_format)>> : std::true_type {};
 
 // ---- the plugin -------------------------------------------------------------------------------------
 
@@ -224,12 +244,15 @@ class Plugin final : public nv::IPluginV2DynamicExt {
     return nv::DimsExprs{};
   }
 
-  // The kernels are fp16-only and read every tensor contiguously, gamma/beta/bias constants included.
-  // A wrong input count admits no format at all, so the build fails (getOutputDimensions says why).
+  // The kernels are fp16-only and read every tensor contiguously, gamma/beta/bias constants included, unless
+  // the Spec's supports_format admits more. TensorRT asks about pos with in_out[0..pos-1] already chosen, so a
+  // rule reads no position above pos. A wrong input count admits no format at all, so the build fails
+  // (getOutputDimensions says why).
   bool supportsFormatCombination(int32_t pos, nv::PluginTensorDesc const* in_out, int32_t inputs,
                                  int32_t outputs) noexcept override {
-    return inputs == Spec::arity(fields_) && outputs == 1 && in_out[pos].type == nv::DataType::kHALF &&
-           in_out[pos].format == nv::TensorFormat::kLINEAR;
+    if (inputs != Spec::arity(fields_) || outputs != 1) return false;
+    if constexpr (HasFormatRule<Spec>::value) return Spec::supports_format(fields_, pos, in_out, inputs);
+    else return fp16_linear(in_out[pos]);
   }
 
   void configurePlugin(nv::DynamicPluginTensorDesc const*, int32_t, nv::DynamicPluginTensorDesc const*,

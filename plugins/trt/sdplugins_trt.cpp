@@ -115,6 +115,25 @@ struct GroupNorm {
     return {};
   }
 
+  // x in fp16 linear NCHW, or in kHWC8, the channels-last format TensorRT keeps next to fp16 convolutions (taking
+  // it spares a reformat on each side; TensorRT picks by timing). kHWC8 moves the third-to-last dimension last,
+  // padded to 8: our NHWC only for 4-D x with C a known multiple of 8, and a group count the NHWC kernel takes
+  // (else its workspace size is 0). gamma and beta stay linear; y takes x's format, read from in_out[0].
+  static bool supports_format(Fields const& f, int32_t pos, nv::PluginTensorDesc const* in_out, int32_t inputs) {
+    nv::PluginTensorDesc const& desc = in_out[pos];
+    if (pos == inputs) return desc.type == nv::DataType::kHALF && desc.format == in_out[0].format;
+    if (pos == 0 && desc.type == nv::DataType::kHALF && desc.format == nv::TensorFormat::kHWC8) {
+      const int64_t channels = desc.dims.nbDims == 4 ? desc.dims.d[1] : -1;
+      return channels > 0 && channels % 8 == 0 &&
+             sdp_group_norm_workspace_size(1, static_cast<int>(channels), 1, f.num_groups, SDP_LAYOUT_NHWC) > 0;
+    }
+    return fp16_linear(desc);
+  }
+
+  static int layout(nv::PluginTensorDesc const& x) {
+    return x.format == nv::TensorFormat::kHWC8 ? SDP_LAYOUT_NHWC : SDP_LAYOUT_NCHW;
+  }
+
   struct Shape {
     int batch, channels, hw;
   };
@@ -125,29 +144,34 @@ struct GroupNorm {
 
   // TensorRT asks for enough for these (maximum) dimensions or any smaller problem. The kernel's chunking
   // gives fewer (batch, group) pairs more chunks each, so its size is not monotonic in the batch: take the
-  // largest over every batch up to this one (it grows with H x W at a fixed batch).
+  // largest over every batch up to this one (it grows with H x W at a fixed batch), in x's layout.
   static size_t workspace(Fields const& f, nv::PluginTensorDesc const* in) {
     if (in[0].dims.nbDims < 3) return 0;
     const Shape s = shape(in[0].dims);
     size_t most = 0;
     for (int batch = 1; batch <= s.batch; ++batch) {
-      most = std::max(most, sdp_group_norm_workspace_size(batch, s.channels, s.hw, f.num_groups, SDP_LAYOUT_NCHW));
+      most = std::max(most, sdp_group_norm_workspace_size(batch, s.channels, s.hw, f.num_groups, layout(in[0])));
     }
     return most;
   }
 
   static std::string enqueue(Fields const& f, nv::PluginTensorDesc const* in, void const* const* inputs,
-                             nv::PluginTensorDesc const&, void* out, void* workspace, cudaStream_t stream) {
+                             nv::PluginTensorDesc const& output, void* out, void* workspace, cudaStream_t stream) {
     nv::Dims const& x = in[0].dims;
     if (x.nbDims < 3) return "x must be [B, C, H, W], got " + shape_string(x);
+    // The kernel writes y in x's layout (supports_format admits nothing else).
+    if (output.format != in[0].format) {
+      return "the output must have x's format, " + format_name(in[0].format) + ", got " + format_name(output.format);
+    }
     const Shape s = shape(x);
     if (volume(in[1].dims) != s.channels || volume(in[2].dims) != s.channels) {
       return "gamma and beta must have C = " + std::to_string(s.channels) + " elements, got " +
              shape_string(in[1].dims) + " and " + shape_string(in[2].dims);
     }
-    const size_t bytes = sdp_group_norm_workspace_size(s.batch, s.channels, s.hw, f.num_groups, SDP_LAYOUT_NCHW);
+    const int xy_layout = layout(in[0]);
+    const size_t bytes = sdp_group_norm_workspace_size(s.batch, s.channels, s.hw, f.num_groups, xy_layout);
     return kernel_status(sdp_group_norm(inputs[0], inputs[1], inputs[2], out, workspace, bytes, s.batch, s.channels,
-                                        s.hw, f.num_groups, f.epsilon, SDP_LAYOUT_NCHW, f.silu, stream));
+                                        s.hw, f.num_groups, f.epsilon, xy_layout, f.silu, stream));
   }
 };
 
