@@ -46,7 +46,7 @@ from demo.settings import EngineFlags, ModelFlags, RequestFlags, at_least, chang
 PROG = "sd-benchmark"
 say = partial(log, PROG)
 # Engine flags each TensorRT contender sets itself.
-PER_CONTENDER = ("build_static_batch", "build_dynamic_shape", "use_cuda_graph", "plugins", "plugin_convention")
+PER_CONTENDER = ("build_static_batch", "build_dynamic_shape", "use_cuda_graph", "plugins", "plugin_convention", "int8")
 
 
 @dataclass(frozen=True)
@@ -227,6 +227,9 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
                         else {"plugins": list(contender.plugins), "cuda_graph": True}),
            "psnr_vs_eager_db": psnr, "max_pixel_diff_vs_eager": difference, "image": str(image_path),
            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    if contender.reference:  # e.g. INT8 engines against the fp16 ones: the image too
+        psnr, difference = compare_images(load_image(image_path), load_image(images_dir / f"{contender.reference}.png"))
+        row.update(reference=contender.reference, psnr_vs_reference_db=psnr, max_pixel_diff_vs_reference=difference)
     results.record("rows", row)
     say(f"{contender.label} ({name}): pipeline {row['latency_ms']['pipeline']:.2f} ms, UNet "
         f"{row['unet_ms_per_call']:.2f} ms/step, PSNR vs eager {psnr if psnr is not None else '—'}")

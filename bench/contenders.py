@@ -1,6 +1,6 @@
 """What the benchmark compares: diffusers' modules as they are, the strongest PyTorch peer (channels-last +
 torch.compile reduce-overhead), our torch backend at its best and with each toggle off, and TensorRT engines
-with and without our plugins."""
+with and without our plugins, and with an INT8 UNet."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from plugins.contract import ATTENTION_KEYS, PLUGIN_KEYS
 EAGER = "diffusers-eager"  # the reference every image is compared with
 DEFAULTS = "ours-defaults"  # the torch backend's tuned defaults, resolved on the machine that runs it
 TRT_AUTO = "tensorrt-auto"  # engines with the plugins `--plugins auto` picks, resolved on the machine that runs it
+TRT_INT8 = "tensorrt-int8"  # the same, with the UNet's engine --int8
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class Contender:
     backend: str = "torch"  # or "tensorrt"
     settings: object = None  # demo.torch_accel.TorchSettings, for the torch backend
     plugins: tuple[str, ...] = ()  # for engines
+    int8: bool = False  # engines: the UNet's built with --int8
+    # Another contender this one is also compared with, image and UNet output (INT8 against its fp16 engines).
+    reference: str | None = None
 
 
 def contenders() -> dict[str, Contender]:
@@ -53,7 +57,10 @@ def contenders() -> dict[str, Contender]:
               Contender(TRT_AUTO, "TensorRT engines with the plugins --plugins auto picks here, CUDA graphs",
                         "tensorrt"),
               Contender("tensorrt-plugins", "TensorRT engines with all our plugins, CUDA graphs", "tensorrt",
-                        plugins=every)]
+                        plugins=every),
+              Contender(TRT_INT8, "TensorRT engines as tensorrt-auto, the UNet's INT8 (--int8), CUDA graphs",
+                        "tensorrt", int8=True,
+                        reference=TRT_AUTO)]
     return {c.label: c for c in named}
 
 
@@ -99,7 +106,7 @@ def resolve_here(contender: Contender, device, xl: bool = False) -> Contender:
     from demo.torch_accel import resolve_torch_settings
     from models.plugin_set import parse_plugin_set
 
-    if contender.label == TRT_AUTO:
+    if contender.label in (TRT_AUTO, TRT_INT8):
         plugins = parse_plugin_set("auto", xl=xl)
         return replace(contender, plugins=plugins, what=f"{contender.what}: {', '.join(plugins) or 'none'}")
     if contender.label != DEFAULTS:

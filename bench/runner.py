@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.common import STAGES, slug, workload_title
-from bench.contenders import Contender
+from bench.contenders import Contender, contenders, resolve_here
 from bench.jobs import BuildPlan, Job, ablation_engine_stages, create_config_stages
 from demo.settings import EngineFlags, RequestFlags
 from plugins.contract import OURS, PLUGIN_KEYS
@@ -88,11 +88,13 @@ def contender_engine_flags(engine: EngineFlags, contender: Contender, workload: 
     """A TensorRT contender's engine flags: plugin-free engines for the first workload in --onnx-dir and
     --engine-dir (so engines build-engines made with the same flags are reused), with all plugins in
     <dir>-plugins, with some in <dir>-plugins-<keys>, other workloads in <dir>[-plugins...]-<W>x<H>-b<batch>;
-    static shapes, CUDA graphs."""
+    static shapes, CUDA graphs. An INT8 UNet's engine has a file of its own, beside the fp16 one of the same
+    plugins (whose text encoder and VAE engines it shares)."""
     suffix = plugin_dir_suffix(contender.plugins) + ("" if workload == first else f"-{workload.slug()}")
     return replace(engine, onnx_dir=engine.onnx_dir + suffix, engine_dir=engine.engine_dir + suffix,
                    build_static_batch=True, build_dynamic_shape=False, use_cuda_graph=True,
-                   plugins=",".join(contender.plugins) or "none", plugin_convention=OURS)
+                   plugins=",".join(contender.plugins) or "none", plugin_convention=OURS, int8=contender.int8,
+                   calibration_prompts=engine.calibration_prompts if contender.int8 else None)
 
 
 def plugin_dir_suffix(plugins: tuple[str, ...]) -> str:
@@ -179,6 +181,8 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
         row["latency_ms"] = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
         row["latency_ms_runs"] = timings
         row["unet_ms_per_call"] = row["latency_ms"]["unet"] / row["unet_calls"]
+        if contender.reference:
+            row["unet_error_vs_reference"] = unet_error_vs_reference(setup, contender, workload, first, stages["unet"])
         if cuda:
             row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
             row["device_used_bytes"] = free_before - torch.cuda.mem_get_info(device)[0]
@@ -187,6 +191,41 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
         for stage in stages.values():
             if hasattr(stage, "close"):  # engines: contexts, graphs, streams
                 stage.close()
+
+
+def unet_error_vs_reference(setup: Setup, contender: Contender, workload: Workload, first: Workload,
+                            unet) -> dict | None:
+    """The UNet's output against the reference contender's UNet engine (built beside it, not rebuilt here) on the
+    same random inputs: largest absolute difference and relative L2 error; None where that engine is not built.
+    The other stages' engines are the reference's own files (an INT8 contender quantizes only the UNet)."""
+    import torch
+
+    from core.artifacts import ArtifactError
+    from demo.arguments import engine_settings
+    from demo.backends import create_stages
+    from models import stage_batch
+
+    reference = resolve_here(contenders()[contender.reference], setup.device, setup.source.is_xl)
+    flags = contender_engine_flags(setup.engine, reference, workload, first)
+    settings = replace(engine_settings(flags, setup.source, reference.backend, workload.batch, workload.height,
+                                       workload.width, guided=setup.request.guided), build_missing=False)
+    try:
+        other = create_stages(reference.backend, [unet.model], setup.device, setup.dtype, settings,
+                              log=lambda *_: None, progress=setup.say)["unet"]
+    except ArtifactError as exc:
+        setup.say(f"{contender.label}: no UNet error against {reference.label}: {exc}")
+        return None
+    try:
+        batch = stage_batch("unet", workload.batch, setup.request.guided)
+        other.prepare(batch, workload.height, workload.width)
+        feed = unet.model.sample_inputs(batch, workload.height, workload.width, setup.device, setup.dtype,
+                                        torch.Generator().manual_seed(0))
+        expected = other(feed)["latent"].float().clone()
+        got = unet(feed)["latent"].float()
+        return {"reference": reference.label, "max_abs": float((got - expected).abs().max()),
+                "rel_l2": float((got - expected).norm() / expected.norm())}
+    finally:
+        other.close()
 
 
 def run_config(plan: BuildPlan, source, request: RequestFlags, runs: int, label: str, plugins: tuple[str, ...],

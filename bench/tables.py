@@ -51,12 +51,38 @@ def benchmark_table(results: dict) -> str:
                          f"| {_gib(row.get('peak_allocated_bytes'))} | {_gib(row.get('device_used_bytes'))} "
                          f"| {psnr_text} | {'—' if difference is None else difference} |")
         parts.append("\n".join(lines))
+        compared = reference_table(rows)
+        if compared:
+            parts.append(compared)
     for kind in KINDS[1:]:
         for entry in results.get(kind, []):
             parts.append(f"{entry['label']} ({entry['workload']}) {kind}: {entry['reason']}")
     parts.append("Contenders: " + "; ".join(f"{row['label']}: {row['what']}" for row in
                                             {r["label"]: r for r in results.get("rows", [])}.values()))
     return "\n\n".join(parts) + "\n"
+
+
+def reference_table(rows: list[dict]) -> str:
+    """The rows measured against another contender of the same workload (INT8 engines against their fp16 ones): time
+    and engine-size ratios, the image, and the UNet's output on the same inputs."""
+    by_label = {row["label"]: row for row in rows}
+    lines = ["| contender | against | UNet / step | pipeline | engines | PSNR dB | max Δ | UNet max abs error "
+             "| UNet rel. error |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        other = by_label.get(row.get("reference"))
+        if other is None:
+            continue
+        error = row.get("unet_error_vs_reference")
+        size = (f"{row['engine_bytes'] / other['engine_bytes']:.2f}x" if row.get("engine_bytes")
+                and other.get("engine_bytes") else "—")
+        psnr, difference = row.get("psnr_vs_reference_db"), row.get("max_pixel_diff_vs_reference")
+        step = row["unet_ms_per_call"] / other["unet_ms_per_call"]
+        lines.append(f"| {row['label']} | {other['label']} | {step:.2f}x "
+                     f"| {row['latency_ms']['pipeline'] / other['latency_ms']['pipeline']:.2f}x | {size} "
+                     f"| {'identical' if difference == 0 else _s(psnr)} | {'—' if difference is None else difference} "
+                     f"| {'—' if error is None else format(error['max_abs'], '.4f')} "
+                     f"| {'—' if error is None else format(error['rel_l2'], '.4f')} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def ablation_table(rows: list[dict], gpu: str, trt_version: str) -> str:

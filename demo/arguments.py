@@ -10,7 +10,7 @@ from typing import Callable
 
 from core.atomic import writable_reason
 from core.errors import RunFailure, UsageError
-from demo.settings import EngineFlags, TorchFlags
+from demo.settings import EngineFlags, RequestFlags, TorchFlags, at_least
 from plugins.contract import OURS
 
 
@@ -121,6 +121,11 @@ def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, h
             print(f"note: --timing-cache {timing_cache} is not used without a GPU (it is neither read nor written)",
                   file=sys.stderr)
             timing_cache = None
+    if flags.int8 and flags.build_enable_refit:
+        raise UsageError("--int8 engines cannot be refitted (their weights are smoothed and quantized): drop "
+                         "--build-enable-refit (and --lora)")
+    if flags.calibration_prompts and not flags.int8:
+        raise UsageError("--calibration-prompts is for --int8")
     if flags.build_enable_refit and flavour == "tensorrt-rtx" and current_cc() is None:
         # tensorrt-rtx 1.7 compiles a refittable engine's kernels while building it, which needs a GPU
         raise UsageError("--build-enable-refit: TensorRT for RTX builds refittable engines on a GPU only")
@@ -136,7 +141,23 @@ def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, h
                           use_cuda_graph=use_cuda_graph, force_onnx_export=flags.force_onnx_export,
                           force_onnx_optimize=flags.force_onnx_optimize, force_engine_build=flags.force_engine_build,
                           plugins=engine_plugins(flags.plugins, flavour, flags.plugin_convention, source.is_xl),
-                          plugin_convention=flags.plugin_convention)
+                          plugin_convention=flags.plugin_convention,
+                          int8=int8_settings(flags, source, height, width))
+
+
+def int8_settings(flags: EngineFlags, source, height: int, width: int):
+    """The INT8 request of --int8 (None without it), checked now: calibration renders of --calibration-prompts at the
+    engines' size, --calibration-steps steps of the model's own scheduler, the default guidance; so an INT8 engine,
+    like an fp16 one, serves any steps, scheduler and guidance without a rebuild."""
+    if not flags.int8:
+        return None
+    from demo.calibrate import int8_request, read_calibration_prompts
+    from demo.pipeline import default_scheduler_name
+
+    at_least("--calibration-steps", flags.calibration_steps, 1)
+    return int8_request(source, read_calibration_prompts(flags.calibration_prompts), flags.calibration_steps,
+                        default_scheduler_name(source), RequestFlags().guidance_scale, height, width,
+                        Path(flags.onnx_dir))
 
 
 def engine_plugins(text: str, flavour: str, convention: str = OURS, xl: bool = False) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from core.errors import UsageError
 from demo.trt_flavour import TensorRTAPI, current_cc
 from models import stage_batch
 from models.base import Range, StageModel
+from models.quantize import Int8Request
 from models.source import ModelSource
 from plugins.contract import OURS
 from plugins.trt_plugins import load_plugin_library
@@ -223,10 +224,12 @@ def build_targets(options: BuildOptions, api: TensorRTAPI) -> list:
 
 
 def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: dict, options: BuildOptions,
-                      progress: Callable[[str], None], plugin_convention: str | None = None) -> None:
+                      progress: Callable[[str], None], plugin_convention: str | None = None,
+                      int8: bool = False) -> None:
     """Parse `onnx_path` and write the serialized engine to `path`.
 
-    fp16 I/O means an fp16 engine: strongly typed where TensorRT has it, else with the FP16 flag.
+    fp16 I/O means an fp16 engine: strongly typed where TensorRT has it, else with the FP16 flag; `int8` (Q/DQ in
+    the ONNX, models.quantize) adds the INT8 flag there.
     `plugin_convention`: the ONNX holds plugin nodes of that convention, whose creators must be in
     TensorRT's registry before parsing (the parser maps those nodes to them). A refittable engine (options.refit)
     records beside it which ONNX it was built from (built_from); its weights keep the ONNX initializers' names."""
@@ -251,7 +254,7 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
 
     config = builder.create_builder_config()
     config.builder_optimization_level = options.optimization_level
-    api.set_precision(config, half=any(t.dtype == trt.float16 for t in inputs + outputs))
+    api.set_precision(config, half=any(t.dtype == trt.float16 for t in inputs + outputs), int8=int8)
     api.disable_tactic_sources(config, options.disabled_tactic_sources)
     if options.refit:
         config.set_flag(trt.BuilderFlag.REFIT)
@@ -305,13 +308,14 @@ def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], Co
     `make_onnx()` provides the optimized ONNX (exporting only then), locked while the engine is built from it
     (or, with build_missing False, an ArtifactError says why there is none to reuse)."""
     api = TensorRTAPI(options.flavour)
-    artifact = engine_dir / f"{model.name}.engine"
+    int8 = "int8" in onnx_key
+    artifact = engine_dir / f"{model.name}{'.int8' if int8 else ''}.engine"  # beside the fp16 one, as its ONNX is
     key = reusable_key(artifact, engine_key(model, onnx_key, shapes, options, api), options)
 
     def build(path: Path) -> None:
         with make_onnx() as onnx_path:
             convention = onnx_key["plugin_convention"] if onnx_key["plugins"] else None
-            build_engine_file(path, onnx_path, model, shapes, options, progress, convention)
+            build_engine_file(path, onnx_path, model, shapes, options, progress, convention, int8)
 
     return cached_build(artifact, key, build, force, log, verify_content=True, build_missing=build_missing)
 
@@ -331,6 +335,7 @@ class EngineSettings:
     force_engine_build: bool = False
     plugins: tuple[str, ...] = ()  # models.plugin_set keys whose passes put plugins into the graphs
     plugin_convention: str = OURS  # ours, or TensorRT's own plugins (plugins.contract.CONVENTIONS)
+    int8: Int8Request | None = None  # --int8: the engines of stages that take it are quantized (models.quantize)
     # False: a missing or stale engine is an error, not a build (runs of engines built elsewhere, e.g.
     # by the ablation's build jobs, must not quietly spend minutes building on the GPU they time).
     build_missing: bool = True
@@ -344,6 +349,11 @@ def stage_plugins(settings: EngineSettings, stage_dtype: torch.dtype) -> tuple[s
     return settings.plugins if stage_dtype == torch.float16 else ()
 
 
+def stage_int8(settings: EngineSettings, model: StageModel) -> Int8Request | None:
+    """The INT8 request for the engine of `model`: the settings' where the stage takes int8, else None."""
+    return settings.int8 if model.takes_int8 else None
+
+
 def stage_onnx(model: StageModel, settings: EngineSettings, device: str | torch.device, dtype: torch.dtype,
                log: Callable[[str], None] = print) -> ContextManager[Path]:
     """The optimized ONNX the engine of `model` is built from, for a pipeline in `dtype`, through the artifact cache
@@ -351,7 +361,7 @@ def stage_onnx(model: StageModel, settings: EngineSettings, device: str | torch.
     stage_dtype = model.stage_dtype(dtype)
     return model.optimized_onnx(settings.onnx_dir, device, stage_dtype, settings.force_onnx_export,
                                 settings.force_onnx_optimize, log, stage_plugins(settings, stage_dtype),
-                                settings.plugin_convention)
+                                settings.plugin_convention, stage_int8(settings, model))
 
 
 def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, device: str | torch.device,
@@ -382,7 +392,8 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
 
         start = time.perf_counter()
         shapes = settings.profile.stage_shapes(model, settings.guided)
-        onnx_key = model.optimized_onnx_key(model_dtype, plugins, settings.plugin_convention)
+        onnx_key = model.optimized_onnx_key(model_dtype, plugins, settings.plugin_convention,
+                                            stage_int8(settings, model))
         engines[model.name] = prepare_engine(model, onnx_key, make_onnx, settings.engine_dir, shapes, settings.options,
                                              settings.force_engine_build, log, progress, settings.build_missing)
         stat["engine_s"] = time.perf_counter() - start - (stat["onnx_s"] or 0.0)

@@ -105,6 +105,13 @@ class EngineFlags:
     plugin_convention: str = flag("whose plugin nodes the passes emit: ours (sdplugins, default) or TensorRT "
                                   "8.5/8.6's own Stable Diffusion plugins in libnvinfer_plugin (tensorrt), for "
                                   "comparison", OURS, choices=CONVENTIONS)
+    int8: bool = flag("INT8 UNet engine: Q/DQ on its convolutions and linear layers (SmoothQuant where a LayerNorm "
+                      "feeds them), calibrated on the pipeline's own activations; attention and norms stay in fp16",
+                      False)
+    calibration_prompts: str | None = flag("prompts to calibrate --int8 on, one a line (default: a built-in set of "
+                                           "8)", metavar="FILE")
+    calibration_steps: int = flag("denoising steps of each --int8 calibration render, with the model's own scheduler "
+                                  "(default: %(default)s)", 30)
     disable_tactic_sources: str | None = flag("TensorRT tactic sources the builder must not use, e.g. CUDNN where "
                                               "cuDNN is missing", metavar="NAMES")
     target_cc: str | None = flag("target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 (default: this "

@@ -124,10 +124,15 @@ class TensorRTAPI:
             return builder.create_network(1 << int(flags.STRONGLY_TYPED))
         return builder.create_network(1 << int(flags.EXPLICIT_BATCH))
 
-    def set_precision(self, config, half: bool) -> None:
-        """Without strong typing the builder runs fp32 unless told fp16 is allowed."""
-        if half and not self.strongly_typed:
+    def set_precision(self, config, half: bool, int8: bool = False) -> None:
+        """Without strong typing the builder runs fp32 unless told fp16 is allowed, and runs Q/DQ layers in int8
+        only when told int8 is."""
+        if self.strongly_typed:
+            return
+        if half:
             config.set_flag(self.trt.BuilderFlag.FP16)
+        if int8:
+            config.set_flag(self.trt.BuilderFlag.INT8)
 
     def check_tactic_sources(self, names: tuple[str, ...]) -> None:
         """A UsageError naming the tactic sources this TensorRT does not have (checked before any export)."""

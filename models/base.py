@@ -14,6 +14,7 @@ from core.artifacts import artifact_lock, cached_build
 from models.onnx_io import save_onnx
 from models.optimizer import optimize_onnx_file
 from models.provenance import export_provenance
+from models.quantize import Int8Request
 from models.source import ModelSource
 from plugins.contract import OURS
 
@@ -40,6 +41,9 @@ class StageModel(abc.ABC):
     # Its component takes LoRA (models.lora): its ONNX records which parameters each initializer holds, for engine
     # refit (models.provenance).
     takes_lora: ClassVar[bool] = False
+    # --int8 quantizes its engine (models.quantize): where int8 pays (the UNet's convolutions and token-wide linear
+    # layers); the quantization finds each weight's module through the LoRA provenance, so takes_lora too.
+    takes_int8: ClassVar[bool] = False
 
     def __init__(self, source: ModelSource):
         self.source = source
@@ -151,26 +155,30 @@ class StageModel(abc.ABC):
         }
 
     def optimized_onnx_key(self, dtype: torch.dtype, plugins: tuple[str, ...] = (),
-                           plugin_convention: str = OURS) -> dict:
+                           plugin_convention: str = OURS, int8: Int8Request | None = None) -> dict:
         """What makes the optimized ONNX (and so, in part, every engine built from it); `plugins` is
         the sorted tuple of plugin keys whose passes run (models.plugin_set.parse_plugin_set), and
-        `plugin_convention` whose plugin nodes they emit (models.plugin_passes.CONVENTIONS)."""
-        return dict(self.onnx_key(dtype), optimize_version=OPTIMIZE_VERSION, plugins=list(plugins),
-                    plugin_convention=plugin_convention)
+        `plugin_convention` whose plugin nodes they emit (models.plugin_passes.CONVENTIONS); an INT8 one also has
+        what made its calibration."""
+        key = dict(self.onnx_key(dtype), optimize_version=OPTIMIZE_VERSION, plugins=list(plugins),
+                   plugin_convention=plugin_convention)
+        return key if int8 is None else dict(key, int8=int8.onnx_key())
 
-    def optimized_onnx_path(self, onnx_dir: Path) -> Path:
-        return onnx_dir / f"{self.name}.opt.onnx"
+    def optimized_onnx_path(self, onnx_dir: Path, int8: bool = False) -> Path:
+        """INT8 ONNX has a file of its own, so that it and the fp16 one (and their engines) are kept side by side."""
+        return onnx_dir / f"{self.name}{'.int8' if int8 else ''}.opt.onnx"
 
     def prepare_onnx(
         self, onnx_dir: Path, device: str | torch.device, dtype: torch.dtype,
         force_export: bool = False, force_optimize: bool = False, log=print, plugins: tuple[str, ...] = (),
-        plugin_convention: str = OURS,
+        plugin_convention: str = OURS, int8: Int8Request | None = None,
     ) -> Path:
         """Export and optimize through the artifact cache; returns the optimized ONNX path.
 
         The optimizer runs the passes of `plugins`, emitting `plugin_convention`'s nodes; what they
         replaced and skipped is stored with the artifact (models.plugin_passes.read_pass_report), and, for a
-        stage that takes LoRA, where each initializer comes from (models.provenance.Provenance.read).
+        stage that takes LoRA, where each initializer comes from (models.provenance.Provenance.read). With `int8`,
+        it then quantizes the graph (models.quantize; its report: read_int8_report).
 
         Both files are checked by SHA-256 before anything is built from them, and a damaged one is
         rebuilt. The export happens inside the optimize step, under the optimized ONNX's lock: only
@@ -181,20 +189,21 @@ class StageModel(abc.ABC):
         def optimize(path: Path) -> None:
             raw = cached_build(exported, self.onnx_key(dtype), lambda p: self.export_onnx(p, device, dtype),
                                force_export, log, verify_content=True)
-            optimize_onnx_file(raw, path, self.name, log, plugins, plugin_convention, provenance=self.takes_lora)
+            optimize_onnx_file(raw, path, self.name, log, plugins, plugin_convention, provenance=self.takes_lora,
+                               int8=int8)
 
-        key = self.optimized_onnx_key(dtype, plugins, plugin_convention)
-        return cached_build(self.optimized_onnx_path(onnx_dir), key, optimize, force_export or force_optimize, log,
-                            verify_content=True)
+        key = self.optimized_onnx_key(dtype, plugins, plugin_convention, int8)
+        return cached_build(self.optimized_onnx_path(onnx_dir, int8 is not None), key, optimize,
+                            force_export or force_optimize, log, verify_content=True)
 
     @contextlib.contextmanager
     def optimized_onnx(
         self, onnx_dir: Path, device: str | torch.device, dtype: torch.dtype,
         force_export: bool = False, force_optimize: bool = False, log=print, plugins: tuple[str, ...] = (),
-        plugin_convention: str = OURS,
+        plugin_convention: str = OURS, int8: Int8Request | None = None,
     ) -> Iterator[Path]:
         """prepare_onnx, holding the optimized ONNX's lock until the block ends: no other process
         replaces the file (say, exporting it in another precision) while the caller builds from it."""
-        with artifact_lock(self.optimized_onnx_path(onnx_dir), log):
+        with artifact_lock(self.optimized_onnx_path(onnx_dir, int8 is not None), log):
             yield self.prepare_onnx(onnx_dir, device, dtype, force_export, force_optimize, log, plugins,
-                                    plugin_convention)
+                                    plugin_convention, int8)

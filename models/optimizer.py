@@ -20,6 +20,7 @@ from polygraphy.backend.onnx import loader as poly
 from models.onnx_io import save_onnx
 from models.plugin_passes import PLUGIN_PASSES, empty_report, write_pass_report
 from models.provenance import Provenance, ProvenanceError, check_provenance
+from models.quantize import Int8Request, describe, quantize_graph, write_int8_report
 from plugins.contract import OURS, PLUGIN_KEYS
 
 
@@ -56,6 +57,12 @@ class GraphOptimizer:
     def plugin_pass(self, key: str, convention: str = OURS) -> None:
         self.plugin_report[key] = PLUGIN_PASSES[key].apply(self.graph, convention, self.provenance).as_dict()
         self._record(key)
+
+    def quantize(self, provenance: Provenance, int8: Int8Request) -> dict:
+        """Smooth and quantize the graph as models.quantize does, from `int8`'s calibration; returns its report."""
+        report = quantize_graph(self.graph, provenance, int8.calibrate(), int8.alpha)
+        self._record("int8")
+        return report
 
     def plugin_passes(self, plugins: tuple[str, ...], convention: str = OURS) -> list[tuple[str, Callable[[], None]]]:
         """The passes of the selected plugins, in a fixed order, then a cleanup; `convention` says
@@ -103,16 +110,31 @@ class GraphOptimizer:
 
 
 def optimize_onnx_file(src: Path, dst: Path, stage: str, log: Callable[[str], None] = print,
-                       plugins: tuple[str, ...] = (), convention: str = OURS, provenance: bool = False) -> None:
+                       plugins: tuple[str, ...] = (), convention: str = OURS, provenance: bool = False,
+                       int8: Int8Request | None = None) -> None:
     """Optimize `src` into `dst`, running the passes of `plugins`; their report goes beside `dst`. With
-    `provenance`, the export's record beside `src` is carried through, checked, and written beside `dst`."""
+    `provenance`, the export's record beside `src` is carried through, checked, and written beside `dst`. With
+    `int8` (which needs the provenance: it finds each weight's module by it), the graph is then smoothed and
+    quantized from the request's calibration (models.quantize), and what that did goes beside `dst` too."""
     optimizer = GraphOptimizer(onnx.load(str(src)), stage, Provenance.read(src) if provenance else None)
     model = optimizer.run(optimizer.base_passes() + optimizer.plugin_passes(plugins, convention))
     checked = optimizer.checked_provenance() if provenance else None  # before anything is written
+    int8_report = None
+    if int8 is not None:
+        if checked is None or checked.problem:
+            raise ProvenanceError(f"{stage}: --int8 finds each weight's module through the export's record of it, "
+                                  f"which {'this stage lacks' if checked is None else 'failed: ' + checked.problem}")
+        int8_report = optimizer.quantize(checked, int8)
+        model = optimizer.model()
+        checked = checked.failed("an INT8 engine's weights are smoothed and quantized, so a refit cannot restore them")
     save_onnx(model, dst)
     write_pass_report(dst, optimizer.plugin_report)
+    if int8_report is not None:
+        write_int8_report(dst, int8_report)
     if checked is not None:
         checked.write(dst)
     log(optimizer.report())
-    if checked is not None and checked.problem:
+    if int8_report is not None:  # its refit is refused up front (demo.arguments), so no warning here
+        log(f"[optimize] {stage}: {describe(int8_report)}")
+    elif checked is not None and checked.problem:
         log(f"[optimize] {stage}: warning: LoRA refit of its engines will not work: {checked.problem}")

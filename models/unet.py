@@ -30,6 +30,7 @@ class UNetModel(StageModel):
     input_names = ("sample", "timestep", "encoder_hidden_states")
     output_names = ("latent",)
     takes_lora = True
+    takes_int8 = True
     dynamic_axes = {
         "sample": {0: "B", 2: "latent_height", 3: "latent_width"},
         "encoder_hidden_states": {0: "B"},

@@ -270,3 +270,30 @@ def test_the_request_is_recorded_and_images_are_compared_only_for_the_same_one(t
     status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-channels-last", "--seed",
                           str(data["seed"] + 1), common=no_seed)
     assert status == 0 and data["rows"][1]["max_pixel_diff_vs_eager"] is None
+
+
+def test_int8_engines_are_compared_with_their_fp16_ones(tmp_path, monkeypatch):
+    """tensorrt-auto then tensorrt-int8 on the stand-in TensorRT (ONNX Runtime runs the engines, the Q/DQ one in
+    int8): the INT8 row carries its image and UNet output against the fp16 engines', and the table shows them."""
+    import sys
+
+    import torch._dynamo  # noqa: F401 (it looks for a tensorrt module spec when imported; the stand-in has none)
+
+    from tests import fake_tensorrt
+
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt.make_module("8.6.0"))
+    monkeypatch.setattr("demo.trt_flavour.current_cc", lambda: (9, 0))
+    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
+    monkeypatch.chdir(tmp_path)  # the engines' default folders
+    status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,tensorrt-auto,tensorrt-int8",
+                                "--optimization-level", "0")
+    assert status == 0 and not data["failed"] and not data["skipped"], data
+    rows = {row["label"]: row for row in data["rows"]}
+    int8, fp16 = rows["tensorrt-int8"], rows["tensorrt-auto"]
+    assert int8["reference"] == "tensorrt-auto" and int8["engine_dir"] == fp16["engine_dir"]
+    assert 25 < int8["psnr_vs_reference_db"] < 100
+    error = int8["unet_error_vs_reference"]
+    assert error["reference"] == "tensorrt-auto" and 1e-4 < error["rel_l2"] < 0.2 and error["max_abs"] > 0
+    assert (tmp_path / f"{fp16['engine_dir']}" / "unet.int8.engine").is_file()
+    table = (results / f"{STEM}.md").read_text()
+    assert "| tensorrt-int8 | tensorrt-auto |" in table

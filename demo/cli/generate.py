@@ -188,15 +188,18 @@ def resolve_refiner(flags: RefinerFlags, source, request: RequestFlags, mode: st
 
 def refiner_engine_settings(engine: EngineFlags, base_settings, refiner, backend: str, request: RequestFlags):
     """The refiner's engine settings: the base's flags, its ONNX and engines in refiner/ beside the base's (stage
-    names are the same, the engines are not)."""
+    names are the same, the engines are not); its UNet stays fp16 under --int8 (calibration runs text-to-image
+    pipelines, which a refiner is not)."""
     from dataclasses import replace
 
     from demo.arguments import engine_settings
 
     if base_settings is None:  # the torch backend
         return None
+    if engine.int8:
+        print("note: --int8 quantizes the base UNet; the refiner's stays fp16", file=sys.stderr)
     folders = replace(engine, onnx_dir=str(Path(engine.onnx_dir) / "refiner"),
-                      engine_dir=str(Path(engine.engine_dir) / "refiner"))
+                      engine_dir=str(Path(engine.engine_dir) / "refiner"), int8=False, calibration_prompts=None)
     return engine_settings(folders, refiner, backend, request.batch_size, request.height, request.width,
                            guided=request.guided)
 
