@@ -142,7 +142,20 @@ def load_stages(setup: Setup, contender: Contender, workload: Workload, first: W
     return stages, _engine_row(
         stages, flags.engine_dir, load_s=time.perf_counter() - start,
         build_s=sum((stat["onnx_s"] or 0.0) + stat["engine_s"] for stat in stats.values()) if built else None,
-        engines_reused=not built, engine_bytes=sum(stat["engine_bytes"] for stat in stats.values()))
+        engines_reused=not built, engine_bytes=sum(stat["engine_bytes"] for stat in stats.values()),
+        **(int8_layers(stages["unet"], Path(flags.onnx_dir)) if contender.int8 else {}))
+
+
+def int8_layers(unet, onnx_dir: Path) -> dict:
+    """How many layers the INT8 UNet's ONNX quantized, and how many of the engine's layers TensorRT runs on int8
+    inputs (fewer: some Q/DQ pairs were not fused into int8 kernels); None where the ONNX's report is gone."""
+    from models.quantize import read_int8_report
+
+    try:
+        quantized = sum(read_int8_report(unet.model.optimized_onnx_path(onnx_dir, int8=True))["quantized"].values())
+    except FileNotFoundError:
+        quantized = None
+    return {"unet_quantized_layers": quantized, "unet_int8_layers": unet.engine.int8_layers()}
 
 
 def run_contender(setup: Setup, contender: Contender, workload: Workload, first: Workload) -> tuple[dict, object]:

@@ -67,7 +67,8 @@ def reference_table(rows: list[dict]) -> str:
     and engine-size ratios, the image, and the UNet's output on the same inputs."""
     by_label = {row["label"]: row for row in rows}
     lines = ["| contender | against | UNet / step | pipeline | engines | PSNR dB | max Δ | UNet max abs error "
-             "| UNet rel. error |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| UNet rel. error | int8 layers in the engine / quantized |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         other = by_label.get(row.get("reference"))
         if other is None:
@@ -81,7 +82,8 @@ def reference_table(rows: list[dict]) -> str:
                      f"| {row['latency_ms']['pipeline'] / other['latency_ms']['pipeline']:.2f}x | {size} "
                      f"| {'identical' if difference == 0 else _s(psnr)} | {'—' if difference is None else difference} "
                      f"| {'—' if error is None else format(error['max_abs'], '.4f')} "
-                     f"| {'—' if error is None else format(error['rel_l2'], '.4f')} |")
+                     f"| {'—' if error is None else format(error['rel_l2'], '.4f')} "
+                     f"| {row.get('unet_int8_layers', '—')} / {row.get('unet_quantized_layers') or '—'} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

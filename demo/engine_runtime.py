@@ -119,13 +119,8 @@ class Engine:
         profiling verbosity, so layer types are listed): a plugin key ("fMHA", ...; "other" for a plugin
         not ours), REFORMAT for TensorRT's format conversions, GENERATED for the rest of what TensorRT made.
         The ONNX passes name each plugin node '<tensor>/<plugin op>', and the parser keeps the name."""
-        inspector = self.engine.create_engine_inspector()
-        # strict=False: TensorRT 8.6 writes raw control characters into some of the JSON's strings.
-        info = json.loads(inspector.get_engine_information(self.api.trt.LayerInformationFormat.JSON), strict=False)
         kinds = {}
-        for layer in info.get("Layers", []):
-            if not isinstance(layer, dict):
-                continue
+        for layer in self._inspected_layers():
             name, layer_type = layer.get("Name", ""), layer.get("LayerType")
             if layer_type == "PluginV2":
                 found = re.search(r"/(\w+)$", name)
@@ -133,6 +128,20 @@ class Engine:
             else:
                 kinds[name] = REFORMAT if layer_type == "Reformat" else GENERATED
         return kinds
+
+    def _inspected_layers(self) -> list[dict]:
+        """The layers TensorRT's engine inspector lists (detailed, as engines are built)."""
+        inspector = self.engine.create_engine_inspector()
+        # strict=False: TensorRT 8.6 writes raw control characters into some of the JSON's strings.
+        info = json.loads(inspector.get_engine_information(self.api.trt.LayerInformationFormat.JSON), strict=False)
+        return [layer for layer in info.get("Layers", []) if isinstance(layer, dict)]
+
+    def int8_layers(self) -> int:
+        """How many layers (format conversions aside) read int8: the Q/DQ-wrapped convolutions and matrix products
+        TensorRT fused into int8 kernels, by the data types the inspector lists for their inputs."""
+        return sum(1 for layer in self._inspected_layers() if layer.get("LayerType") != "Reformat"
+                   and any("int8" in str(t.get("Format/Datatype", "")).lower()
+                           for t in layer.get("Inputs", []) if isinstance(t, dict)))
 
     def plugin_layers(self) -> Counter:
         """Plugin layers in the built engine, per plugin key."""

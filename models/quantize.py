@@ -294,21 +294,19 @@ def _cast(graph: gs.Graph, tensor: gs.Tensor, dtype, name: str) -> gs.Variable:
 def insert_qdq(graph: gs.Graph, layers: list[_Layer]) -> None:
     """Q/DQ on each layer's activation (per tensor, shared by the layers reading one tensor) and weight (per
     output channel); a layer of an fp16 graph computes in fp32 between Casts (the module docstring says why)."""
-    activations: dict[str, tuple[gs.Variable, float]] = {}
+    # The graph's precision is its weights' (a plugin's output tensor may carry no dtype).
+    half = {layer.node.name: layer.weight.values.dtype == np.float16 for layer in layers}
+    activations: dict[str, tuple[gs.Variable, float, bool]] = {}
     for layer in layers:
-        node = layer.node
-        x = node.inputs[0]
-        amax = layer.stats.amax
-        if x.name in activations:
-            amax = max(amax, activations[x.name][1])
-        activations[x.name] = (x, amax)
+        x = layer.node.inputs[0]
+        amax = max(layer.stats.amax, activations[x.name][1]) if x.name in activations else layer.stats.amax
+        activations[x.name] = (x, amax, half[layer.node.name])
     dequantized = {}
-    for name, (x, amax) in activations.items():
-        source = _cast(graph, x, np.float32, f"{name}/act/fp32") if x.dtype == np.float16 else x
+    for name, (x, amax, x_half) in activations.items():
+        source = _cast(graph, x, np.float32, f"{name}/act/fp32") if x_half else x
         dequantized[name] = _qdq(graph, source, np.float32(max(amax, 1e-8) / INT8_MAX), None, f"{name}/act")
     for layer in layers:
         node = layer.node
-        half = node.inputs[1].values.dtype == np.float16
         weight = node.inputs[1].values.astype(np.float32)
         reduce = tuple(d for d in range(weight.ndim) if d != layer.output_axis)
         scale = np.maximum(np.abs(weight).max(axis=reduce), 1e-8) / INT8_MAX
@@ -319,7 +317,7 @@ def insert_qdq(graph: gs.Graph, layers: list[_Layer]) -> None:
             bias = node.inputs[index]
             if isinstance(bias, gs.Constant):
                 node.inputs[index] = gs.Constant(f"{bias.name}_fp32{node.name}", bias.values.astype(np.float32))
-        if half:
+        if half[node.name]:
             out = node.outputs[0]
             wide = gs.Variable(f"{out.name}/int8-layer", dtype=np.float32, shape=out.shape)
             node.outputs[0] = wide

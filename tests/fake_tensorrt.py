@@ -300,8 +300,17 @@ class _Inspector:
         self.engine = engine
 
     def get_engine_information(self, layer_format):
+        """A layer per ONNX node; an input a DequantizeLinear makes is listed as int8, as where TensorRT fuses the
+        Q/DQ pair into the layer reading it."""
+        import onnx
+
         assert layer_format == LayerInformationFormat.JSON
-        layers = [{"Name": name, "LayerType": op_type} for name, op_type in self.engine.onnx_nodes()]
+        graph = onnx.load(self.engine.spec["onnx"], load_external_data=False).graph
+        dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+        layers = [{"Name": name, "LayerType": op_type,
+                   "Inputs": [{"Name": i, "Format/Datatype": "Int8" if i in dequantized else "FP32"}
+                              for i in node.input]}
+                  for (name, op_type), node in zip(self.engine.onnx_nodes(), graph.node)]
         return json.dumps({"Layers": layers})
 
 

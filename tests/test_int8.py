@@ -220,3 +220,19 @@ def test_tensorrt_for_rtx_builds_the_int8_unet(tiny, tmp_path):
     engines = prepare_stage_engines([STAGE_MODELS["unet"](tiny)], settings, CPU, torch.float16, QUIET, QUIET)
     assert engines["unet"].stat().st_size > 0
     assert read_int8_report(tmp_path / "onnx" / "unet.int8.opt.onnx")["quantized"]["Conv"] > 0
+
+
+def test_sdxl_calibrates_through_its_own_pipeline_and_quantizes(tmp_path):
+    from models.source import resolve_model
+
+    xl = resolve_model("tiny-xl")
+    unet = STAGE_MODELS["unet"](xl)
+    request = int8_request(xl, PROMPTS, 3, "Euler", GUIDANCE, SIZE, SIZE, tmp_path, QUIET, QUIET)
+    plain = unet.prepare_onnx(tmp_path, "cpu", torch.float32, log=QUIET)
+    quantized = unet.prepare_onnx(tmp_path, "cpu", torch.float32, log=QUIET, int8=request)
+    report = read_int8_report(quantized)
+    assert report["quantized"]["Conv"] > 0 and report["quantized"]["MatMul"] > 0
+    assert not any(m.startswith("add_embedding") for m in report["modules"])  # one row per image: the added conditions
+    inputs = unet.sample_inputs(2, SIZE, SIZE, generator=torch.Generator().manual_seed(2))
+    feed = {name: value.numpy() for name, value in inputs.items()}
+    assert 1e-4 < rel_error(run_onnx(quantized, feed), run_onnx(plain, feed)) < 0.15
