@@ -236,3 +236,13 @@ def test_sdxl_calibrates_through_its_own_pipeline_and_quantizes(tmp_path):
     inputs = unet.sample_inputs(2, SIZE, SIZE, generator=torch.Generator().manual_seed(2))
     feed = {name: value.numpy() for name, value in inputs.items()}
     assert 1e-4 < rel_error(run_onnx(quantized, feed), run_onnx(plain, feed)) < 0.15
+
+
+def test_the_report_names_the_int8_unet(tiny, tmp_path):
+    from demo.cli.generate import engine_options
+
+    profile = ImageProfile.for_request(tiny, 1, SIZE, SIZE, static_batch=True, dynamic_shape=False)
+    settings = EngineSettings(tmp_path, tmp_path, profile, BuildOptions("tensorrt", 0), use_cuda_graph=True)
+    assert engine_options(settings) == ["CUDA graphs"]
+    settings.int8 = calibration_request(tiny, tmp_path)
+    assert engine_options(settings) == ["CUDA graphs", "INT8 UNet"]

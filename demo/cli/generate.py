@@ -204,6 +204,12 @@ def refiner_engine_settings(engine: EngineFlags, base_settings, refiner, backend
                            guided=request.guided)
 
 
+def engine_options(settings) -> list[str]:
+    """The engine settings the report lists beside the plugins."""
+    return [name for name, on in (("CUDA graphs", settings.use_cuda_graph), ("INT8 UNet", settings.int8 is not None))
+            if on]
+
+
 def accel_options(settings) -> list[str]:
     """The torch backend's settings other than plugins, as the report lists them."""
     options = [name for name, on in (("channels-last", settings.channels_last), ("CUDA graphs", settings.cuda_graph))
@@ -329,7 +335,7 @@ def run(flags) -> int:
         latent_shape=list(source.latent_shape(request.batch_size, request.height, request.width)),
         latency_ms=timer.milliseconds(), versions=library_versions(backend),
         plugins=list(settings.plugins if settings else accel.plugins),
-        options=accel_options(accel) if accel is not None else (["CUDA graphs"] if settings.use_cuda_graph else []),
+        options=accel_options(accel) if accel is not None else engine_options(settings),
         options_reason=accel_reason, input_image=image_flags.input_image,
         mask_image=image_flags.mask_image,
         strength=None if generation.mode == TEXT_TO_IMAGE else generation.strength,
