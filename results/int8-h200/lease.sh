@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 20 on one H200 x2 lease (not run yet): kHWC8 GroupNorm and --int8 engines on TensorRT 8.6 against the torch
+# Issue 20 on one H200 x2 lease (an H100 x2 serves too, its figures then kept apart; not run yet): kHWC8 GroupNorm and --int8 engines on TensorRT 8.6 against the torch
 # backend, sd1.5-arch 512x512, 50 DDIM steps, seed 0. From the repository root once ../shared/trt86's 15 carry parts
 # are on the box (docs/gpu-box.md), with .whl carried:
 #   TRT86_SHA=<sha make_parts.sh printed> LEVEL=3 bash results/int8-h200/lease.sh start   # detached
