@@ -228,8 +228,8 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
            "psnr_vs_eager_db": psnr, "max_pixel_diff_vs_eager": difference, "image": str(image_path),
            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
     if contender.reference:  # e.g. INT8 engines against the fp16 ones: the image too
-        psnr, difference = compare_images(load_image(image_path), load_image(images_dir / f"{contender.reference}.png"))
-        row.update(reference=contender.reference, psnr_vs_reference_db=psnr, max_pixel_diff_vs_reference=difference)
+        against, largest = compare_images(load_image(image_path), load_image(images_dir / f"{contender.reference}.png"))
+        row.update(reference=contender.reference, psnr_vs_reference_db=against, max_pixel_diff_vs_reference=largest)
     results.record("rows", row)
     say(f"{contender.label} ({name}): pipeline {row['latency_ms']['pipeline']:.2f} ms, UNet "
         f"{row['unet_ms_per_call']:.2f} ms/step, PSNR vs eager {psnr if psnr is not None else '—'}")
