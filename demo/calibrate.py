@@ -22,7 +22,7 @@ from models.source import ModelSource
 
 CALIBRATION_VERSION = 1  # bump when what calibration records changes
 # The built-in calibration set: varied subjects, styles and scenes, so that the recorded ranges are not one
-# picture's. Short enough for a first run to calibrate in a minute on a GPU at 50 steps.
+# picture's. Few enough that a first run calibrates in seconds on a GPU (8 renders of --calibration-steps).
 DEFAULT_PROMPTS = (
     "a photo of an astronaut riding a horse on mars",
     "a watercolor painting of a lighthouse on a cliff at sunset",
