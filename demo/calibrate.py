@@ -22,7 +22,7 @@ from models.source import ModelSource
 
 CALIBRATION_VERSION = 1  # bump when what calibration records changes
 # The built-in calibration set: varied subjects, styles and scenes, so that the recorded ranges are not one
-# picture's. Few enough that a first run calibrates in well under a minute on a GPU (8 renders of 30 steps).
+# picture's; few, so that a first run's calibration (8 renders of 30 steps) stays short beside an engine build.
 DEFAULT_PROMPTS = (
     "a photo of an astronaut riding a horse on mars",
     "a watercolor painting of a lighthouse on a cliff at sunset",
