@@ -23,7 +23,7 @@ from core.errors import UsageError
 from demo.trt_flavour import TensorRTAPI, current_cc
 from models import stage_batch
 from models.base import Range, StageModel
-from models.quantize import Int8Request
+from models.quantize import INT8_INFIX, Int8Request
 from models.source import ModelSource
 from plugins.contract import OURS
 from plugins.trt_plugins import load_plugin_library
@@ -309,7 +309,7 @@ def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], Co
     (or, with build_missing False, an ArtifactError says why there is none to reuse)."""
     api = TensorRTAPI(options.flavour)
     int8 = "int8" in onnx_key
-    artifact = engine_dir / f"{model.name}{'.int8' if int8 else ''}.engine"  # beside the fp16 one, as its ONNX is
+    artifact = engine_dir / f"{model.name}{INT8_INFIX if int8 else ''}.engine"  # beside the fp16 one, as its ONNX is
     key = reusable_key(artifact, engine_key(model, onnx_key, shapes, options, api), options)
 
     def build(path: Path) -> None:

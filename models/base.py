@@ -14,7 +14,7 @@ from core.artifacts import artifact_lock, cached_build
 from models.onnx_io import save_onnx
 from models.optimizer import optimize_onnx_file
 from models.provenance import export_provenance
-from models.quantize import Int8Request
+from models.quantize import INT8_INFIX, Int8Request
 from models.source import ModelSource
 from plugins.contract import OURS
 
@@ -166,7 +166,7 @@ class StageModel(abc.ABC):
 
     def optimized_onnx_path(self, onnx_dir: Path, int8: bool = False) -> Path:
         """INT8 ONNX has a file of its own, so that it and the fp16 one (and their engines) are kept side by side."""
-        return onnx_dir / f"{self.name}{'.int8' if int8 else ''}.opt.onnx"
+        return onnx_dir / f"{self.name}{INT8_INFIX if int8 else ''}.opt.onnx"
 
     def prepare_onnx(
         self, onnx_dir: Path, device: str | torch.device, dtype: torch.dtype,

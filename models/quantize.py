@@ -40,7 +40,9 @@ from models.provenance import Provenance
 from plugins.contract import CONTRACT
 
 QUANTIZE_VERSION = 1  # bump when what the pass writes changes: optimized INT8 ONNX and engines are rebuilt
-INT8_REPORT_SUFFIX = ".int8.json"  # beside an INT8 optimized ONNX: what quantize_graph did
+# An INT8 stage's artifacts: <stage>.int8.opt.onnx and <stage>.int8.engine, beside the fp16 ones, and beside that
+# ONNX what quantize_graph did.
+INT8_INFIX, INT8_REPORT_SUFFIX = ".int8", ".int8.json"
 INT8_MAX = 127
 MIN_ROWS = 16  # activation rows per image below which a layer is a vector product: int8 cannot pay for its Q/DQ
 MIN_CHANNELS = 16

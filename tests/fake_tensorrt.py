@@ -479,6 +479,19 @@ class Runtime:
         return self.engine_class(None, spec)
 
 
+def install(monkeypatch, version: str) -> types.ModuleType:
+    """Make a stand-in of this version the `tensorrt` module for the test, building "for this GPU" as on a compute
+    capability 9.0 one; returns the module."""
+    import sys
+
+    import torch._dynamo  # noqa: F401 (imported first: it looks up the tensorrt module's spec, which a stand-in lacks)
+
+    module = make_module(version)
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
+    return module
+
+
 def make_module(version: str) -> types.ModuleType:
     """A `tensorrt` module of this version: 8.x has the older memory and network API, 10.x the newer."""
     module = types.ModuleType("tensorrt")

@@ -97,15 +97,13 @@ def test_text_encoder_and_vae_engines_are_shared_where_their_families_are_absent
 def test_the_run_finds_exactly_the_engines_the_build_jobs_made(tiny, tmp_path, monkeypatch):
     """The run's engine settings come from the build jobs' own flags: a run that would build again
     (e.g. dynamic where the build was static) fails here."""
-    import sys
     from dataclasses import replace
 
     from bench.jobs import BuildPlan, config_jobs, create_config_stages
     from demo.cli.build_engines import main as build_engines
     from tests import fake_tensorrt
 
-    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt.make_module("8.6.0"))
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
+    fake_tensorrt.install(monkeypatch, "8.6.0")
     plan = BuildPlan(str(tiny.path), tmp_path, height=64, width=48, optimization_level=0)
     jobs = config_jobs([("none", (), OURS)], {})["none"]
     for job in jobs.values():

@@ -275,15 +275,10 @@ def test_the_request_is_recorded_and_images_are_compared_only_for_the_same_one(t
 def test_int8_engines_are_compared_with_their_fp16_ones(tmp_path, monkeypatch):
     """tensorrt-auto then tensorrt-int8 on the stand-in TensorRT (ONNX Runtime runs the engines, the Q/DQ one in
     int8): the INT8 row carries its image and UNet output against the fp16 engines', and the table shows them."""
-    import sys
-
-    import torch._dynamo  # noqa: F401 (it looks for a tensorrt module spec when imported; the stand-in has none)
-
     from tests import fake_tensorrt
 
-    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt.make_module("8.6.0"))
-    monkeypatch.setattr("demo.trt_flavour.current_cc", lambda: (9, 0))
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
+    fake_tensorrt.install(monkeypatch, "8.6.0")
+    monkeypatch.setattr("demo.trt_flavour.current_cc", lambda: (9, 0))  # contenders run only where TensorRT can
     monkeypatch.chdir(tmp_path)  # the engines' default folders
     status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,tensorrt-auto,tensorrt-int8",
                                 "--optimization-level", "0")

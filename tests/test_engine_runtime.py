@@ -46,10 +46,7 @@ HEIGHT, WIDTH = 64, 48
 
 @pytest.fixture(params=["8.6.0", "10.8.0"], ids=["trt8.6", "trt10"])
 def trt(request, monkeypatch):
-    module = fake_tensorrt.make_module(request.param)
-    monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))  # builds for "this GPU"
-    return module
+    return fake_tensorrt.install(monkeypatch, request.param)
 
 
 @pytest.fixture(scope="module")

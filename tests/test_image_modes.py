@@ -5,7 +5,6 @@ inpaint pipelines (SD and SDXL; 9-channel inpainting UNets, and the latent blend
 Input images are random pixels, masks neither all black nor all white, strengths mostly below 1."""
 
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -173,8 +172,7 @@ def test_the_vae_encoder_is_a_stage_that_honours_force_upcast():
 def trt(monkeypatch):
     from tests import fake_tensorrt
 
-    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt.make_module("10.8.0"))
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
+    fake_tensorrt.install(monkeypatch, "10.8.0")
 
 
 def engine_stages(source, onnx_dir, engine_dir):

@@ -146,10 +146,7 @@ def test_the_fmha_packed_qkv_is_quantized_as_one_layer_of_three_modules(tiny, tm
 
 @pytest.fixture(params=["8.6.0", "10.8.0"], ids=["trt8.6", "trt10"])
 def trt(request, monkeypatch):
-    module = fake_tensorrt.make_module(request.param)
-    monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
-    return module
+    return fake_tensorrt.install(monkeypatch, request.param)
 
 
 def test_pipeline_on_int8_engines_draws_the_torch_image(trt, tiny, tiny_stages, tmp_path):

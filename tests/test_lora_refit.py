@@ -12,7 +12,6 @@
 """
 
 import json
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -243,14 +242,9 @@ HEIGHT = WIDTH = 32
 
 @pytest.fixture
 def trt(monkeypatch):
-    import diffusers  # noqa: F401  (its torch._dynamo looks up tensorrt's module spec, which the stand-in has not)
-
     from tests import fake_tensorrt
 
-    module = fake_tensorrt.make_module("8.6.0")
-    monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
-    return module
+    return fake_tensorrt.install(monkeypatch, "8.6.0")
 
 
 def engine_pipeline(source, folder, refit: bool):
