@@ -18,7 +18,8 @@ from bench.jobs import BuildPlan, Job, ablation_engine_stages, create_config_sta
 from demo.settings import EngineFlags, RequestFlags
 from plugins.contract import OURS, PLUGIN_KEYS
 
-PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per ablation configuration
+PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per engine set
+SLOWEST_LAYERS = 15  # the UNet engine's slowest layers kept beside its time per layer kind
 ABLATION_WARMUP_RUNS = 2
 
 
@@ -194,6 +195,8 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
         row["latency_ms"] = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
         row["latency_ms_runs"] = timings
         row["unet_ms_per_call"] = row["latency_ms"]["unet"] / row["unet_calls"]
+        if contender.backend != "torch":
+            row["unet_ms_by_kind"], row["unet_slowest_layers"] = unet_profile(stages["unet"].engine)
         if contender.reference:
             row["unet_error_vs_reference"] = unet_error_vs_reference(setup, contender, workload, first, stages["unet"])
         if cuda:
@@ -204,6 +207,18 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
         for stage in stages.values():
             if hasattr(stage, "close"):  # engines: contexts, graphs, streams
                 stage.close()
+
+
+def unet_profile(engine) -> tuple[dict[str, float], list[dict]]:
+    """Where a UNet engine's time goes, from TensorRT's per-layer profiler over PROFILED_UNET_CALLS calls on the
+    inputs bound last: milliseconds per call summed per layer kind (Engine.layer_kinds), and the slowest layers."""
+    from demo.engine_runtime import GENERATED, time_by_kind
+
+    kinds = engine.layer_kinds()
+    layer_ms = engine.layer_times(PROFILED_UNET_CALLS)
+    slowest = sorted(layer_ms.items(), key=lambda item: -item[1])[:SLOWEST_LAYERS]
+    return (time_by_kind(layer_ms, kinds),
+            [{"layer": name, "kind": kinds.get(name, GENERATED), "ms": ms} for name, ms in slowest])
 
 
 def unet_error_vs_reference(setup: Setup, contender: Contender, workload: Workload, first: Workload,
@@ -249,7 +264,7 @@ def run_config(plan: BuildPlan, source, request: RequestFlags, runs: int, label:
     import torch
 
     from demo.backends import device_and_dtype
-    from demo.engine_runtime import plugin_counts, time_by_kind
+    from demo.engine_runtime import plugin_counts
     from demo.pipeline import GenerationRequest, make_pipeline, to_uint8
     from models.plugin_passes import read_pass_report
 
@@ -259,8 +274,7 @@ def run_config(plan: BuildPlan, source, request: RequestFlags, runs: int, label:
     images, timings = pipeline.timed_runs(GenerationRequest.from_flags(request), ABLATION_WARMUP_RUNS, runs)
     unet_calls = pipeline.unet_calls(request.denoising_steps)
     kinds = {stage: stages[stage].engine.layer_kinds() for stage in jobs}
-    # Kernel for kernel: the UNet's layers timed one by one on the last step's inputs, summed per kind
-    unet_ms_by_kind = time_by_kind(stages["unet"].engine.layer_times(PROFILED_UNET_CALLS), kinds["unet"])
+    unet_ms_by_kind, unet_slowest_layers = unet_profile(stages["unet"].engine)  # on the last step's inputs
     layers = {}
     for stage, job in jobs.items():
         found = plugin_counts(kinds[stage])
@@ -276,7 +290,8 @@ def run_config(plan: BuildPlan, source, request: RequestFlags, runs: int, label:
         "engines": {stage: job.folder for stage, job in jobs.items()},
         "latency_ms": {s: statistics.median(t[s] for t in timings) for s in STAGES},
         "latency_ms_runs": timings, "unet_calls": unet_calls,
-        "plugin_layers": layers, "unet_ms_by_kind": unet_ms_by_kind, "image": to_uint8(images)[0],
+        "plugin_layers": layers, "unet_ms_by_kind": unet_ms_by_kind, "unet_slowest_layers": unet_slowest_layers,
+        "image": to_uint8(images)[0],
     }
 
 

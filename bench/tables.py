@@ -54,6 +54,8 @@ def benchmark_table(results: dict) -> str:
         compared = reference_table(rows)
         if compared:
             parts.append(compared)
+        if any("unet_ms_by_kind" in row for row in rows):
+            parts.append(layer_kind_table(rows, "contender"))
     for kind in KINDS[1:]:
         for entry in results.get(kind, []):
             parts.append(f"{entry['label']} ({entry['workload']}) {kind}: {entry['reason']}")
@@ -109,19 +111,26 @@ def ablation_table(rows: list[dict], gpu: str, trt_version: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def layer_kind_table(rows: list[dict], first_column: str) -> str:
+    """The UNet engine's time per call by layer kind, a row per measured engine set (rows with "unet_ms_by_kind")."""
+    from demo.engine_runtime import TENSORRT_KINDS
+
+    kinds = [*ALL, *TENSORRT_KINDS]
+    lines = [f"UNet time per call by layer kind (ms; TensorRT's per-layer profiler, mean of {PROFILED_UNET_CALLS} "
+             "calls on the last step's inputs; the profiler's events between layers add to the total):", "",
+             f"| {first_column} | {' | '.join(kinds)} | total |", f"| --- |{' ---: |' * (len(kinds) + 1)}"]
+    for row in rows:
+        if "unet_ms_by_kind" in row:
+            by_kind = row["unet_ms_by_kind"]
+            cells = [f"{by_kind[kind]:.3f}" if kind in by_kind else "—" for kind in kinds]
+            lines.append(f"| {row['label']} | {' | '.join(cells)} | {sum(by_kind.values()):.3f} |")
+    return "\n".join(lines)
+
+
 def kernel_table(rows: list[dict], comparisons: list[dict]) -> str:
     """The UNet's time per call by layer kind in every configuration, then each plugin family of ours
     against TensorRT's own in the peer configurations (bench.ablation.kernel_comparisons), family by family."""
-    from demo.engine_runtime import GENERATED, REFORMAT
-
-    kinds = [*ALL, REFORMAT, GENERATED]
-    lines = [f"UNet time per call by layer kind (ms; TensorRT's per-layer profiler, mean of {PROFILED_UNET_CALLS} "
-             "calls on the last step's inputs; the profiler's events between layers add to the total):", "",
-             f"| configuration | {' | '.join(kinds)} | total |", f"| --- |{' ---: |' * (len(kinds) + 1)}"]
-    for row in rows:
-        by_kind = row["unet_ms_by_kind"]
-        cells = [f"{by_kind[kind]:.3f}" if kind in by_kind else "—" for kind in kinds]
-        lines.append(f"| {row['label']} | {' | '.join(cells)} | {sum(by_kind.values()):.3f} |")
+    lines = [layer_kind_table(rows, "configuration")]
     if comparisons:
         lines += ["", "Ours against TensorRT 8.6's own plugins, family by family (ms per UNet call):", "",
                   "| family | ours | TensorRT's | TensorRT's / ours | configurations |",

@@ -26,8 +26,10 @@ from demo.trt_flavour import TensorRTAPI
 from models.base import StageModel
 from plugins.contract import OURS, PLUGIN_OP_KEYS
 
-# Layer kinds besides the plugin keys (Engine.layer_kinds).
-REFORMAT, GENERATED = "reformat", "TensorRT"
+# Layer kinds besides the plugin keys (Engine.layer_kinds): format conversions, TensorRT's layers reading int8
+# (quantized convolutions and matrix products fused into int8 kernels), and the rest of what TensorRT made.
+REFORMAT, INT8, GENERATED = "reformat", "TensorRT int8", "TensorRT"
+TENSORRT_KINDS = (REFORMAT, INT8, GENERATED)
 
 
 def time_by_kind(layer_ms: dict[str, float], kinds: dict[str, str]) -> dict[str, float]:
@@ -41,7 +43,7 @@ def time_by_kind(layer_ms: dict[str, float], kinds: dict[str, str]) -> dict[str,
 
 def plugin_counts(kinds: dict[str, str]) -> Counter:
     """Plugin layers per plugin key, from Engine.layer_kinds."""
-    return Counter(kind for kind in kinds.values() if kind not in (REFORMAT, GENERATED))
+    return Counter(kind for kind in kinds.values() if kind not in TENSORRT_KINDS)
 
 
 class EngineMismatchError(RuntimeError):
@@ -117,7 +119,8 @@ class Engine:
     def layer_kinds(self) -> dict[str, str]:
         """Layer name -> what it is, from TensorRT's engine inspector (engines are built with detailed
         profiling verbosity, so layer types are listed): a plugin key ("fMHA", ...; "other" for a plugin
-        not ours), REFORMAT for TensorRT's format conversions, GENERATED for the rest of what TensorRT made.
+        not ours), REFORMAT for TensorRT's format conversions, INT8 for its layers that read int8 (by the data types
+        the inspector lists for their inputs), GENERATED for the rest of what TensorRT made.
         The ONNX passes name each plugin node '<tensor>/<plugin op>', and the parser keeps the name."""
         kinds = {}
         for layer in self._inspected_layers():
@@ -125,8 +128,12 @@ class Engine:
             if layer_type == "PluginV2":
                 found = re.search(r"/(\w+)$", name)
                 kinds[name] = PLUGIN_OP_KEYS.get(found.group(1), "other") if found else "other"
+            elif layer_type == "Reformat":
+                kinds[name] = REFORMAT
             else:
-                kinds[name] = REFORMAT if layer_type == "Reformat" else GENERATED
+                reads_int8 = any("int8" in str(t.get("Format/Datatype", "")).lower()
+                                 for t in layer.get("Inputs", []) if isinstance(t, dict))
+                kinds[name] = INT8 if reads_int8 else GENERATED
         return kinds
 
     def _inspected_layers(self) -> list[dict]:
@@ -138,10 +145,8 @@ class Engine:
 
     def int8_layers(self) -> int:
         """How many layers (format conversions aside) read int8: the Q/DQ-wrapped convolutions and matrix products
-        TensorRT fused into int8 kernels, by the data types the inspector lists for their inputs."""
-        return sum(1 for layer in self._inspected_layers() if layer.get("LayerType") != "Reformat"
-                   and any("int8" in str(t.get("Format/Datatype", "")).lower()
-                           for t in layer.get("Inputs", []) if isinstance(t, dict)))
+        TensorRT fused into int8 kernels."""
+        return sum(1 for kind in self.layer_kinds().values() if kind == INT8)
 
     def plugin_layers(self) -> Counter:
         """Plugin layers in the built engine, per plugin key."""
