@@ -19,7 +19,7 @@ from demo.settings import EngineFlags, RequestFlags
 from plugins.contract import OURS, PLUGIN_KEYS
 
 PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per engine set
-SLOWEST_LAYERS = 15  # the UNet engine's slowest layers kept beside its time per layer kind
+SLOWEST_LAYERS = 8  # the UNet engine's slowest layers of each kind, kept beside its time per layer kind
 ABLATION_WARMUP_RUNS = 2
 
 
@@ -209,16 +209,20 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
                 stage.close()
 
 
-def unet_profile(engine) -> tuple[dict[str, float], list[dict]]:
+def unet_profile(engine) -> tuple[dict[str, float], dict[str, list[dict]]]:
     """Where a UNet engine's time goes, from TensorRT's per-layer profiler over PROFILED_UNET_CALLS calls on the
-    inputs bound last: milliseconds per call summed per layer kind (Engine.layer_kinds), and the slowest layers."""
+    inputs bound last: milliseconds per call summed per layer kind (Engine.layer_kinds), and each kind's slowest
+    layers (so that the reformats, say, are named)."""
     from demo.engine_runtime import GENERATED, time_by_kind
 
     kinds = engine.layer_kinds()
     layer_ms = engine.layer_times(PROFILED_UNET_CALLS)
-    slowest = sorted(layer_ms.items(), key=lambda item: -item[1])[:SLOWEST_LAYERS]
-    return (time_by_kind(layer_ms, kinds),
-            [{"layer": name, "kind": kinds.get(name, GENERATED), "ms": ms} for name, ms in slowest])
+    slowest: dict[str, list[dict]] = {}
+    for name, ms in sorted(layer_ms.items(), key=lambda item: -item[1]):
+        layers = slowest.setdefault(kinds.get(name, GENERATED), [])
+        if len(layers) < SLOWEST_LAYERS:
+            layers.append({"layer": name, "ms": ms})
+    return time_by_kind(layer_ms, kinds), slowest
 
 
 def unet_error_vs_reference(setup: Setup, contender: Contender, workload: Workload, first: Workload,

@@ -6,6 +6,7 @@ arithmetic) draws the torch pipeline's image within a stated PSNR, from a calibr
 Engines of real TensorRT are built and timed on a GPU (results/README.md says where that ran); here the graph and
 its numerics are what is checked."""
 
+import json
 import subprocess
 import sys
 
@@ -208,14 +209,19 @@ def test_int8_usage_errors_are_one_line(tmp_path, args, message):
 
 
 def test_tensorrt_for_rtx_builds_the_int8_unet(tiny, tmp_path):
-    """Real TensorRT (for RTX, which builds on a CPU) parses and builds the fp16 graph with its Q/DQ layers."""
+    """Real TensorRT (for RTX, which builds on a CPU) parses and builds the fp16 graph with its Q/DQ layers, through
+    build-engines, whose report says which stage is int8."""
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
-    profile = ImageProfile.for_request(tiny, 1, SIZE, SIZE, static_batch=True, dynamic_shape=False)
-    settings = EngineSettings(tmp_path / "onnx", tmp_path / "engine", profile,
-                              BuildOptions("tensorrt-rtx", 0, target_ccs=((8, 9),)),
-                              int8=calibration_request(tiny, tmp_path / "onnx"))
-    engines = prepare_stage_engines([STAGE_MODELS["unet"](tiny)], settings, CPU, torch.float16, QUIET, QUIET)
-    assert engines["unet"].stat().st_size > 0
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    report = tmp_path / "build.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engines.py"), "--model", "tiny",
+                             "--backend", "tensorrt-rtx", "--target-cc", "8.9", "--optimization-level", "0",
+                             "--height", str(SIZE), "--width", str(SIZE), "--build-static-batch", "--stages", "unet",
+                             "--int8", "--calibration-prompts", "prompts.txt", "--calibration-steps", str(STEPS),
+                             "--report", str(report)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(report.read_text())["precision"] == "fp16, int8 unet"
+    assert (tmp_path / "engine" / "unet.int8.engine").stat().st_size > 0
     assert read_int8_report(tmp_path / "onnx" / "unet.int8.opt.onnx")["quantized"]["Conv"] > 0
 
 

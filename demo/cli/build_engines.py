@@ -90,8 +90,11 @@ def build(flags) -> int:
     precision = "fp16" if dtype == torch.float16 else "fp32"
     start = time.perf_counter()
     log = print if model.verbose else (lambda *_: None)
-    stages = stages_of(source, stages)
-    prepare_stage_engines([STAGE_MODELS[name](source) for name in stages], settings, device, dtype, log=log)
+    models = [STAGE_MODELS[name](source) for name in stages_of(source, stages)]
+    quantized = [model.name for model in models if settings.int8 is not None and model.takes_int8]
+    if quantized:
+        precision += f", int8 {', '.join(quantized)}"
+    prepare_stage_engines(models, settings, device, dtype, log=log)
     targets = ",".join(f"{a}.{b}" for a, b in settings.options.resolved_targets())
     print(f"\n{build_flags.backend} engines for {source.name}, {precision}, targets {targets}, "
           f"batch {settings.profile.batch}, height {settings.profile.height}, width {settings.profile.width}")

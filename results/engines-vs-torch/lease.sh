@@ -1,0 +1,80 @@
+#!/bin/bash
+# Issue 20 in one lease of two Hopper GPUs (H200 x2 or H100 x2; the GPU is in every table): TensorRT 8.6 engines,
+# fp16 and --int8, against the torch backend, sd1.5-arch 512x512, 50 DDIM steps, seed 0, builder level LEVEL (default
+# 3, the engines' default). From the repository root once ../shared/trt86's 15 carry parts are on the box
+# (docs/gpu-box.md), with .whl carried:
+#   TRT86_SHA=<sha make_parts.sh printed> bash results/engines-vs-torch/lease.sh start   # detached
+#   bash results/engines-vs-torch/lease.sh poll                                        # up to ~8 min; tars /tmp/e20 to $OUT
+# `start` copies the working tree to /tmp/e20/repo and works there: every device call replaces the box's copy of the
+# repository, so engines built inside it can vanish mid-build (2026-11-25: two level-3 UNets lost that way).
+# GPU 0 builds only tensorrt-auto's engines (the default engine path), so that nothing else shares its tactic timing.
+# GPU 1 builds tensorrt-plugins' engines, then tensorrt-int8's UNet once the auto UNet's ONNX is exported (the INT8
+# UNet calibrates on the built-in prompts first); with GPU_TESTS=1 it also runs the GPU tests of what is new.
+# Benchmark A on GPU 0 as soon as the fp16 builds end: ours-defaults and the engine sets that built (each TensorRT row
+# with its UNet's per-layer profile). Benchmark B once the INT8 UNet is built: tensorrt-auto and tensorrt-int8 (its
+# ratios, image and UNet output against tensorrt-auto) into the same results. Measured on an H100 x2 at level 3: the
+# auto UNet exports in ~100 s and builds in ~525 s alone; the INT8 UNet builds in ~885 s beside the all-plugin one.
+L=/tmp/e20 LEVEL=${LEVEL:-3}
+COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
+REQUEST=(--seed 0 --scheduler DDIM)
+step() { echo "[e20] $(date +%T) $*" >>$L/steps.log; }
+build() {  # NAME GPU PLUGINS SUFFIX [more]: build-engines into the folders the benchmark's contender NAME looks in
+  (CUDA_VISIBLE_DEVICES=$2 python3 scripts/build_engines.py "${COMMON[@]}" --backend tensorrt --height 512 \
+    --width 512 --build-static-batch --plugins "$3" --onnx-dir onnx$4 --engine-dir engine$4 "${@:5}" \
+    --report $L/build-$1.json; echo "exit $?") >$L/build-$1.log 2>&1
+}
+ended() { grep -q '^exit' $L/build-$1.log 2>/dev/null; }
+built() { grep -q '^exit 0' $L/build-$1.log 2>/dev/null; }
+benchmark() {  # NAME CONTENDERS...: one sd-benchmark run on GPU 0
+  local contenders; contenders=$(IFS=,; echo "${*:2}")
+  step "benchmark $1: $contenders"
+  (CUDA_VISIBLE_DEVICES=0 python3 scripts/benchmark.py "${COMMON[@]}" "${REQUEST[@]}" --results-dir $L/results \
+     --contenders "$contenders"; echo "exit $?") >$L/benchmark-$1.log 2>&1
+  step "benchmark $1: $(tail -1 $L/benchmark-$1.log)"
+}
+case "$1" in
+start)
+  rm -rf $L && mkdir -p $L/repo
+  tar -c --exclude=./.carry --exclude='./onnx*' --exclude='./engine*' --exclude=./build --exclude=./output . \
+    | tar -x -C $L/repo || exit 1
+  (cd $L/repo && setsid nohup bash results/engines-vs-torch/lease.sh work </dev/null >>$L/steps.log 2>&1 &)
+  sleep 2; cat $L/steps.log ;;
+work)
+  step "setup (level $LEVEL) in $PWD"
+  source scripts/box_trt86_env.sh >$L/setup.log 2>&1 || { step "setup failed"; exit 1; }
+  export DEMO_DIFFUSION_CACHE=/tmp/ddcache
+  nvidia-smi >$L/nvidia-smi.txt 2>&1
+  (cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 -DTENSORRT_INCLUDE_DIR=/opt/k/misc/src/include \
+    && cmake --build build -j 16) >$L/cmake.log 2>&1 &
+  plugin_library=$!
+  python3 -c "from models.source import resolve_model; resolve_model('sd1.5-arch')" >$L/generate.log 2>&1 \
+    || { step "generation failed"; exit 1; }
+  wait $plugin_library || { step "plugin library failed"; exit 1; }
+  auto=$(python3 -c "from bench.runner import plugin_dir_suffix; from models.plugin_set import parse_plugin_set
+print(plugin_dir_suffix(parse_plugin_set('auto')))")
+  step "building: tensorrt-auto in engine$auto (GPU 0); tensorrt-plugins in engine-plugins, then the INT8 UNet (GPU 1)"
+  build auto 0 auto "$auto" &
+  build plugins 1 all -plugins &
+  if [ "${GPU_TESTS:-0}" = 1 ]; then
+    (CUDA_VISIBLE_DEVICES=1 timeout 1200 python3 -m pytest -q -s -p no:cacheprovider tests/test_trt_plugins_gpu.py \
+       tests/test_engines_gpu.py; echo "exit $?") >$L/gpu-tests.log 2>&1 &
+  fi
+  until [ -f "onnx$auto/unet.onnx.json" ] || ended auto; do sleep 5; done
+  build int8 1 auto "$auto" --int8 --stages unet &  # its export is the auto set's (the same key), waited for above
+  until ended auto && ended plugins; do sleep 10; done
+  step "fp16 builds: $(grep -H '^exit' $L/build-auto.log $L/build-plugins.log | sed 's|.*/build-||' | tr '\n' ' ')"
+  engines=(); built auto && engines+=(tensorrt-auto); built plugins && engines+=(tensorrt-plugins)
+  benchmark A ours-defaults "${engines[@]}"  # a contender whose build failed would build inside the timed run
+  until ended int8; do sleep 10; done
+  step "INT8 build: $(tail -1 $L/build-int8.log)"
+  built auto && built int8 && benchmark B tensorrt-auto tensorrt-int8
+  wait
+  step "finished" ;;
+poll)
+  for _ in $(seq 1 90); do grep -q "finished\|failed" $L/steps.log && break; sleep 5; done
+  cat $L/steps.log; tail -n 2 $L/build-*.log $L/gpu-tests.log 2>/dev/null | cut -c1-300
+  grep -h "^\[sd-" $L/benchmark-*.log 2>/dev/null | tail -6
+  mkdir -p "$OUT" && cp $L/results/*.md "$OUT/" 2>/dev/null; tar -czf "$OUT/e20.tgz" --exclude=repo -C /tmp e20 ;;
+*)
+  echo "usage: bash results/engines-vs-torch/lease.sh start | poll"; exit 2 ;;
+esac
