@@ -7,13 +7,13 @@
 #   bash results/engines-vs-torch/lease.sh poll                                        # up to ~8 min; tars /tmp/e20 to $OUT
 # `start` copies the working tree to /tmp/e20/repo and works there: every device call replaces the box's copy of the
 # repository, so engines built inside it can vanish mid-build (2026-11-25: two level-3 UNets lost that way).
-# GPU 0 builds only tensorrt-auto's engines (the default engine path), so that nothing else shares its tactic timing.
-# GPU 1 builds tensorrt-plugins' engines, then tensorrt-int8's UNet once the auto UNet's ONNX is exported (the INT8
-# UNet calibrates on the built-in prompts first); with GPU_TESTS=1 it also runs the GPU tests of what is new.
+# GPU 0 builds the fp16 engine sets, tensorrt-auto's (the default engine path) and tensorrt-plugins', side by side.
+# GPU 1 builds tensorrt-int8's UNet alone, the longest build, once the auto UNet's ONNX is exported (it calibrates on
+# the built-in prompts first); with GPU_TESTS=1 it also runs the GPU tests of what is new (they passed on 2026-11-25).
 # Benchmark A on GPU 0 as soon as the fp16 builds end: ours-defaults and the engine sets that built (each TensorRT row
 # with its UNet's per-layer profile). Benchmark B once the INT8 UNet is built: tensorrt-auto and tensorrt-int8 (its
 # ratios, image and UNet output against tensorrt-auto) into the same results. Measured on an H100 x2 at level 3: the
-# auto UNet exports in ~100 s and builds in ~525 s alone; the INT8 UNet builds in ~885 s beside the all-plugin one.
+# auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build.
 L=/tmp/e20 LEVEL=${LEVEL:-3}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
@@ -52,9 +52,9 @@ work)
   wait $plugin_library || { step "plugin library failed"; exit 1; }
   auto=$(python3 -c "from bench.runner import plugin_dir_suffix; from models.plugin_set import parse_plugin_set
 print(plugin_dir_suffix(parse_plugin_set('auto')))")
-  step "building: tensorrt-auto in engine$auto (GPU 0); tensorrt-plugins in engine-plugins, then the INT8 UNet (GPU 1)"
+  step "building: tensorrt-auto in engine$auto and tensorrt-plugins in engine-plugins (GPU 0), the INT8 UNet (GPU 1)"
   build auto 0 auto "$auto" &
-  build plugins 1 all -plugins &
+  build plugins 0 all -plugins &
   if [ "${GPU_TESTS:-0}" = 1 ]; then
     (CUDA_VISIBLE_DEVICES=1 timeout 1200 python3 -m pytest -q -s -p no:cacheprovider tests/test_trt_plugins_gpu.py \
        tests/test_engines_gpu.py; echo "exit $?") >$L/gpu-tests.log 2>&1 &

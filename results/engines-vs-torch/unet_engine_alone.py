@@ -1,4 +1,8 @@
-# Time one UNet engine file alone (sd1.5-arch, guided batch 2, 512x512, CUDA graph) and profile it by layer kind.
+# Time one UNet engine file alone (sd1.5-arch, guided batch 2, 512x512, CUDA graph) and profile it by layer kind:
+# the INT8 UNet on 2026-11-25, when its fp16 peers were lost and the benchmark could not run it (results/README.md).
+# On the box, from the repository root, after `source /opt/trt86/env.sh` with the repository and /tmp/site on
+# PYTHONPATH: python3 unet_engine_alone.py engine-plugins-groupnorm-fmha-fmhca/unet.int8.engine OUT.json
+# (its JSON then listed the 15 slowest layers overall; bench.runner.unet_profile now gives each kind's slowest).
 import json, sys, torch
 from pathlib import Path
 from demo.trt_flavour import TensorRTAPI
