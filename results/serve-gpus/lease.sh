@@ -1,0 +1,107 @@
+#!/bin/bash
+# Issue 21's figures in one lease of two GPUs (H200 x2 asked; the GPU is in every file): sd-serve with the torch
+# backend at its defaults (BACKEND=torch), or with TensorRT 8.6 engines (BACKEND=tensorrt, builder level LEVEL,
+# default 3), sd1.5-arch, 512x512, 30 steps. Not run on a GPU yet. Here, first: bash results/serve-gpus/make_wheels.sh.
+# For engines, the 15 carry calls of ../shared/trt86 first (docs/gpu-box.md), TRT86_SHA set on the start call.
+# Then two device calls back to back:
+#   carry [.carry/serve-a]                  mkdir -p /opt/w && cp .carry/serve-a/*.whl /opt/w/
+#   carry [.carry/serve-b, .whl]            cp .carry/serve-b/*.whl /opt/w/ && BACKEND=torch bash results/serve-gpus/lease.sh start
+# and polls (`bash results/serve-gpus/lease.sh poll`, up to ~8 min each; files into $OUT).
+# With engines, each server's engines (a batch range up to its --max-batch-size, in folders of their own) are built
+# first, one set per GPU side by side: the servers then only load them.
+# Phase 1, side by side: on GPU 0 a server with --max-batch-size 4 (load tests at concurrency 8 and 16), on GPU 1 one
+# with --max-batch-size 1 (concurrency 8: what batching gains), then demo-diffusion with the same request (the CLI's
+# pipeline time, for the latency at concurrency 1). Phase 2: one server on both GPUs, --max-batch-size 4: concurrency
+# 1 (p50 against the CLI), 16 (against one GPU's 16), then 500 requests. Each server is stopped with SIGTERM and its
+# drain time kept. summarize.py writes summary.md and summary.json.
+# A dry run on a CPU machine, tiny and every server on the CPU:
+#   MODEL=tiny SIZE=64 STEPS=2 GPU_A= GPU_B= BOTH= REQUESTS=8 MANY=20 bash results/serve-gpus/lease.sh work
+L=${L:-/tmp/s21} MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} STEPS=${STEPS:-30} BACKEND=${BACKEND:-torch} LEVEL=${LEVEL:-3}
+GPU_A=${GPU_A-0} GPU_B=${GPU_B-1} BOTH=${BOTH-0,1} REQUESTS=${REQUESTS:-64} MANY=${MANY:-500}
+step() { echo "[s21] $(date +%T) $*" | tee -a $L/steps.log; }
+gpus() { [ -n "$1" ] && echo "--gpus $1"; }
+ready() { python3 -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" \
+  "http://127.0.0.1:$1/v2/health/ready" 2>/dev/null; }
+engines() {  # MAX_BATCH: the engine flags of the servers with that --max-batch-size (none for the torch backend)
+  [ "$BACKEND" = torch ] || echo "--onnx-dir onnx-serve-b$1 --engine-dir engine-serve-b$1 --optimization-level $LEVEL
+    --disable-tactic-sources CUDNN"
+}
+serve() {  # NAME GPUS MAX_BATCH PORT: an sd-serve in the background, its pid in $L/NAME.pid, ready or failed
+  python3 scripts/serve.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" --width "$SIZE" $(gpus "$2") \
+    --max-batch-size "$3" $(engines "$3") --http-port "$4" --grpc-port $(($4 + 1)) --metrics-port $(($4 + 2)) \
+    >$L/serve-$1.log 2>&1 &
+  echo $! >$L/$1.pid
+  for _ in $(seq 1 1200); do
+    ready "$4" && { step "$1 ready"; return 0; }
+    kill -0 "$(cat $L/$1.pid)" 2>/dev/null || { step "$1 exited before ready: $(tail -1 $L/serve-$1.log)"; return 1; }
+    sleep 1
+  done
+  step "$1 not ready in 20 minutes"; return 1
+}
+stop() {  # NAME: SIGTERM, then how long it took to drain and exit
+  local pid start; pid=$(cat $L/$1.pid); start=$EPOCHREALTIME
+  kill -TERM "$pid"; while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
+  step "$1 stopped in $(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $start }") s"
+}
+load() {  # NAME PORT CONCURRENCY REQUESTS: one load test, its JSON and chart into $L/results
+  python3 scripts/loadtest.py --url "127.0.0.1:$2" --concurrency "$3" --requests "$4" --denoising-steps "$STEPS" \
+    --results-dir $L/results --name "$1" >$L/load-$1.log 2>&1
+  step "load $1: $(grep -h 'answered in' $L/load-$1.log)"
+}
+case "$1" in
+start)
+  rm -rf $L && mkdir -p $L/repo
+  tar -c --exclude=./.carry --exclude='./onnx*' --exclude='./engine*' --exclude=./build --exclude=./output . \
+    | tar -x -C $L/repo || exit 1
+  (cd $L/repo && setsid nohup bash results/serve-gpus/lease.sh work </dev/null >>$L/work.log 2>&1 &)
+  sleep 2; cat $L/steps.log 2>/dev/null ;;
+work)
+  mkdir -p $L/results
+  if [ -d /opt/w ]; then  # on the box: the carried wheels, numpy 1.26 ahead of the box's numpy 2
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /opt/w/*.whl .whl/*.whl \
+      >$L/setup.log 2>&1 || { step "setup failed: $(tail -1 $L/setup.log)"; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} DEMO_DIFFUSION_CACHE=/tmp/ddcache
+  fi
+  export PYTHONUNBUFFERED=1
+  if [ "$BACKEND" != torch ]; then
+    source scripts/box_trt86_env.sh >>$L/setup.log 2>&1 || { step "TensorRT setup failed"; exit 1; }
+    (cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 -DTENSORRT_INCLUDE_DIR=/opt/k/misc/src/include \
+      && cmake --build build -j 16) >$L/cmake.log 2>&1 || { step "plugin library failed"; exit 1; }
+  fi
+  python3 -c "import numpy, torch, diffusers, pytriton, tritonclient.http as h; print('numpy', numpy.__version__)" \
+    >>$L/setup.log 2>&1 || { step "imports failed: $(tail -1 $L/setup.log)"; exit 1; }
+  nvidia-smi >$L/nvidia-smi.txt 2>&1
+  step "setup: $(tail -1 $L/setup.log); generating $MODEL"
+  python3 -c "from models.source import resolve_model; resolve_model('$MODEL')" >$L/generate.log 2>&1 \
+    || { step "generation failed"; exit 1; }
+  if [ "$BACKEND" != torch ]; then
+    step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
+    for side in "4 $GPU_A" "1 $GPU_B"; do
+      set -- $side
+      (CUDA_VISIBLE_DEVICES=$2 python3 scripts/build_engines.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" \
+        --width "$SIZE" --batch-size "$1" $(engines "$1") --report $L/build-b$1.json; echo "exit $?") >$L/build-b$1.log 2>&1 &
+    done
+    wait
+    step "engines: $(grep -H '^exit' $L/build-b*.log | sed 's|.*/build-||' | tr '\n' ' ')"
+  fi
+  step "phase 1: batch 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
+  ( serve one-b4 "$GPU_A" 4 8000 && load one-b4-c8 8000 8 "$REQUESTS" && load one-b4-c16 8000 16 $((REQUESTS * 2))
+    stop one-b4 ) &
+  ( serve one-b1 "$GPU_B" 1 8100 && load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1
+    CUDA_VISIBLE_DEVICES=$GPU_B python3 -m demo.demo_diffusion "a photo of an astronaut riding a horse on mars" \
+      --model "$MODEL" --backend "$BACKEND" --height "$SIZE" --width "$SIZE" --denoising-steps "$STEPS" --seed 0 \
+      $(engines 1) --num-warmup-runs 3 --output-dir $L/cli >$L/cli.log 2>&1
+    step "CLI: $(grep -h Pipeline $L/cli.log)" ) &
+  wait
+  step "phase 2: batch 4 on GPUs '$BOTH'"
+  serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
+    load two-b4-many 8200 16 "$MANY"; stop two-b4; }
+  python3 results/serve-gpus/summarize.py $L >$L/summary.log 2>&1; step "summary: $(tail -1 $L/summary.log)"
+  step "finished" ;;
+poll)
+  for _ in $(seq 1 90); do grep -q "finished\|failed" $L/steps.log 2>/dev/null && break; sleep 5; done
+  cat $L/steps.log; cat $L/results/summary.md 2>/dev/null
+  mkdir -p "$OUT" && cp $L/results/summary.* "$OUT/" 2>/dev/null; tar -czf "$OUT/s21.tgz" --exclude=repo -C /tmp s21 ;;
+*)
+  echo "usage: bash results/serve-gpus/lease.sh start | poll | work"; exit 2 ;;
+esac

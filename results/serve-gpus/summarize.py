@@ -1,0 +1,51 @@
+"""Issue 21's figures from one lease.sh run: python3 summarize.py RUN_DIR (the lease's /tmp/s21).
+
+Reads the load tests' JSON (RUN_DIR/results/loadtest-*.json), the CLI's report (RUN_DIR/cli/*.json) and the servers'
+drain times (RUN_DIR/steps.log); writes RUN_DIR/results/summary.md and summary.json: a row per load test, and the
+issue's ratios against their targets (two GPUs against one at concurrency 16, at least 1.9x; batch 4 against batch 1
+at concurrency 8, reported; p50 at concurrency 1 against the CLI's pipeline time, within 5%; the long run without a
+failure)."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+run = Path(sys.argv[1])
+tests = {path.stem.removeprefix("loadtest-"): json.loads(path.read_text())
+         for path in sorted((run / "results").glob("loadtest-*.json"))}
+cli = [json.loads(path.read_text()) for path in sorted((run / "cli").glob("*.json"))]
+cli_ms = cli[0]["latency_ms"]["pipeline"] if cli else None
+drains = dict(re.findall(r"\] \S+ (\S+) stopped in (\S+) s", (run / "steps.log").read_text()))
+
+
+def ratio(a: str, b: str, field=lambda t: t["images_per_s"]):
+    return round(field(tests[a]) / field(tests[b]), 3) if a in tests and b in tests else None
+
+
+p50 = tests.get("two-b4-c1", {}).get("latency_ms", {}).get("p50")
+many = tests.get("two-b4-many")
+checks = {
+    "two_gpus_over_one_at_c16": {"value": ratio("two-b4-c16", "one-b4-c16"), "target": ">= 1.9"},
+    "batch4_over_batch1_at_c8": {"value": ratio("one-b4-c8", "one-b1-c8"), "target": "reported"},
+    "p50_c1_over_cli_pipeline": {"value": round(p50 / cli_ms, 3) if p50 and cli_ms else None, "target": "<= 1.05",
+                                 "p50_ms": p50, "cli_pipeline_ms": cli_ms},
+    "long_run": {"value": None if many is None else f"{many['answered']}/{many['requests']} answered, "
+                 f"{many['errors']} errors", "target": "0 errors"},
+}
+lines = ["| load test | concurrency | requests | errors | images/s | p50 ms | p95 ms | p99 ms | batch sizes (requests) |",
+         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+for name, test in tests.items():
+    latency = test["latency_ms"]
+    cells = " | ".join("—" if latency[k] is None else f"{latency[k]:.1f}" for k in ("p50", "p95", "p99"))
+    batches = ", ".join(f"{size}: {count}" for size, count in test["batch_sizes"].items())
+    lines.append(f"| {name} | {test['concurrency']} | {test['requests']} | {test['errors']} | {test['images_per_s']} "
+                 f"| {cells} | {batches} |")
+lines += ["", "| check | measured | target |", "| --- | --- | --- |"]
+lines += [f"| {name} | {check['value']} | {check['target']} |" for name, check in checks.items()]
+lines += ["", f"CLI pipeline ms (one run after warm-up): {cli_ms}; servers drained and exited in (s): {drains}"]
+summary = {"load_tests": {name: {k: v for k, v in test.items() if k != "samples"} for name, test in tests.items()},
+           "checks": checks, "cli": cli[0] if cli else None, "drain_s": drains}
+(run / "results" / "summary.json").write_text(json.dumps(summary, indent=1))
+(run / "results" / "summary.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
