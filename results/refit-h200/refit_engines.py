@@ -1,40 +1,46 @@
 """LoRA by engine refit on a GPU with TensorRT (issue 19, part 4), from the repository root once the engines are built
-(refit.sh builds them: refittable in engine-refit, plain in engine-plain, same flags otherwise):
+(refit.sh builds them: refittable in engine-refit, plain in engine-plain, with build-engines' flags otherwise alike):
 
-    python3 results/refit-h200/refit_sd15.py OUT_JSON
+    python3 results/refit-h200/refit_engines.py MODEL SIZE SCHEDULER LEVEL OUT_JSON
 
-sd1.5-arch, 512x512, batch 1 with guidance, 30 DDIM steps, seed 0, `--plugins auto` (its fMHA packs Q, K and V into
-one weight, which the refit must follow), CUDA graphs. Measures: the refittable engines' pipeline and UNet time
-against the plain engines'; the first LoRA switch (it reads the base values from the ONNX) and a second one (another
-scale: base + new deltas) in ms; the image with the LoRA against the torch backend's with the LoRA fused (PSNR);
-after set_loras([]) the image against the one before any LoRA, bit for bit. Writes OUT_JSON after each step.
+Batch 1 with guidance, 30 steps of SCHEDULER, seed 0, `--plugins auto` (its fMHA packs Q, K and V into one weight,
+which the refit must follow), static shapes, CUDA graphs, builder level LEVEL. Measures: the refittable engines'
+pipeline and UNet time against the plain engines'; the first LoRA switch (it reads the base values from the ONNX) and
+a second one (the deltas' signs flipped) in ms; the image with the LoRA against the torch backend's with the LoRA fused
+(PSNR); after set_loras([]) the image against the one before any LoRA, bit for bit. Writes OUT_JSON after each step.
+Ran on 2026-11-25 as refit_sd15.py (sd1.5-arch 512 DDIM 0, its settings written out rather than taken from the
+flags; results/README.md).
 """
 
 import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from demo.arguments import engine_settings
 from demo.backends import create_stages
-from demo.engine import BuildOptions, EngineSettings, ImageProfile
 from demo.pipeline import GenerationRequest, image_psnr, make_pipeline, to_uint8
 from demo.report import StageTimer
+from demo.settings import EngineFlags
 from models import STAGE_MODELS, text_to_image_stages
 from models.plugin_set import parse_plugin_set
 from models.source import resolve_model
 from tests.test_lora_refit import loras_for
 
-OUT = Path(sys.argv[1])
+MODEL, SIZE, SCHEDULER, LEVEL, OUT = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), Path(sys.argv[5])
+STEPS = 30
 CUDA, HALF = torch.device("cuda"), torch.float16
-source = resolve_model("sd1.5-arch")
+source = resolve_model(MODEL)
 models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
-request = GenerationRequest(["a photo of an astronaut riding a horse"], None, 512, 512, 30, 7.5, 0)
-found: dict = {"model": source.name, "gpu": torch.cuda.get_device_name(), "request": "512x512, 30 DDIM steps, seed 0",
-               "plugins": list(parse_plugin_set("auto")), "optimization_level": 0}
+request = GenerationRequest(["a photo of an astronaut riding a horse"], None, SIZE, SIZE, STEPS, 7.5, 0)
+found: dict = {"model": source.name, "gpu": torch.cuda.get_device_name(),
+               "request": f"{SIZE}x{SIZE}, {STEPS} {SCHEDULER} steps, seed 0",
+               "plugins": list(parse_plugin_set("auto", xl=source.is_xl)), "optimization_level": LEVEL}
 
 
 def save() -> None:
@@ -42,19 +48,19 @@ def save() -> None:
 
 
 def pipeline_of(refit: bool):
-    options = BuildOptions("tensorrt", 0, disabled_tactic_sources=("CUDNN",), refit=refit)
-    kind = "refit" if refit else "plain"  # the folders refit.sh's builds wrote
-    settings = EngineSettings(Path(f"onnx-{kind}"), Path(f"engine-{kind}"),
-                              ImageProfile.for_request(source, 1, 512, 512, static_batch=True, dynamic_shape=False),
-                              options, use_cuda_graph=True, plugins=parse_plugin_set("auto"))
+    kind = "refit" if refit else "plain"  # the folders refit.sh's builds wrote, with its flags
+    flags = EngineFlags(onnx_dir=f"onnx-{kind}", engine_dir=f"engine-{kind}", build_static_batch=True,
+                        build_enable_refit=refit, optimization_level=LEVEL, disable_tactic_sources="CUDNN",
+                        use_cuda_graph=True)
+    settings = replace(engine_settings(flags, source, "tensorrt", 1, SIZE, SIZE, guided=True), build_missing=False)
     stages = create_stages("tensorrt", models, CUDA, HALF, settings, log=print, progress=print)
-    return make_pipeline(source, stages, "DDIM", CUDA, HALF)
+    return make_pipeline(source, stages, SCHEDULER, CUDA, HALF)
 
 
 def timed(pipeline, label: str) -> np.ndarray:
     images, runs = pipeline.timed_runs(request, 1, 5)
     found[label] = {"pipeline_ms": statistics.median(r["pipeline"] for r in runs),
-                    "unet_ms_per_step": statistics.median(r["unet"] for r in runs) / 30}
+                    "unet_ms_per_step": statistics.median(r["unet"] for r in runs) / pipeline.unet_calls(STEPS)}
     print(label, found[label], flush=True)
     save()
     return to_uint8(images)
@@ -81,8 +87,8 @@ found["lora_changes_the_image_psnr_db"] = image_psnr(with_lora, base)
 save()
 del refit
 torch.cuda.empty_cache()
-reference = make_pipeline(source, create_stages("torch", models, CUDA, HALF, log=print, progress=print), "DDIM", CUDA,
-                          HALF)
+reference = make_pipeline(source, create_stages("torch", models, CUDA, HALF, log=print, progress=print), SCHEDULER,
+                          CUDA, HALF)
 reference.set_loras(loras)
 torch_image = to_uint8(reference(request, StageTimer(CUDA)))
 found["engine_lora_vs_torch_lora_psnr_db"] = image_psnr(with_lora, torch_image)
