@@ -5,8 +5,8 @@
 # (docs/gpu-box.md), with .whl carried:
 #   TRT86_SHA=<sha make_parts.sh printed> bash results/engines-vs-torch/lease.sh start   # detached
 #   bash results/engines-vs-torch/lease.sh poll                                        # up to ~8 min; tars /tmp/e20 to $OUT
-# `start` copies the working tree to /tmp/e20/repo and works there: every device call replaces the box's copy of the
-# repository, so engines built inside it can vanish mid-build (2026-11-25: two level-3 UNets lost that way).
+# `start` copies the working tree to /tmp/e20/repo and works there (scripts/box_lease_lib.sh; 2026-11-25, before it
+# did, two level-3 UNets built in the box's copy of the repository vanished at the next device call).
 # GPU 0 builds the fp16 engine sets, tensorrt-auto's (the default engine path) and tensorrt-plugins', side by side.
 # GPU 1 builds tensorrt-int8's UNet alone, the longest build, once the auto UNet's ONNX is exported (it calibrates on
 # the built-in prompts first); with GPU_TESTS=1 it also runs the GPU tests of what is new (they passed on 2026-11-25).
@@ -18,6 +18,7 @@ L=/tmp/e20 LEVEL=${LEVEL:-3}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
 step() { echo "[e20] $(date +%T) $*" >>$L/steps.log; }
+source scripts/box_lease_lib.sh
 build() {  # NAME GPU PLUGINS SUFFIX [more]: build-engines into the folders the benchmark's contender NAME looks in
   (CUDA_VISIBLE_DEVICES=$2 python3 scripts/build_engines.py "${COMMON[@]}" --backend tensorrt --height 512 \
     --width 512 --build-static-batch --plugins "$3" --onnx-dir onnx$4 --engine-dir engine$4 "${@:5}" \
@@ -34,22 +35,11 @@ benchmark() {  # NAME CONTENDERS...: one sd-benchmark run on GPU 0
 }
 case "$1" in
 start)
-  rm -rf $L && mkdir -p $L/repo
-  tar -c --exclude=./.carry --exclude='./onnx*' --exclude='./engine*' --exclude=./build --exclude=./output . \
-    | tar -x -C $L/repo || exit 1
-  (cd $L/repo && setsid nohup bash results/engines-vs-torch/lease.sh work </dev/null >>$L/steps.log 2>&1 &)
+  lease_start $L results/engines-vs-torch/lease.sh || exit 1
   sleep 2; cat $L/steps.log ;;
 work)
   step "setup (level $LEVEL) in $PWD"
-  source scripts/box_trt86_env.sh >$L/setup.log 2>&1 || { step "setup failed"; exit 1; }
-  export DEMO_DIFFUSION_CACHE=/tmp/ddcache
-  nvidia-smi >$L/nvidia-smi.txt 2>&1
-  (cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 -DTENSORRT_INCLUDE_DIR=/opt/k/misc/src/include \
-    && cmake --build build -j 16) >$L/cmake.log 2>&1 &
-  plugin_library=$!
-  python3 -c "from models.source import resolve_model; resolve_model('sd1.5-arch')" >$L/generate.log 2>&1 \
-    || { step "generation failed"; exit 1; }
-  wait $plugin_library || { step "plugin library failed"; exit 1; }
+  trt86_setup $L sd1.5-arch || exit 1
   auto=$(python3 -c "from bench.runner import plugin_dir_suffix; from models.plugin_set import parse_plugin_set
 print(plugin_dir_suffix(parse_plugin_set('auto')))")
   step "building: tensorrt-auto in engine$auto and tensorrt-plugins in engine-plugins (GPU 0), the INT8 UNet (GPU 1)"

@@ -5,9 +5,9 @@
 #   bash results/refit-h200/refit.sh poll                                            # up to ~8 min; results into $OUT
 # MODEL, SIZE, SCHEDULER and LEVEL default to sd1.5-arch, 512, DDIM and builder level 0 (what ran on 2026-11-25, when
 # this script worked in the repository's copy and ran refit_engines.py under its first name, refit_sd15.py).
-# `start` copies the working tree to /tmp/refit/repo and works there (a device call replaces the box's copy of the
-# repository). Then: TensorRT 8.6 and the wheels; the GPU refit tests of the tiny models (tests/test_lora_refit.py
-# -m gpu) beside the plugin library (sm_90) and MODEL; MODEL's engines with --plugins auto, built refittable and plain
+# `start` copies the working tree to /tmp/refit/repo and works there (scripts/box_lease_lib.sh). Then: TensorRT 8.6,
+# the wheels, the plugin library (sm_90) and MODEL; the GPU refit tests of the tiny models (tests/test_lora_refit.py
+# -m gpu) beside the rest; MODEL's engines with --plugins auto, built refittable and plain
 # side by side (one per GPU where there are two); TensorRT's weight names against the provenance
 # (scripts/refit_names.py, with a dry refit) for every refittable stage; then refit_engines.py (speed of both engine
 # sets, refit times, images).
@@ -15,24 +15,15 @@ L=/tmp/refit MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} SCHEDULER=${SCHEDULER:
 ENGINES=(--model "$MODEL" --backend tensorrt --height "$SIZE" --width "$SIZE" --build-static-batch
          --optimization-level "$LEVEL" --disable-tactic-sources CUDNN --plugins auto)
 step() { echo "[refit] $(date +%T) $*" >>$L/steps.log; }
+source scripts/box_lease_lib.sh
 case "$1" in
 start)
-  rm -rf $L && mkdir -p $L/repo
-  tar -c --exclude=./.carry --exclude='./onnx*' --exclude='./engine*' --exclude=./build --exclude=./output . \
-    | tar -x -C $L/repo || exit 1
-  (cd $L/repo && setsid nohup bash results/refit-h200/refit.sh work </dev/null >>$L/steps.log 2>&1 &)
+  lease_start $L results/refit-h200/refit.sh || exit 1
   sleep 1; cat $L/steps.log ;;
 work)
   step "setup: $MODEL, ${SIZE}x$SIZE, $SCHEDULER, level $LEVEL"
-  source scripts/box_trt86_env.sh >$L/setup.log 2>&1 || { step "setup failed"; exit 1; }
-  export DEMO_DIFFUSION_CACHE=/tmp/ddcache
+  trt86_setup $L "$MODEL" || exit 1
   (python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_lora_refit.py; echo "exit $?") >$L/gpu-tests.log 2>&1 &
-  (cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 -DTENSORRT_INCLUDE_DIR=/opt/k/misc/src/include \
-    && cmake --build build -j 8) >$L/cmake.log 2>&1 &
-  plugin_library=$!
-  python3 -c "from models.source import resolve_model; resolve_model('$MODEL')" >$L/generate.log 2>&1 \
-    || { step "generation failed"; exit 1; }
-  wait $plugin_library || { step "plugin library failed"; exit 1; }
   step "building $MODEL's engines, refittable and plain"
   gpus=$(nvidia-smi -L | wc -l)
   for kind in refit plain; do

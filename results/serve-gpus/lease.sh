@@ -19,6 +19,7 @@
 L=${L:-/tmp/s21} MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} STEPS=${STEPS:-30} BACKEND=${BACKEND:-torch} LEVEL=${LEVEL:-3}
 GPU_A=${GPU_A-0} GPU_B=${GPU_B-1} BOTH=${BOTH-0,1} REQUESTS=${REQUESTS:-64} MANY=${MANY:-500}
 step() { echo "[s21] $(date +%T) $*" | tee -a $L/steps.log; }
+source scripts/box_lease_lib.sh
 gpus() { [ -n "$1" ] && echo "--gpus $1"; }
 ready() { python3 -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" \
   "http://127.0.0.1:$1/v2/health/ready" 2>/dev/null; }
@@ -50,10 +51,7 @@ load() {  # NAME PORT CONCURRENCY REQUESTS: one load test, its JSON and chart in
 }
 case "$1" in
 start)
-  rm -rf $L && mkdir -p $L/repo
-  tar -c --exclude=./.carry --exclude='./onnx*' --exclude='./engine*' --exclude=./build --exclude=./output . \
-    | tar -x -C $L/repo || exit 1
-  (cd $L/repo && setsid nohup bash results/serve-gpus/lease.sh work </dev/null >>$L/work.log 2>&1 &)
+  lease_start $L results/serve-gpus/lease.sh || exit 1
   sleep 2; cat $L/steps.log 2>/dev/null ;;
 work)
   mkdir -p $L/results
@@ -63,17 +61,15 @@ work)
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} DEMO_DIFFUSION_CACHE=/tmp/ddcache
   fi
   export PYTHONUNBUFFERED=1
-  if [ "$BACKEND" != torch ]; then
-    source scripts/box_trt86_env.sh >>$L/setup.log 2>&1 || { step "TensorRT setup failed"; exit 1; }
-    (cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 -DTENSORRT_INCLUDE_DIR=/opt/k/misc/src/include \
-      && cmake --build build -j 16) >$L/cmake.log 2>&1 || { step "plugin library failed"; exit 1; }
-  fi
   python3 -c "import numpy, torch, diffusers, pytriton, tritonclient.http as h; print('numpy', numpy.__version__)" \
-    >>$L/setup.log 2>&1 || { step "imports failed: $(tail -1 $L/setup.log)"; exit 1; }
-  nvidia-smi >$L/nvidia-smi.txt 2>&1
-  step "setup: $(tail -1 $L/setup.log); generating $MODEL"
-  python3 -c "from models.source import resolve_model; resolve_model('$MODEL')" >$L/generate.log 2>&1 \
-    || { step "generation failed"; exit 1; }
+    >$L/imports.log 2>&1 || { step "imports failed: $(tail -1 $L/imports.log)"; exit 1; }
+  step "setup: $(tail -1 $L/imports.log); generating $MODEL"
+  if [ "$BACKEND" = torch ]; then
+    python3 -c "from models.source import resolve_model; resolve_model('$MODEL')" >$L/generate.log 2>&1 \
+      || { step "generation failed"; exit 1; }
+  else
+    trt86_setup $L "$MODEL" || exit 1
+  fi
   if [ "$BACKEND" != torch ]; then
     step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
     for side in "4 $GPU_A" "1 $GPU_B"; do
