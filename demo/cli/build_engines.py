@@ -69,7 +69,7 @@ def build(flags) -> int:
     from core.atomic import atomic_write_bytes
     from demo.arguments import check_image_size, check_writable_file, engine_settings, parse_stages, stages_of
     from demo.backends import device_and_dtype
-    from demo.engine import prepare_stage_engines
+    from demo.engine import prepare_stage_engines, stage_int8
     from demo.logs import configure_library_logging
     from demo.trt_flavour import import_flavour
     from models import STAGE_MODELS
@@ -91,7 +91,7 @@ def build(flags) -> int:
     start = time.perf_counter()
     log = print if model.verbose else (lambda *_: None)
     models = [STAGE_MODELS[name](source) for name in stages_of(source, stages)]
-    quantized = [model.name for model in models if settings.int8 is not None and model.takes_int8]
+    quantized = [model.name for model in models if stage_int8(settings, model) is not None]
     if quantized:
         precision += f", int8 {', '.join(quantized)}"
     prepare_stage_engines(models, settings, device, dtype, log=log)
