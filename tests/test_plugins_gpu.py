@@ -214,6 +214,22 @@ def test_group_norm(b, c, h, w, groups, layout):
     assert rel_error(out, ref) < NORM_BOUND
 
 
+@pytest.mark.parametrize("b, c, h, w, groups", [(2, 320, 64, 64, 32), (2, 640, 64, 64, 32), (1, 512, 128, 128, 32),
+                                                 (2, 2560, 8, 8, 32), (1, 30, 5, 5, 3)])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_group_norm_is_deterministic(b, c, h, w, groups, layout):
+    """One input, one output, bit for bit, run after run (a LoRA refit back to the base weights is checked that way).
+    On 2026-11-26 engines with the NHWC kernel, which then summed its statistics with shared-memory atomics, drew
+    images 1/255 apart run to run."""
+    x = randn(b, c, h, w, scale=2.0, shift=0.5)
+    x_in = x.permute(0, 2, 3, 1).contiguous() if layout == "nhwc" else x
+    gamma, beta = randn(c), randn(c)
+    first = ops.group_norm_into(x_in, gamma, beta, poisoned(*x_in.shape), groups, 1e-5, True, layout == "nhwc")
+    for _ in range(20):
+        again = ops.group_norm_into(x_in, gamma, beta, poisoned(*x_in.shape), groups, 1e-5, True, layout == "nhwc")
+        assert torch.equal(first, again)
+
+
 def test_group_norm_honours_epsilon():
     """A large epsilon must change the result exactly as F.group_norm's does (NVIDIA's ignored it)."""
     x = randn(2, 64, 8, 8, scale=0.05)

@@ -4,8 +4,8 @@
 // one read, exact two-pass statistics, one write. Larger groups (the VAE's) take three launches.
 // `stats` splits the work into chunks (enough blocks to fill the GPU even for the
 // VAE's 32 huge groups) and writes each chunk's (mean, M2, count) per group to the workspace.
-// `finalize` merges a group's chunks with Chan's parallel-variance formula (stable, and
-// deterministic: no atomics across blocks) into (mean, rstd). `apply` normalizes; it walks the chunks
+// `finalize` merges a group's chunks with Chan's parallel-variance formula (stable) into (mean, rstd). Every kernel
+// here is deterministic: no atomics, every sum in a fixed order. `apply` normalizes; it walks the chunks
 // in reverse order, so the data `stats` read last is re-read while still in L2.
 #include <algorithm>
 
@@ -218,19 +218,23 @@ void launch_fused(const Problem& p, bool silu, int threads, cudaStream_t stream)
 // ---- NHWC: x [B, HW, C]; a group is cpg adjacent channels of every pixel -------------------------
 // A block takes one chunk of pixels of one batch item. V = 8 needs C divisible by 8.
 
+// Deterministic like the NCHW kernels: every sum is taken in a fixed order, with no atomics, so one input gives one
+// output bit for bit (a LoRA refit back to the base weights is checked that way). The block walks the channels in
+// passes of `lanes` vectors; in a pass each thread sums one vector of channels over its rows of pixels, then the rows
+// are added up per channel, then the channels per group, each by one thread.
 template <int V>
 __global__ void __launch_bounds__(kThreads) nhwc_stats(Problem p) {
   __shared__ float group_sum[kMaxGroupsNHWC], group_sq[kMaxGroupsNHWC];
+  __shared__ float part_sum[kThreads * V], part_sq[kThreads * V];  // [row][channel of the pass]
   for (int g = threadIdx.x; g < p.groups; g += kThreads) group_sum[g] = group_sq[g] = 0.f;
-  __syncthreads();
   const int vecs = p.channels / V;  // vectors per pixel
   const int lanes = min(vecs, kThreads), rows = kThreads / lanes;  // rows pixels at a time
-  const int row = threadIdx.x / lanes, lane = threadIdx.x % lanes;
+  const int row = threadIdx.x / lanes, lane = threadIdx.x % lanes, width = lanes * V;  // width: channels per pass
   const int64_t px_begin = blockIdx.x * p.chunk_len, px_end = min(px_begin + p.chunk_len, int64_t(p.hw));
   const half* base = p.x + int64_t(blockIdx.y) * p.hw * p.channels;
-  if (row < rows) {
-    // Outer loop over this thread's channel slots keeps the running sums in registers.
-    for (int s = lane; s < vecs; s += lanes) {
+  for (int s0 = 0; s0 < vecs; s0 += lanes) {
+    const int s = s0 + lane;
+    if (row < rows && s < vecs) {
       float sum[V] = {}, sum_sq[V] = {};
       for (int64_t px = px_begin + row; px < px_end; px += rows) {
         float v[8];
@@ -243,13 +247,32 @@ __global__ void __launch_bounds__(kThreads) nhwc_stats(Problem p) {
       }
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const int g = (s * V + e) / p.cpg;
-        atomicAdd(&group_sum[g], sum[e]);
-        atomicAdd(&group_sq[g], sum_sq[e]);
+        part_sum[row * width + lane * V + e] = sum[e];
+        part_sq[row * width + lane * V + e] = sum_sq[e];
       }
     }
+    __syncthreads();
+    const int c_begin = s0 * V, c_end = min(c_begin + width, p.channels);
+    for (int c = threadIdx.x; c < c_end - c_begin; c += kThreads) {  // row 0 of each column takes the column's sum
+      float a = 0.f, b = 0.f;
+      for (int r = 0; r < rows; ++r) {
+        a += part_sum[r * width + c];
+        b += part_sq[r * width + c];
+      }
+      part_sum[c] = a, part_sq[c] = b;
+    }
+    __syncthreads();
+    for (int g = c_begin / p.cpg + threadIdx.x; g <= (c_end - 1) / p.cpg; g += kThreads) {  // groups of this pass
+      const int from = max(g * p.cpg, c_begin) - c_begin, to = min((g + 1) * p.cpg, c_end) - c_begin;
+      float a = 0.f, b = 0.f;
+      for (int c = from; c < to; ++c) {
+        a += part_sum[c];
+        b += part_sq[c];
+      }
+      group_sum[g] += a, group_sq[g] += b;  // a group wider than a pass gathers over passes, in pass order
+    }
+    __syncthreads();  // the next pass writes part_* again
   }
-  __syncthreads();
   const float count = float(px_end - px_begin) * p.cpg;
   for (int g = threadIdx.x; g < p.groups; g += kThreads)
     p.partial[(int64_t(blockIdx.y) * p.groups + g) * p.chunks + blockIdx.x] = from_sums(group_sum[g], group_sq[g], count);
