@@ -14,7 +14,10 @@
 # with its UNet's per-layer profile). Benchmark B once the INT8 UNet is built: tensorrt-auto and tensorrt-int8 (its
 # ratios, image and UNet output against tensorrt-auto) into the same results. Measured on an H100 x2 at level 3: the
 # auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build.
-L=/tmp/e20 LEVEL=${LEVEL:-3}
+# For a shorter lease (one GPU): SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1
+# also runs issue 19's results/refit-h200/restore_check.py (tiny-xl and tiny, all plugins, level 1) on GPU 0 while
+# the UNet exports.
+L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
 step() { echo "[e20] $(date +%T) $*" >>$L/steps.log; }
@@ -42,27 +45,40 @@ work)
   trt86_setup $L sd1.5-arch || exit 1
   auto=$(python3 -c "from bench.runner import plugin_dir_suffix; from models.plugin_set import parse_plugin_set
 print(plugin_dir_suffix(parse_plugin_set('auto')))")
-  step "building: tensorrt-auto in engine$auto and tensorrt-plugins in engine-plugins (GPU 0), the INT8 UNet (GPU 1)"
-  build auto 0 auto "$auto" &
-  build plugins 0 all -plugins &
+  step "building on GPU 0 the sets of: $SETS (auto in engine$auto, plugins in engine-plugins); INT8 UNet on GPU 1: $INT8"
+  [[ " $SETS " == *" auto "* ]] && build auto 0 auto "$auto" &
+  [[ " $SETS " == *" plugins "* ]] && build plugins 0 all -plugins &
+  if [ "${RESTORE_CHECK:-0}" = 1 ]; then
+    (for model in "tiny-xl 64" "tiny 32"; do
+       set -- $model
+       CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD:$PYTHONPATH python3 results/refit-h200/restore_check.py $1 $2 1 all \
+         $L/restore-$1.json >$L/restore-$1.log 2>&1
+     done) &
+  fi
   if [ "${GPU_TESTS:-0}" = 1 ]; then
     (CUDA_VISIBLE_DEVICES=1 timeout 1200 python3 -m pytest -q -s -p no:cacheprovider tests/test_trt_plugins_gpu.py \
        tests/test_engines_gpu.py; echo "exit $?") >$L/gpu-tests.log 2>&1 &
   fi
-  until [ -f "onnx$auto/unet.onnx.json" ] || ended auto; do sleep 5; done
-  build int8 1 auto "$auto" --int8 --stages unet &  # its export is the auto set's (the same key), waited for above
-  until ended auto && ended plugins; do sleep 10; done
-  step "fp16 builds: $(grep -H '^exit' $L/build-auto.log $L/build-plugins.log | sed 's|.*/build-||' | tr '\n' ' ')"
+  if [ "$INT8" = 1 ]; then  # its export is the auto set's (the same key): waited for
+    until [ -f "onnx$auto/unet.onnx.json" ] || ended auto; do sleep 5; done
+    build int8 1 auto "$auto" --int8 --stages unet &
+  fi
+  until { ended auto || [[ " $SETS " != *" auto "* ]]; } && { ended plugins || [[ " $SETS " != *" plugins "* ]]; }; do
+    sleep 10
+  done
+  step "fp16 builds: $(grep -H '^exit' $L/build-*.log | sed 's|.*/build-||' | tr '\n' ' ')"
   engines=(); built auto && engines+=(tensorrt-auto); built plugins && engines+=(tensorrt-plugins)
   benchmark A ours-defaults "${engines[@]}"  # a contender whose build failed would build inside the timed run
-  until ended int8; do sleep 10; done
-  step "INT8 build: $(tail -1 $L/build-int8.log)"
-  built auto && built int8 && benchmark B tensorrt-auto tensorrt-int8
+  if [ "$INT8" = 1 ]; then
+    until ended int8; do sleep 10; done
+    step "INT8 build: $(tail -1 $L/build-int8.log)"
+    built auto && built int8 && benchmark B tensorrt-auto tensorrt-int8
+  fi
   wait
   step "finished" ;;
 poll)
   for _ in $(seq 1 90); do grep -q "finished\|failed" $L/steps.log && break; sleep 5; done
-  cat $L/steps.log; tail -n 2 $L/build-*.log $L/gpu-tests.log 2>/dev/null | cut -c1-300
+  cat $L/steps.log; tail -n 2 $L/build-*.log $L/gpu-tests.log $L/restore-*.log 2>/dev/null | cut -c1-300
   grep -h "^\[sd-" $L/benchmark-*.log 2>/dev/null | tail -6
   mkdir -p "$OUT" && cp $L/results/*.md "$OUT/" 2>/dev/null; tar -czf "$OUT/e20.tgz" --exclude=repo -C /tmp e20 ;;
 *)
