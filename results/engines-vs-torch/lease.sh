@@ -15,8 +15,8 @@
 # ratios, image and UNet output against tensorrt-auto) into the same results. Measured on an H100 x2 at level 3: the
 # auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build.
 # For a shorter lease (one GPU): SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1
-# also runs issue 19's results/refit-h200/restore_check.py (tiny-xl and tiny, all plugins, level 1) on GPU 0 while
-# the UNet exports.
+# also runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them),
+# then results/refit-h200/restore_check.py (tiny-xl and tiny, all plugins, level 1).
 L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
@@ -49,7 +49,9 @@ print(plugin_dir_suffix(parse_plugin_set('auto')))")
   [[ " $SETS " == *" auto "* ]] && build auto 0 auto "$auto" &
   [[ " $SETS " == *" plugins "* ]] && build plugins 0 all -plugins &
   if [ "${RESTORE_CHECK:-0}" = 1 ]; then
-    (for model in "tiny-xl 64" "tiny 32"; do
+    (CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_plugins_gpu.py -k group_norm \
+       >$L/group-norm-tests.log 2>&1; echo "exit $?" >>$L/group-norm-tests.log
+     for model in "tiny-xl 64" "tiny 32"; do
        set -- $model
        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD:$PYTHONPATH python3 results/refit-h200/restore_check.py $1 $2 1 all \
          $L/restore-$1.json >$L/restore-$1.log 2>&1
@@ -78,7 +80,7 @@ print(plugin_dir_suffix(parse_plugin_set('auto')))")
   step "finished" ;;
 poll)
   for _ in $(seq 1 90); do grep -q "finished\|failed" $L/steps.log && break; sleep 5; done
-  cat $L/steps.log; tail -n 2 $L/build-*.log $L/gpu-tests.log $L/restore-*.log 2>/dev/null | cut -c1-300
+  cat $L/steps.log; tail -n 2 $L/build-*.log $L/*tests.log $L/restore-*.log 2>/dev/null | cut -c1-300
   grep -h "^\[sd-" $L/benchmark-*.log 2>/dev/null | tail -6
   mkdir -p "$OUT" && cp $L/results/*.md "$OUT/" 2>/dev/null; tar -czf "$OUT/e20.tgz" --exclude=repo -C /tmp e20 ;;
 *)
