@@ -79,6 +79,7 @@ class AblationFlags:
     # The engine flags that apply to every configuration (the ablation sets the others per job).
     optimization_level: int = same_as(EngineFlags, "optimization_level")
     disable_tactic_sources: str | None = same_as(EngineFlags, "disable_tactic_sources")
+    enable_tactic_sources: str | None = same_as(EngineFlags, "enable_tactic_sources")
 
 
 def build_parser():
@@ -170,7 +171,7 @@ def ablate(model: ModelFlags, request: RequestFlags, ablation: AblationFlags, ou
     check_request(request, source)
     work = Path(ablation.work_dir)
     plan = BuildPlan(model.model, work, request.height, request.width, request.batch_size, request.guided,
-                     ablation.optimization_level, ablation.disable_tactic_sources)
+                     ablation.optimization_level, ablation.disable_tactic_sources, ablation.enable_tactic_sources)
     start = time.perf_counter()
     families = export_and_probe(plan, source, sorted({c for _, plugins, c in configs if plugins}), say)
     jobs = config_jobs(configs, families)

@@ -68,12 +68,14 @@ class BuildPlan:
     guided: bool = True
     optimization_level: int = EngineFlags.optimization_level
     disable_tactic_sources: str | None = None
+    enable_tactic_sources: str | None = None
 
     def engine_flags(self, job: Job) -> EngineFlags:
         folder = self.work / job.folder
         return EngineFlags(onnx_dir=str(folder / "onnx"), engine_dir=str(folder / "engine"), build_static_batch=True,
                            optimization_level=self.optimization_level,
                            disable_tactic_sources=self.disable_tactic_sources,
+                           enable_tactic_sources=self.enable_tactic_sources,
                            plugins=",".join(job.plugins) or "none", plugin_convention=job.convention)
 
     def build_flags(self, job: Job) -> BuildFlags:

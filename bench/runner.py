@@ -128,7 +128,7 @@ def load_stages(setup: Setup, contender: Contender, workload: Workload, first: W
     if setup.engines_from_ablation:
         plan = BuildPlan(source.name, Path(setup.engines_from_ablation), workload.height, workload.width,
                          workload.batch, setup.request.guided, setup.engine.optimization_level,
-                         setup.engine.disable_tactic_sources)
+                         setup.engine.disable_tactic_sources, setup.engine.enable_tactic_sources)
         say(f"{contender.label}: engines from the ablation in {plan.work}")
         stages = ablation_engine_stages(plan, source, contender.plugins, OURS, use_cuda_graph=True)
         return stages, _engine_row(stages, plan.work, load_s=time.perf_counter() - start, build_s=None,

@@ -129,12 +129,18 @@ def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, h
     if flags.build_enable_refit and flavour == "tensorrt-rtx" and current_cc() is None:
         # tensorrt-rtx 1.7 compiles a refittable engine's kernels while building it, which needs a GPU
         raise UsageError("--build-enable-refit: TensorRT for RTX builds refittable engines on a GPU only")
-    options = BuildOptions(flavour, flags.optimization_level, timing_cache,
-                           parse_target_ccs(flags.target_cc), parse_tactic_sources(flags.disable_tactic_sources),
+    enabled = parse_tactic_sources(flags.enable_tactic_sources)
+    disabled = parse_tactic_sources(flags.disable_tactic_sources)
+    both = sorted(set(enabled) & set(disabled))
+    if both:
+        raise UsageError(f"tactic source {', '.join(both)} both enabled and disabled: give it to one of "
+                         "--enable-tactic-sources and --disable-tactic-sources")
+    options = BuildOptions(flavour, flags.optimization_level, timing_cache, parse_target_ccs(flags.target_cc),
+                           disabled_tactic_sources=disabled, enabled_tactic_sources=enabled,
                            refit=flags.build_enable_refit)
     api = TensorRTAPI(flavour)
     build_targets(options, api)  # a target or tactic source the flavour lacks fails before any export
-    api.check_tactic_sources(options.disabled_tactic_sources)
+    api.check_tactic_sources((*enabled, *disabled))
     # Unset, graphs replay engines whose shapes are all static: there a graph saves the launches and costs nothing.
     use_cuda_graph = profile.static if flags.use_cuda_graph is None else flags.use_cuda_graph
     return EngineSettings(Path(flags.onnx_dir), Path(flags.engine_dir), profile, options, guided=guided,

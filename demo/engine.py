@@ -76,8 +76,10 @@ class BuildOptions:
     optimization_level: int = 3
     timing_cache: Path | None = None
     target_ccs: tuple[tuple[int, int], ...] = ()  # empty: the GPU of this machine
-    # TacticSource names the builder must not use, e.g. CUDNN where cuDNN is absent or a stub.
+    # TacticSource names the builder must not use, e.g. CUDNN where cuDNN is absent or a stub; and those it may use
+    # besides its defaults, e.g. CUBLAS_LT, whose GEMMs TensorRT 8.6 otherwise does not time.
     disabled_tactic_sources: tuple[str, ...] = ()
+    enabled_tactic_sources: tuple[str, ...] = ()
     refit: bool = False  # weights refittable in place (BuilderFlag.REFIT): LoRA without rebuilds (demo.refit)
 
     def resolved_targets(self) -> tuple[tuple[int, int], ...]:
@@ -106,7 +108,8 @@ def parse_target_ccs(text: str | None) -> tuple[tuple[int, int], ...]:
 
 
 def parse_tactic_sources(text: str | None) -> tuple[str, ...]:
-    """A --disable-tactic-sources value (comma-separated TacticSource names) as sorted upper-case names."""
+    """A --disable-tactic-sources or --enable-tactic-sources value (comma-separated TacticSource names) as sorted
+    upper-case names."""
     return tuple(sorted({item.strip().upper() for item in (text or "").split(",") if item.strip()}))
 
 
@@ -123,6 +126,8 @@ def engine_key(model: StageModel, onnx_key: dict, shapes: dict, options: BuildOp
         "target_cc": [f"{a}.{b}" for a, b in options.resolved_targets()],
         "optimization_level": options.optimization_level,
         "disabled_tactic_sources": list(options.disabled_tactic_sources),
+        # Only where some are: the engines cached before this setting existed keep their keys.
+        **({"enabled_tactic_sources": list(options.enabled_tactic_sources)} if options.enabled_tactic_sources else {}),
         "refit": options.refit,
         "format_version": ENGINE_FORMAT_VERSION,
     }
@@ -255,7 +260,7 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     config = builder.create_builder_config()
     config.builder_optimization_level = options.optimization_level
     api.set_precision(config, half=any(t.dtype == trt.float16 for t in inputs + outputs), int8=int8)
-    api.disable_tactic_sources(config, options.disabled_tactic_sources)
+    api.set_tactic_sources(config, options.enabled_tactic_sources, options.disabled_tactic_sources)
     if options.refit:
         config.set_flag(trt.BuilderFlag.REFIT)
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # layer types for the engine inspector

@@ -114,6 +114,9 @@ class EngineFlags:
                                   "(default: %(default)s)", 30)
     disable_tactic_sources: str | None = flag("TensorRT tactic sources the builder must not use, e.g. CUDNN where "
                                               "cuDNN is missing", metavar="NAMES")
+    enable_tactic_sources: str | None = flag("TensorRT tactic sources the builder may time besides its defaults, e.g. "
+                                             "CUBLAS_LT (TensorRT 8.6 and later leave cuBLAS, cuBLASLt and cuDNN "
+                                             "off)", metavar="NAMES")
     target_cc: str | None = flag("target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 (default: this "
                                  "machine's GPU)")
 

@@ -142,11 +142,14 @@ class TensorRTAPI:
             known = ", ".join(n for n in dir(sources) if n.isupper())
             raise UsageError(f"{self.label} has no tactic source {', '.join(unknown)} (it has: {known})")
 
-    def disable_tactic_sources(self, config, names: tuple[str, ...]) -> None:
-        self.check_tactic_sources(names)
+    def set_tactic_sources(self, config, enabled: tuple[str, ...], disabled: tuple[str, ...]) -> None:
+        """The builder's tactic sources: its defaults, with `enabled` added and `disabled` taken out."""
+        self.check_tactic_sources((*enabled, *disabled))
         sources = self.trt.TacticSource
         mask = config.get_tactic_sources()
-        for name in names:
+        for name in enabled:
+            mask |= 1 << int(getattr(sources, name))
+        for name in disabled:
             mask &= ~(1 << int(getattr(sources, name)))
         config.set_tactic_sources(mask)
 

@@ -147,7 +147,8 @@ class _Config:
         self.profiles = []
         self.builder_optimization_level = 3
         self.profiling_verbosity = None
-        self.tactic_sources = (1 << len(api.TacticSource)) - 1
+        # As TensorRT 8.6 and later: cuBLAS, cuBLASLt and cuDNN off unless enabled
+        self.tactic_sources = 1 << int(api.TacticSource.EDGE_MASK_CONVOLUTIONS)
         self.timing_cache = None
         self.progress_monitor = None
 

@@ -211,11 +211,18 @@ def test_build_settings_follow_the_api_generation(trt, tiny, tmp_path, elem_type
     else:  # strongly typed: the ONNX types decide, no precision flag
         assert built["flags"] == 1 << int(flags.STRONGLY_TYPED)
         assert built["config_flags"] == []
-    assert not built["tactic_sources"] & (1 << int(trt.TacticSource.CUDNN))
-    assert built["tactic_sources"] & (1 << int(trt.TacticSource.CUBLAS))
+    sources = trt.TacticSource
+    assert built["tactic_sources"] == 1 << int(sources.EDGE_MASK_CONVOLUTIONS)  # the defaults, CUDNN still off
+    enabled = BuildOptions("tensorrt", 0, disabled_tactic_sources=("EDGE_MASK_CONVOLUTIONS",),
+                           enabled_tactic_sources=("CUBLAS", "CUBLAS_LT"))
+    build_engine_file(tmp_path / "vae3.engine", onnx_path, STAGE_MODELS["vae"](tiny), shapes, enabled, QUIET)
+    assert trt.last_build["tactic_sources"] == (1 << int(sources.CUBLAS)) | (1 << int(sources.CUBLAS_LT))
     with pytest.raises(UsageError, match="has no tactic source CUDNN8"):
         build_engine_file(tmp_path / "vae2.engine", onnx_path, STAGE_MODELS["vae"](tiny), shapes,
                           BuildOptions("tensorrt", 0, disabled_tactic_sources=("CUDNN8",)), QUIET)
+    with pytest.raises(UsageError, match="has no tactic source CUBLAS9"):
+        build_engine_file(tmp_path / "vae2.engine", onnx_path, STAGE_MODELS["vae"](tiny), shapes,
+                          BuildOptions("tensorrt", 0, enabled_tactic_sources=("CUBLAS9",)), QUIET)
 
 
 def test_parse_errors_name_the_node(trt, tiny, tmp_path):

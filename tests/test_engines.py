@@ -115,8 +115,10 @@ def test_cache_key_follows_onnx_shapes_flavour_and_settings(built, tiny):
     assert engine_key(unet, dict(onnx_key, torch="0.0"), shapes, settings.options, api) == base  # exporter's torch
     for options in (BuildOptions("tensorrt-rtx", 0, target_ccs=((8, 6),)),
                     BuildOptions("tensorrt-rtx", 1),
-                    BuildOptions("tensorrt-rtx", 0, disabled_tactic_sources=("CUDNN",))):
+                    BuildOptions("tensorrt-rtx", 0, disabled_tactic_sources=("CUDNN",)),
+                    BuildOptions("tensorrt-rtx", 0, enabled_tactic_sources=("CUBLAS_LT",))):
         assert engine_key(unet, onnx_key, shapes, options, api) != base
+    assert "enabled_tactic_sources" not in base  # keys made before the setting existed still find their engines
 
 
 def test_onnx_parse_error_names_the_node(tmp_path, tiny):
@@ -215,6 +217,21 @@ def test_cuda_graphs_are_on_by_default_where_the_engines_are_static(tiny, tmp_pa
                         use_cuda_graph=given)
     settings = engine_settings(flags, tiny, "tensorrt-rtx", 1, 64, 64, guided=True)
     assert settings.use_cuda_graph is expected
+
+
+@pytest.mark.parametrize("enable, disable, message", [
+    ("CUDNN", "cudnn", "tactic source CUDNN both enabled and disabled"),
+    ("CUBLAS9", None, "has no tactic source CUBLAS9"),
+])
+def test_tactic_source_flags_are_checked_before_any_export(tiny, tmp_path, enable, disable, message):
+    from demo.arguments import engine_settings
+    from demo.settings import EngineFlags
+
+    flags = EngineFlags(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), target_cc="8.6",
+                        plugins="none", enable_tactic_sources=enable, disable_tactic_sources=disable)
+    with pytest.raises(UsageError, match=message):
+        engine_settings(flags, tiny, "tensorrt-rtx", 1, 64, 64, guided=True)
+    assert not (tmp_path / "onnx").exists() or not any((tmp_path / "onnx").iterdir())
 
 
 def test_sdxl_engines_build_for_every_stage(tmp_path, capsys):
