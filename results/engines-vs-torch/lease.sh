@@ -16,8 +16,10 @@
 # auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build.
 # For a shorter lease (one GPU): SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1
 # also runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them),
-# then results/refit-h200/restore_check.py (tiny-xl and tiny, all plugins, level 1).
-L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1}
+# then results/refit-h200/restore_check.py (tiny-xl and tiny, all plugins, level 1). CUBLAS_LT=1 also builds the auto set
+# with `--enable-tactic-sources CUBLAS_LT` (into engine-lt-*, on the last GPU, from the auto set's ONNX) and runs
+# benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and do they pay?
+L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1} CUBLAS_LT=${CUBLAS_LT:-0}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
 step() { echo "[e20] $(date +%T) $*" >>$L/steps.log; }
@@ -29,11 +31,10 @@ build() {  # NAME GPU PLUGINS SUFFIX [more]: build-engines into the folders the 
 }
 ended() { grep -q '^exit' $L/build-$1.log 2>/dev/null; }
 built() { grep -q '^exit 0' $L/build-$1.log 2>/dev/null; }
-benchmark() {  # NAME CONTENDERS...: one sd-benchmark run on GPU 0
-  local contenders; contenders=$(IFS=,; echo "${*:2}")
-  step "benchmark $1: $contenders"
+benchmark() {  # NAME CONTENDERS [more]: one sd-benchmark run on GPU 0
+  step "benchmark $1: $2 ${*:3}"
   (CUDA_VISIBLE_DEVICES=0 python3 scripts/benchmark.py "${COMMON[@]}" "${REQUEST[@]}" --results-dir $L/results \
-     --contenders "$contenders"; echo "exit $?") >$L/benchmark-$1.log 2>&1
+     --contenders "$2" "${@:3}"; echo "exit $?") >$L/benchmark-$1.log 2>&1
   step "benchmark $1: $(tail -1 $L/benchmark-$1.log)"
 }
 case "$1" in
@@ -61,20 +62,30 @@ print(plugin_dir_suffix(parse_plugin_set('auto')))")
     (CUDA_VISIBLE_DEVICES=1 timeout 1200 python3 -m pytest -q -s -p no:cacheprovider tests/test_trt_plugins_gpu.py \
        tests/test_engines_gpu.py; echo "exit $?") >$L/gpu-tests.log 2>&1 &
   fi
-  if [ "$INT8" = 1 ]; then  # its export is the auto set's (the same key): waited for
+  if [ "$INT8" = 1 ] || [ "$CUBLAS_LT" = 1 ]; then  # their export is the auto set's (the same key): waited for
     until [ -f "onnx$auto/unet.onnx.json" ] || ended auto; do sleep 5; done
-    build int8 1 auto "$auto" --int8 --stages unet &
   fi
+  [ "$INT8" = 1 ] && build int8 1 auto "$auto" --int8 --stages unet &
+  last_gpu=$(( $(nvidia-smi -L | wc -l) - 1 ))
+  [ "$CUBLAS_LT" = 1 ] && build lt $last_gpu auto "$auto" --engine-dir engine-lt$auto \
+    --enable-tactic-sources CUBLAS_LT &  # the last --engine-dir is the one build-engines takes
   until { ended auto || [[ " $SETS " != *" auto "* ]]; } && { ended plugins || [[ " $SETS " != *" plugins "* ]]; }; do
     sleep 10
   done
   step "fp16 builds: $(grep -H '^exit' $L/build-*.log | sed 's|.*/build-||' | tr '\n' ' ')"
-  engines=(); built auto && engines+=(tensorrt-auto); built plugins && engines+=(tensorrt-plugins)
-  benchmark A ours-defaults "${engines[@]}"  # a contender whose build failed would build inside the timed run
+  contenders=ours-defaults  # and the sets that built: a failed one would build inside the timed run
+  built auto && contenders+=,tensorrt-auto; built plugins && contenders+=,tensorrt-plugins
+  benchmark A $contenders
+  if [ "$CUBLAS_LT" = 1 ]; then
+    until ended lt; do sleep 10; done
+    step "cuBLASLt build: $(tail -1 $L/build-lt.log)"
+    built lt && benchmark C tensorrt-auto --engine-dir engine-lt --enable-tactic-sources CUBLAS_LT \
+      --results-dir $L/results-lt
+  fi
   if [ "$INT8" = 1 ]; then
     until ended int8; do sleep 10; done
     step "INT8 build: $(tail -1 $L/build-int8.log)"
-    built auto && built int8 && benchmark B tensorrt-auto tensorrt-int8
+    built auto && built int8 && benchmark B tensorrt-auto,tensorrt-int8
   fi
   wait
   step "finished" ;;
