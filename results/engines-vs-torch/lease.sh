@@ -8,17 +8,19 @@
 # `start` copies the working tree to /tmp/e20/repo and works there (scripts/box_lease_lib.sh; 2026-11-25, before it
 # did, two level-3 UNets built in the box's copy of the repository vanished at the next device call).
 # GPU 0 builds the fp16 engine sets, tensorrt-auto's (the default engine path) and tensorrt-plugins', side by side.
-# GPU 1 builds tensorrt-int8's UNet alone, the longest build, once the auto UNet's ONNX is exported (it calibrates on
-# the built-in prompts first); with GPU_TESTS=1 it also runs the GPU tests of what is new (they passed on 2026-11-25).
+# The last GPU (GPU 1 of two) builds tensorrt-int8's UNet alone, the longest build, once the auto UNet's ONNX is
+# exported (it calibrates on the built-in prompts first); with GPU_TESTS=1, GPU 1 also runs the GPU tests of what is
+# new (they passed on 2026-11-25).
 # Benchmark A on GPU 0 as soon as the fp16 builds end: ours-defaults and the engine sets that built (each TensorRT row
 # with its UNet's per-layer profile). Benchmark B once the INT8 UNet is built: tensorrt-auto and tensorrt-int8 (its
 # ratios, image and UNet output against tensorrt-auto) into the same results. Measured on an H100 x2 at level 3: the
 # auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build.
 # For a shorter lease (one GPU): SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1
 # also runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them),
-# then results/refit-h200/restore_check.py (tiny-xl and tiny, all plugins, level 1). CUBLAS_LT=1 also builds the auto set
-# with `--enable-tactic-sources CUBLAS_LT` (into engine-lt-*, on the last GPU, from the auto set's ONNX) and runs
-# benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and do they pay?
+# then results/refit-h200/restore_check.py (tiny-xl and tiny, all plugins, level 1). CUBLAS_LT=1 also builds the
+# auto set with `--enable-tactic-sources CUBLAS_LT` (into engine-lt-*, on the last GPU, from the auto set's ONNX) and
+# runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and do they
+# pay?
 L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1} CUBLAS_LT=${CUBLAS_LT:-0}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
@@ -46,7 +48,8 @@ work)
   trt86_setup $L sd1.5-arch || exit 1
   auto=$(python3 -c "from bench.runner import plugin_dir_suffix; from models.plugin_set import parse_plugin_set
 print(plugin_dir_suffix(parse_plugin_set('auto')))")
-  step "building on GPU 0 the sets of: $SETS (auto in engine$auto, plugins in engine-plugins); INT8 UNet on GPU 1: $INT8"
+  last_gpu=$(( $(nvidia-smi -L | wc -l) - 1 ))  # the INT8 and cuBLASLt builds' (GPU 0 where there is one)
+  step "building on GPU 0: $SETS (auto in engine$auto, plugins in engine-plugins); on GPU $last_gpu: INT8 $INT8"
   [[ " $SETS " == *" auto "* ]] && build auto 0 auto "$auto" &
   [[ " $SETS " == *" plugins "* ]] && build plugins 0 all -plugins &
   if [ "${RESTORE_CHECK:-0}" = 1 ]; then
@@ -65,8 +68,7 @@ print(plugin_dir_suffix(parse_plugin_set('auto')))")
   if [ "$INT8" = 1 ] || [ "$CUBLAS_LT" = 1 ]; then  # their export is the auto set's (the same key): waited for
     until [ -f "onnx$auto/unet.onnx.json" ] || ended auto; do sleep 5; done
   fi
-  [ "$INT8" = 1 ] && build int8 1 auto "$auto" --int8 --stages unet &
-  last_gpu=$(( $(nvidia-smi -L | wc -l) - 1 ))
+  [ "$INT8" = 1 ] && build int8 $last_gpu auto "$auto" --int8 --stages unet &
   [ "$CUBLAS_LT" = 1 ] && build lt $last_gpu auto "$auto" --engine-dir engine-lt$auto \
     --enable-tactic-sources CUBLAS_LT &  # the last --engine-dir is the one build-engines takes
   until { ended auto || [[ " $SETS " != *" auto "* ]]; } && { ended plugins || [[ " $SETS " != *" plugins "* ]]; }; do

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.runner import unet_profile
+from bench.runner import compare_images, unet_profile
 from demo.arguments import engine_settings
 from demo.backends import create_stages
-from demo.pipeline import GenerationRequest, image_psnr, make_pipeline, to_uint8
+from demo.pipeline import GenerationRequest, make_pipeline, to_uint8
 from demo.report import StageTimer
 from demo.settings import EngineFlags
 from models import STAGE_MODELS, text_to_image_stages
@@ -46,8 +46,8 @@ def image(p) -> np.ndarray:
 
 
 def against(label: str, first: np.ndarray, other: np.ndarray) -> None:
-    found[label] = {"equal": bool(np.array_equal(first, other)), "psnr_db": image_psnr(first, other),
-                    "max_diff": int(np.abs(first.astype(int) - other.astype(int)).max())}
+    psnr, max_diff = compare_images(other, first)  # psnr None: equal
+    found[label] = {"equal": max_diff == 0, "psnr_db": psnr, "max_diff": max_diff}
     print(label, found[label], flush=True)
     OUT.write_text(json.dumps(found, indent=1))
 
