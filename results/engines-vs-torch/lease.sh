@@ -16,11 +16,11 @@
 # ratios, image and UNet output against tensorrt-auto) into the same results. Measured on an H100 x2 at level 3: the
 # auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build.
 # For a shorter lease (one GPU): SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1
-# also runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them),
-# then results/refit-h200/restore_check.py (tiny-xl and tiny, all plugins, level 1). CUBLAS_LT=1 also builds the
-# auto set with `--enable-tactic-sources CUBLAS_LT` (into engine-lt-*, on the last GPU, from the auto set's ONNX) and
-# runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and do they
-# pay?
+# also runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them), then
+# results/refit-h200/restore_check.py (tiny with all plugins and with none, tiny-xl with all; level 1). CUBLAS_LT=1 also
+# builds the auto set with `--enable-tactic-sources CUBLAS_LT` (into engine-lt-*, on the last GPU, from the auto set's
+# ONNX) and runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and
+# do they pay?
 L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1} CUBLAS_LT=${CUBLAS_LT:-0}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
@@ -55,10 +55,10 @@ print(plugin_dir_suffix(parse_plugin_set('auto')))")
   if [ "${RESTORE_CHECK:-0}" = 1 ]; then
     (CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_plugins_gpu.py -k group_norm \
        >$L/group-norm-tests.log 2>&1; echo "exit $?" >>$L/group-norm-tests.log
-     for model in "tiny-xl 64" "tiny 32"; do
-       set -- $model
-       CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD:$PYTHONPATH python3 results/refit-h200/restore_check.py $1 $2 1 all \
-         $L/restore-$1.json >$L/restore-$1.log 2>&1
+     for run in "tiny 32 all" "tiny 32 none" "tiny-xl 64 all"; do
+       set -- $run
+       CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD:$PYTHONPATH python3 results/refit-h200/restore_check.py $1 $2 1 $3 \
+         $L/restore-$1-$3.json >$L/restore-$1-$3.log 2>&1
      done) &
   fi
   if [ "${GPU_TESTS:-0}" = 1 ]; then

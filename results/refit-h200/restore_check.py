@@ -5,7 +5,8 @@ repository root: python3 results/refit-h200/restore_check.py MODEL SIZE LEVEL PL
 Builds MODEL's engines refittable (into onnx-check, engine-check), then, under CUDA graphs, with Euler, 4 steps: the
 image twice (determinism), the UNet's per-layer profile (a second execution context), the image again, a LoRA set,
 back to the base, the image, and a fresh engine set's image; each image against the first (equal, PSNR, largest
-difference).
+difference). Then each stage twice on one random feed ("stage_repeat": bit-identical or not), which says where a
+run-to-run difference starts; PLUGINS none asks the same of TensorRT's own layers.
 """
 
 import json
@@ -21,7 +22,7 @@ from demo.backends import create_stages
 from demo.pipeline import GenerationRequest, make_pipeline, to_uint8
 from demo.report import StageTimer
 from demo.settings import EngineFlags
-from models import STAGE_MODELS, text_to_image_stages
+from models import STAGE_MODELS, stage_batch, text_to_image_stages
 from models.source import resolve_model
 from tests.test_lora_refit import loras_for
 
@@ -62,3 +63,12 @@ against("with_lora", first, image(p))
 p.set_loras([])
 against("back_to_base", first, image(p))
 against("fresh_engines", first, image(pipeline()))
+found["stage_repeat"] = {}
+for name, stage in p.stages.items():
+    batch = stage_batch(name, 1, guided=True)
+    stage.prepare(batch, SIZE, SIZE)
+    feed = stage.model.sample_inputs(batch, SIZE, SIZE, CUDA, HALF, torch.Generator().manual_seed(1))
+    first_out = {key: value.clone() for key, value in stage(feed).items()}
+    found["stage_repeat"][name] = all(torch.equal(first_out[key], value) for key, value in stage(feed).items())
+print("stage_repeat", found["stage_repeat"], flush=True)
+OUT.write_text(json.dumps(found, indent=1))
