@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -237,15 +238,15 @@ def test_sd_serve_refuses_a_port_taken(capsys):
 class Served:
     """An sd-serve process on loopback, its log in a file."""
 
-    def __init__(self, tmp_path, model: str = "tiny"):
+    def __init__(self, tmp_path, model: str = "tiny", max_batch_size: int = 4, env: dict | None = None):
         self.http, self.grpc, self.metrics = free_ports(3)
         self.log = tmp_path / "serve.log"
         command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", model, "--height", str(SIZE),
-                   "--width", str(SIZE), "--max-batch-size", "4", "--max-queue-delay-ms", "500",
+                   "--width", str(SIZE), "--max-batch-size", str(max_batch_size), "--max-queue-delay-ms", "500",
                    "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
         with open(self.log, "w") as log:  # the child has its own copy
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                            start_new_session=True)
+                                            start_new_session=True, env=env)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -408,6 +409,29 @@ def test_img2img_and_inpaint_answer_with_the_clis_images_each_run_alone(server, 
     assert differs(answers[0][0], answers[1][0]) > 20  # strength 0.8 (the default) re-draws more
     assert differs(answers[2][0], cli_image(tmp_path, "a tree", 6, image=image, mask=mask,
                                             args=("--scheduler", "EulerA"))) <= 2
+
+
+@needs_pytriton
+def test_sd_serve_starts_with_pytriton_installed_outside_site_packages(tmp_path):
+    """As on the GPU box, where the serve wheels go in with `pip install --target` onto PYTHONPATH: PyTriton then
+    looks for its bundled libraries in the wrong folder, and tritonserver could not load libcudart (2026-11-26)."""
+    import pytriton
+
+    installed = Path(pytriton.__file__).parent.parent
+    elsewhere = tmp_path / "site"
+    elsewhere.mkdir()
+    for name in ("pytriton", "nvidia_pytriton.libs"):
+        (elsewhere / name).symlink_to(installed / name)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(elsewhere), os.environ.get("PYTHONPATH")]))}
+    found = subprocess.run([sys.executable, "-c", "import pytriton; print(pytriton.__file__)"], env=env,
+                           capture_output=True, text=True, check=True).stdout
+    assert found.startswith(str(elsewhere))
+    served = Served(tmp_path, max_batch_size=1, env=env)
+    try:
+        served.wait_ready(timeout=180)
+        assert served.generate(prompt="a red apple", seed=0)[0].shape == (SIZE, SIZE, 3)
+    finally:
+        served.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import sysconfig
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from demo.cli.generate import DemoFlags, LoraFlags, read_loras
 from demo.settings import EngineFlags, ModelFlags, RequestFlags, TorchFlags, at_least, changed, flag, same_as
@@ -296,6 +297,17 @@ def run(flags) -> int:
                          progress)
 
 
+def triton_library_dirs() -> list[str]:
+    """Where Triton's processes must find their libraries first: the libpython this interpreter runs on (Triton's
+    Python-backend stub would load the system's), then PyTriton's bundled ones (libcudart among them). PyTriton
+    looks for those beside site-packages only: installed anywhere else (`pip install --target`, PYTHONPATH; the GPU
+    box, 2026-11-26) it takes itself for an editable install, and tritonserver cannot start."""
+    import pytriton
+
+    bundled = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    return [sysconfig.get_config_var("LIBDIR")] + ([str(bundled)] if bundled.is_dir() else [])
+
+
 def serve_forever(triton_api, server: Server, modes, serve: ServeFlags, progress) -> int:
     """Start Triton with a model for each of `modes` bound to the pipelines, then wait for SIGTERM or SIGINT (handled
     here: a process started in the background ignores SIGINT) or for Triton to die; stop it, draining the requests in
@@ -306,9 +318,8 @@ def serve_forever(triton_api, server: Server, modes, serve: ServeFlags, progress
     from core.errors import RunFailure
     from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAMES, inputs_of
 
-    # Triton's Python-backend stub must load the libpython this interpreter runs on, not the system's.
-    library_dir = sysconfig.get_config_var("LIBDIR")
-    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [library_dir, os.environ.get("LD_LIBRARY_PATH")]))
+    libraries = [*triton_library_dirs(), os.environ.get("LD_LIBRARY_PATH")]
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libraries))
     received: list[int] = []
     stop = threading.Event()
 

@@ -3,8 +3,9 @@
 # backend at its defaults (BACKEND=torch), or with TensorRT 8.6 engines (BACKEND=tensorrt, builder level LEVEL,
 # default 3), sd1.5-arch, 512x512, 30 steps. Not run on a GPU yet. Here, first: bash results/serve-gpus/make_wheels.sh.
 # For engines, the 15 carry calls of ../shared/trt86 first (docs/gpu-box.md), TRT86_SHA set on the start call.
-# Then two device calls back to back:
+# Then three device calls back to back:
 #   carry [.carry/serve-a]                  mkdir -p /opt/w && cp .carry/serve-a/*.whl /opt/w/
+#   carry [.carry/serve-c]                  cp .carry/serve-c/*.whl /opt/w/
 #   carry [.carry/serve-b, .whl]            cp .carry/serve-b/*.whl /opt/w/ && BACKEND=torch bash results/serve-gpus/lease.sh start
 # and polls (`bash results/serve-gpus/lease.sh poll`, up to ~8 min each; files into $OUT).
 # With engines, each server's engines (a batch range up to its --max-batch-size, in folders of their own) are built
@@ -61,7 +62,8 @@ work)
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} DEMO_DIFFUSION_CACHE=/tmp/ddcache
   fi
   export PYTHONUNBUFFERED=1
-  python3 -c "import numpy, torch, diffusers, pytriton, tritonclient.http as h; print('numpy', numpy.__version__)" \
+  python3 -c "import numpy, torch, pytriton, tritonclient.http; from diffusers import UNet2DConditionModel
+print('numpy', numpy.__version__)" \
     >$L/imports.log 2>&1 || { step "imports failed: $(tail -1 $L/imports.log)"; exit 1; }
   step "setup: $(tail -1 $L/imports.log); generating $MODEL"
   if [ "$BACKEND" = torch ]; then
