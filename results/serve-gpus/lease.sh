@@ -15,6 +15,8 @@
 # pipeline time, for the latency at concurrency 1). Phase 2: one server on both GPUs, --max-batch-size 4: concurrency
 # 1 (p50 against the CLI), 16 (against one GPU's 16), then 500 requests. Each server is stopped with SIGTERM and its
 # drain time kept. summarize.py writes summary.md and summary.json.
+# ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
+# (concurrency 8), then the CLI, one after another.
 # A dry run on a CPU machine, tiny and every server on the CPU:
 #   MODEL=tiny SIZE=64 STEPS=2 GPU_A= GPU_B= BOTH= REQUESTS=8 MANY=20 bash results/serve-gpus/lease.sh work
 L=${L:-/tmp/s21} MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} STEPS=${STEPS:-30} BACKEND=${BACKEND:-torch} LEVEL=${LEVEL:-3}
@@ -82,18 +84,28 @@ print('numpy', numpy.__version__)" \
     wait
     step "engines: $(grep -H '^exit' $L/build-b*.log | sed 's|.*/build-||' | tr '\n' ' ')"
   fi
-  step "phase 1: batch 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
-  ( serve one-b4 "$GPU_A" 4 8000 && load one-b4-c8 8000 8 "$REQUESTS" && load one-b4-c16 8000 16 $((REQUESTS * 2))
-    stop one-b4 ) &
-  ( serve one-b1 "$GPU_B" 1 8100 && load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1
-    CUDA_VISIBLE_DEVICES=$GPU_B python3 -m demo.demo_diffusion "a photo of an astronaut riding a horse on mars" \
+  cli() {  # GPU: demo-diffusion with the load tests' request, its pipeline time the latency's yardstick
+    CUDA_VISIBLE_DEVICES=$1 python3 -m demo.demo_diffusion "a photo of an astronaut riding a horse on mars" \
       --model "$MODEL" --backend "$BACKEND" --height "$SIZE" --width "$SIZE" --denoising-steps "$STEPS" --seed 0 \
       $(engines 1) --num-warmup-runs 3 --output-dir $L/cli >$L/cli.log 2>&1
-    step "CLI: $(grep -h Pipeline $L/cli.log)" ) &
-  wait
-  step "phase 2: batch 4 on GPUs '$BOTH'"
-  serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
-    load two-b4-many 8200 16 "$MANY"; stop two-b4; }
+    step "CLI: $(grep -h Pipeline $L/cli.log)"
+  }
+  if [ "${ONE_GPU:-0}" = 1 ]; then  # one GPU, one server at a time; no two-GPU figures
+    step "one GPU ('$GPU_A'): batch 4, then batch 1, then the CLI"
+    serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c1 8000 1 20; load one-b4-c8 8000 8 "$REQUESTS"
+      load one-b4-many 8000 16 "$MANY"; stop one-b4; }
+    serve one-b1 "$GPU_A" 1 8100 && { load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1; }
+    cli "$GPU_A"
+  else
+    step "phase 1: batch 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
+    ( serve one-b4 "$GPU_A" 4 8000 && load one-b4-c8 8000 8 "$REQUESTS" && load one-b4-c16 8000 16 $((REQUESTS * 2))
+      stop one-b4 ) &
+    ( serve one-b1 "$GPU_B" 1 8100 && load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1; cli "$GPU_B" ) &
+    wait
+    step "phase 2: batch 4 on GPUs '$BOTH'"
+    serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
+      load two-b4-many 8200 16 "$MANY"; stop two-b4; }
+  fi
   python3 results/serve-gpus/summarize.py $L >$L/summary.log 2>&1; step "summary: $(tail -1 $L/summary.log)"
   step "finished" ;;
 poll)

@@ -23,8 +23,8 @@ def ratio(a: str, b: str, field=lambda t: t["images_per_s"]):
     return round(field(tests[a]) / field(tests[b]), 3) if a in tests and b in tests else None
 
 
-p50 = tests.get("two-b4-c1", {}).get("latency_ms", {}).get("p50")
-many = tests.get("two-b4-many")
+p50 = tests.get("two-b4-c1", tests.get("one-b4-c1", {})).get("latency_ms", {}).get("p50")  # one-*: ONE_GPU=1
+many = tests.get("two-b4-many", tests.get("one-b4-many"))
 checks = {
     "two_gpus_over_one_at_c16": {"value": ratio("two-b4-c16", "one-b4-c16"), "target": ">= 1.9"},
     "batch4_over_batch1_at_c8": {"value": ratio("one-b4-c8", "one-b1-c8"), "target": "reported"},
