@@ -434,6 +434,26 @@ def test_sd_serve_starts_with_pytriton_installed_outside_site_packages(tmp_path)
         served.stop()
 
 
+def test_sd_serve_refuses_a_python_whose_isolated_self_lacks_the_proxys_modules(tmp_path):
+    """Triton's Python-backend stub ignores PYTHONPATH: numpy and zmq found only there made every model fail to load
+    on the GPU box (2026-11-26). An interpreter without its site-packages stands in for that one."""
+    from core.errors import UsageError
+    from demo.serve.server import check_python_backend
+
+    bare = tmp_path / "python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    with pytest.raises(UsageError, match="cannot import numpy and zmq"):
+        check_python_backend(str(bare))
+
+
+@needs_pytriton
+def test_this_python_passes_the_python_backend_check():
+    from demo.serve.server import check_python_backend
+
+    check_python_backend()
+
+
 @pytest.fixture(scope="module")
 def inpaint_server(tmp_path_factory):
     served = Served(tmp_path_factory.mktemp("serve-inpaint"), "tiny-inpaint")

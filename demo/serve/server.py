@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -111,6 +112,19 @@ def import_pytriton():
     except ImportError:
         raise UsageError("needs PyTriton: pip install -e '.[serve]' (docs/serving.md)") from None
     return pytriton.triton
+
+
+def check_python_backend(python: str = sys.executable) -> None:
+    """Triton's Python-backend stub embeds this interpreter isolated from PYTHONPATH (as `python -I` runs), and
+    PyTriton's proxy inside it imports numpy and zmq: where those are on PYTHONPATH only (`pip install --target`, the
+    GPU box, 2026-11-26), every model fails to load once Triton starts. A UsageError before the pipelines load."""
+    from core.errors import UsageError
+
+    probe = subprocess.run([python, "-I", "-c", "import numpy, zmq"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise UsageError(f"Triton's Python backend runs {python} without PYTHONPATH, and there it cannot import numpy "
+                         f"and zmq (PyTriton's proxy needs them): install PyTriton's dependencies into {sys.prefix} "
+                         "itself (docs/serving.md)")
 
 
 def engine_limits(settings, source):
@@ -291,6 +305,7 @@ def run(flags) -> int:
     if unused:
         print(f"note: {', '.join(unused)} unused by the {backend} backend", file=sys.stderr)
     triton_api = import_pytriton()
+    check_python_backend()
     progress(f"[{PROG}] model {source.name}, backend {backend} ({reason}), on {', '.join(map(str, devices))}")
     pipelines = load_pipelines(flags, source, defaults, devices, backend, settings, modes, progress)
     return serve_forever(triton_api, Server(pipelines, source, defaults, check, model.verbose), modes, serve,

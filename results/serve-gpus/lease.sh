@@ -58,10 +58,11 @@ start)
   sleep 2; cat $L/steps.log 2>/dev/null ;;
 work)
   mkdir -p $L/results
-  if [ -d /opt/w ]; then  # on the box: the carried wheels, numpy 1.26 ahead of the box's numpy 2
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /opt/w/*.whl .whl/*.whl \
+  if [ -d /opt/w ]; then  # on the box: the carried wheels into its interpreter itself, numpy 1.26 replacing numpy 2:
+    # Triton's Python-backend stub ignores PYTHONPATH (its models could not import zmq from there, 2026-11-26)
+    python3 -m pip install -q --no-index --no-deps --no-compile /opt/w/*.whl .whl/*.whl \
       >$L/setup.log 2>&1 || { step "setup failed: $(tail -1 $L/setup.log)"; exit 1; }
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} DEMO_DIFFUSION_CACHE=/tmp/ddcache
+    export DEMO_DIFFUSION_CACHE=/tmp/ddcache
   fi
   export PYTHONUNBUFFERED=1
   python3 -c "import numpy, torch, pytriton, tritonclient.http; from diffusers import UNet2DConditionModel
