@@ -7,20 +7,21 @@
 #   bash results/engines-vs-torch/lease.sh poll                                        # up to ~8 min; tars /tmp/e20 to $OUT
 # `start` copies the working tree to /tmp/e20/repo and works there (scripts/box_lease_lib.sh; 2026-11-25, before it
 # did, two level-3 UNets built in the box's copy of the repository vanished at the next device call).
-# GPU 0 builds the fp16 engine sets, tensorrt-auto's (the default engine path) and tensorrt-plugins', side by side.
-# The last GPU (GPU 1 of two) builds tensorrt-int8's UNet alone, the longest build, once the auto UNet's ONNX is
-# exported (it calibrates on the built-in prompts first); with GPU_TESTS=1, GPU 1 also runs the GPU tests of what is
-# new (they passed on 2026-11-25).
+# GPU 0 builds the fp16 engine sets, tensorrt-auto's (the default engine path) and tensorrt-plugins', side by side. The
+# last GPU (GPU 1 of two) builds tensorrt-int8's UNet alone, the longest build, once the auto UNet's ONNX is exported
+# (it calibrates on the built-in prompts first); with GPU_TESTS=1, GPU 1 also runs the GPU tests of what is new (they
+# passed on 2026-11-25). On one GPU every build runs one at a time, and the benchmarks after the last (2026-11-26: three
+# UNets side by side on one H200 took 896-1030 s each, 536 s alone, and the benchmark that followed ran beside a build).
 # Benchmark A on GPU 0 as soon as the fp16 builds end: ours-defaults and the engine sets that built (each TensorRT row
 # with its UNet's per-layer profile). Benchmark B once the INT8 UNet is built: tensorrt-auto and tensorrt-int8 (its
 # ratios, image and UNet output against tensorrt-auto) into the same results. Measured on an H100 x2 at level 3: the
-# auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build.
-# For a shorter lease (one GPU): SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1
-# also runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them), then
+# auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build. For a
+# shorter lease (one GPU): SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1 also
+# runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them), then
 # results/refit-h200/restore_check.py (tiny with all plugins and with none, tiny-xl with all; level 1). CUBLAS_LT=1 also
-# builds the auto set with `--enable-tactic-sources CUBLAS_LT` (into engine-lt-*, on the last GPU, from the auto set's
-# ONNX) and runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and
-# do they pay?
+# builds the auto set with `--enable-tactic-sources CUBLAS_LT` (into onnx-lt-* and engine-lt-*, on the last GPU) and
+# runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and do they
+# pay?
 L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1} CUBLAS_LT=${CUBLAS_LT:-0}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
@@ -49,9 +50,26 @@ work)
   auto=$(python3 -c "from bench.runner import plugin_dir_suffix; from models.plugin_set import parse_plugin_set
 print(plugin_dir_suffix(parse_plugin_set('auto')))")
   last_gpu=$(( $(nvidia-smi -L | wc -l) - 1 ))  # the INT8 and cuBLASLt builds' (GPU 0 where there is one)
-  step "building on GPU 0: $SETS (auto in engine$auto, plugins in engine-plugins); on GPU $last_gpu: INT8 $INT8"
-  [[ " $SETS " == *" auto "* ]] && build auto 0 auto "$auto" &
-  [[ " $SETS " == *" plugins "* ]] && build plugins 0 all -plugins &
+  step "building $SETS on GPU 0 (auto in engine$auto, plugins in engine-plugins); on GPU $last_gpu: INT8 $INT8," \
+    "cuBLASLt $CUBLAS_LT"
+  fp16_set() {  # auto | plugins, on GPU 0
+    if [ "$1" = auto ]; then build auto 0 auto "$auto"; else build plugins 0 all -plugins; fi
+  }
+  lt_set() {  # in ONNX folders of its own: the auto build holds its ONNX's lock until its engine is built
+    build lt $last_gpu auto "-lt$auto" --enable-tactic-sources CUBLAS_LT
+  }
+  int8_unet() { build int8 $last_gpu auto "$auto" --int8 --stages unet; }
+  if [ $last_gpu = 0 ]; then  # one GPU: one build at a time (2026-11-26, three UNets side by side took 896-1030 s each
+    # on an H200, one alone 536 s), and the benchmarks after the last
+    (for set in $SETS; do fp16_set $set; done
+     [ "$CUBLAS_LT" = 1 ] && lt_set; [ "$INT8" = 1 ] && int8_unet) &
+  else
+    for set in $SETS; do fp16_set $set & done
+    [ "$CUBLAS_LT" = 1 ] && lt_set &
+    if [ "$INT8" = 1 ]; then  # its export is the auto set's (the same key): waited for
+      (until [ -f "onnx$auto/unet.onnx.json" ] || ended auto; do sleep 5; done; int8_unet) &
+    fi
+  fi
   if [ "${RESTORE_CHECK:-0}" = 1 ]; then
     (CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_plugins_gpu.py -k group_norm \
        >$L/group-norm-tests.log 2>&1; echo "exit $?" >>$L/group-norm-tests.log
@@ -65,15 +83,14 @@ print(plugin_dir_suffix(parse_plugin_set('auto')))")
     (CUDA_VISIBLE_DEVICES=1 timeout 1200 python3 -m pytest -q -s -p no:cacheprovider tests/test_trt_plugins_gpu.py \
        tests/test_engines_gpu.py; echo "exit $?") >$L/gpu-tests.log 2>&1 &
   fi
-  if [ "$INT8" = 1 ] || [ "$CUBLAS_LT" = 1 ]; then  # their export is the auto set's (the same key): waited for
-    until [ -f "onnx$auto/unet.onnx.json" ] || ended auto; do sleep 5; done
-  fi
-  [ "$INT8" = 1 ] && build int8 $last_gpu auto "$auto" --int8 --stages unet &
-  [ "$CUBLAS_LT" = 1 ] && build lt $last_gpu auto "$auto" --engine-dir engine-lt$auto \
-    --enable-tactic-sources CUBLAS_LT &  # the last --engine-dir is the one build-engines takes
-  until { ended auto || [[ " $SETS " != *" auto "* ]]; } && { ended plugins || [[ " $SETS " != *" plugins "* ]]; }; do
-    sleep 10
-  done
+  pending() {  # NAME: asked for and not ended; on one GPU the benchmarks wait for every build
+    case $1 in
+      auto|plugins) [[ " $SETS " == *" $1 "* ]] && ! ended $1 ;;
+      lt) [ "$CUBLAS_LT" = 1 ] && [ $last_gpu = 0 ] && ! ended lt ;;
+      int8) [ "$INT8" = 1 ] && [ $last_gpu = 0 ] && ! ended int8 ;;
+    esac
+  }
+  while pending auto || pending plugins || pending lt || pending int8; do sleep 10; done
   step "fp16 builds: $(grep -H '^exit' $L/build-*.log | sed 's|.*/build-||' | tr '\n' ' ')"
   contenders=ours-defaults  # and the sets that built: a failed one would build inside the timed run
   built auto && contenders+=,tensorrt-auto; built plugins && contenders+=,tensorrt-plugins
