@@ -2,8 +2,9 @@
 request failing alone; then a real Triton server on loopback with `tiny` (where PyTriton is installed: the `serve`
 extra): concurrent requests answered with the CLI's images, batching seen in the responses, the log and Triton's
 metrics, bad requests answered with errors while the server goes on, img2img and inpaint (the latent blend) answered
-with the CLI's images for --input-image and --mask-image, SIGTERM draining the requests in flight; and one with
-`tiny-inpaint` (a 9-channel UNet), which serves inpaint only."""
+with the CLI's images for --input-image and --mask-image, SIGTERM draining the requests in flight; one with
+`tiny-inpaint` (a 9-channel UNet), which serves inpaint only; one with PyTriton installed outside site-packages; and
+the check that Triton's Python backend, which ignores PYTHONPATH, can import what PyTriton's proxy needs."""
 
 import concurrent.futures
 import importlib.util
