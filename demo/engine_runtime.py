@@ -26,10 +26,12 @@ from demo.trt_flavour import TensorRTAPI
 from models.base import StageModel
 from plugins.contract import OURS, PLUGIN_OP_KEYS
 
-# Layer kinds besides the plugin keys (Engine.layer_kinds): format conversions, TensorRT's layers reading int8
-# (quantized convolutions and matrix products fused into int8 kernels), and the rest of what TensorRT made.
-REFORMAT, INT8, GENERATED = "reformat", "TensorRT int8", "TensorRT"
-TENSORRT_KINDS = (REFORMAT, INT8, GENERATED)
+# Layer kinds besides the plugin keys (Engine.layer_kinds): format conversions; the copies TensorRT makes of tensors
+# into a concatenation it cannot have them written into in place (Reformat layers too, named "<tensor> copy": the
+# UNet's skip connections, work the torch path does in torch.cat); TensorRT's layers reading int8 (quantized
+# convolutions and matrix products fused into int8 kernels); and the rest of what TensorRT made.
+REFORMAT, CONCAT_COPY, INT8, GENERATED = "reformat", "concat copy", "TensorRT int8", "TensorRT"
+TENSORRT_KINDS = (REFORMAT, CONCAT_COPY, INT8, GENERATED)
 
 
 def time_by_kind(layer_ms: dict[str, float], kinds: dict[str, str]) -> dict[str, float]:
@@ -44,6 +46,22 @@ def time_by_kind(layer_ms: dict[str, float], kinds: dict[str, str]) -> dict[str,
 def plugin_counts(kinds: dict[str, str]) -> Counter:
     """Plugin layers per plugin key, from Engine.layer_kinds."""
     return Counter(kind for kind in kinds.values() if kind not in TENSORRT_KINDS)
+
+
+def layer_kind(layer: dict) -> str:
+    """What one layer of the engine inspector's JSON is: a plugin key ("fMHA", ...; "other" for a plugin not ours),
+    CONCAT_COPY or REFORMAT for TensorRT's Reformat layers, INT8 for its layers that read int8 (by the data types
+    listed for their inputs), GENERATED for the rest of what TensorRT made. The ONNX passes name each plugin node
+    '<tensor>/<plugin op>', and the parser keeps the name."""
+    name, layer_type = layer.get("Name", ""), layer.get("LayerType")
+    if layer_type == "PluginV2":
+        found = re.search(r"/(\w+)$", name)
+        return PLUGIN_OP_KEYS.get(found.group(1), "other") if found else "other"
+    if layer_type == "Reformat":
+        return CONCAT_COPY if name.endswith(" copy") else REFORMAT
+    reads_int8 = any("int8" in str(t.get("Format/Datatype", "")).lower()
+                     for t in layer.get("Inputs", []) if isinstance(t, dict))
+    return INT8 if reads_int8 else GENERATED
 
 
 class EngineMismatchError(RuntimeError):
@@ -117,24 +135,9 @@ class Engine:
                                       f"({'; '.join(wrong)}); rebuild with --force-engine-build")
 
     def layer_kinds(self) -> dict[str, str]:
-        """Layer name -> what it is, from TensorRT's engine inspector (engines are built with detailed
-        profiling verbosity, so layer types are listed): a plugin key ("fMHA", ...; "other" for a plugin
-        not ours), REFORMAT for TensorRT's format conversions, INT8 for its layers that read int8 (by the data types
-        the inspector lists for their inputs), GENERATED for the rest of what TensorRT made.
-        The ONNX passes name each plugin node '<tensor>/<plugin op>', and the parser keeps the name."""
-        kinds = {}
-        for layer in self._inspected_layers():
-            name, layer_type = layer.get("Name", ""), layer.get("LayerType")
-            if layer_type == "PluginV2":
-                found = re.search(r"/(\w+)$", name)
-                kinds[name] = PLUGIN_OP_KEYS.get(found.group(1), "other") if found else "other"
-            elif layer_type == "Reformat":
-                kinds[name] = REFORMAT
-            else:
-                reads_int8 = any("int8" in str(t.get("Format/Datatype", "")).lower()
-                                 for t in layer.get("Inputs", []) if isinstance(t, dict))
-                kinds[name] = INT8 if reads_int8 else GENERATED
-        return kinds
+        """Layer name -> what it is (layer_kind), from TensorRT's engine inspector (engines are built with detailed
+        profiling verbosity, so layer types are listed)."""
+        return {layer.get("Name", ""): layer_kind(layer) for layer in self._inspected_layers()}
 
     def _inspected_layers(self) -> list[dict]:
         """The layers TensorRT's engine inspector lists (detailed, as engines are built)."""

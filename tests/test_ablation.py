@@ -70,8 +70,8 @@ def test_kernel_table_compares_each_family_only_where_both_peers_ran():
     assert [(c["family"], c["ours_ms"], c["tensorrt_ms"]) for c in comparisons] == [("LayerNorm", 1.0, 0.8),
                                                                                      ("GroupNorm", 2.0, 3.0)]
     table = kernel_table(rows, comparisons).splitlines()
-    assert "| none | — | — | — | — | — | — | — | — | 11.000 | 11.000 |" in table
-    assert "| ours without attention | — | — | 1.000 | 2.000 | — | — | 0.500 | — | 6.000 | 9.500 |" in table
+    assert "| none | — | — | — | — | — | — | — | — | — | 11.000 | 11.000 |" in table
+    assert "| ours without attention | — | — | 1.000 | 2.000 | — | — | 0.500 | — | — | 6.000 | 9.500 |" in table
     assert "| GroupNorm | 2.000 | 3.000 | 1.50x | ours without attention / TensorRT's without attention |" in table
     assert "| LayerNorm | 1.000 | 0.800 | 0.80x | ours without attention / TensorRT's without attention |" in table
     assert not any(line.startswith("| fMHA |") for line in table)

@@ -25,11 +25,14 @@ from demo.engine import (
     prepare_stage_engines,
 )
 from demo.engine_runtime import (
+    CONCAT_COPY,
     GENERATED,
+    INT8,
     REFORMAT,
     Engine,
     EngineMismatchError,
     create_engine_stages,
+    layer_kind,
     plugin_counts,
     time_by_kind,
 )
@@ -114,6 +117,21 @@ def test_layer_times_are_per_run_means_from_a_context_of_their_own(trt, tiny, on
     assert unet.engine.context.runs == runs and unet.engine.context.profiler is None
     assert torch.equal(unet(feed)["latent"], expected)
     assert set(unet.engine.layer_kinds()) == set(times) and set(unet.engine.layer_kinds().values()) == {GENERATED}
+
+
+def test_layer_kinds_tell_plugins_concat_copies_format_conversions_and_int8_apart():
+    """Layers as TensorRT 8.6's inspector listed them in sd1.5-arch's UNet engine on an H200 (2026-11-26), where the
+    concatenation copies and the format conversions were one kind, so their split was not known."""
+    def layer(name, layer_type, *input_types):
+        return {"Name": name, "LayerType": layer_type, "Inputs": [{"Format/Datatype": t} for t in input_types]}
+
+    assert layer_kind(layer("/up_blocks.0/attentions.0/Transpose_output_0/SDPGroupNorm", "PluginV2")) == "GroupNorm"
+    assert layer_kind(layer("/up_blocks.1/x/SomeonesPlugin", "PluginV2")) == "other"
+    assert layer_kind(layer("/down_blocks.2/resnets.1/Add_1_output_0 copy", "Reformat", "Half")) == CONCAT_COPY
+    assert layer_kind(layer("Reformatting CopyNode for Input Tensor 0 to /conv_in/Conv", "Reformat",
+                            "Row major linear FP16 format (kLINEAR)")) == REFORMAT
+    assert layer_kind(layer("/conv_in/Conv", "CaskConvolution", "Int8 format")) == INT8
+    assert layer_kind(layer("{ForeignNode[/mid_block/...]}", "Myelin", "Half")) == GENERATED
 
 
 def test_time_by_kind_sums_layers_and_counts_unlisted_ones_as_generated():
