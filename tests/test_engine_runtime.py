@@ -120,18 +120,21 @@ def test_layer_times_are_per_run_means_from_a_context_of_their_own(trt, tiny, on
 
 
 def test_layer_kinds_tell_plugins_concat_copies_format_conversions_and_int8_apart():
-    """Layers as TensorRT 8.6's inspector listed them in sd1.5-arch's UNet engine on an H200 (2026-11-26), where the
-    concatenation copies and the format conversions were one kind, so their split was not known."""
+    """Layer names as TensorRT 8.6 gave them in sd1.5-arch's UNet engine on an H200 (2026-11-26; layer types and
+    input formats as its inspector writes them), where the concatenation copies and the format conversions were one
+    kind, so their split was not known."""
     def layer(name, layer_type, *input_types):
         return {"Name": name, "LayerType": layer_type, "Inputs": [{"Format/Datatype": t} for t in input_types]}
 
-    assert layer_kind(layer("/up_blocks.0/attentions.0/Transpose_output_0/SDPGroupNorm", "PluginV2")) == "GroupNorm"
-    assert layer_kind(layer("/up_blocks.1/x/SomeonesPlugin", "PluginV2")) == "other"
-    assert layer_kind(layer("/down_blocks.2/resnets.1/Add_1_output_0 copy", "Reformat", "Half")) == CONCAT_COPY
-    assert layer_kind(layer("Reformatting CopyNode for Input Tensor 0 to /conv_in/Conv", "Reformat",
+    assert layer_kind(layer("/unet/up_blocks.3/resnets.0/nonlinearity/Mul_output_0/SDPGroupNorm", "PluginV2")) \
+        == "GroupNorm"
+    assert layer_kind(layer("/unet/up_blocks.1/x/SomeonesPlugin", "PluginV2")) == "other"
+    assert layer_kind(layer("/unet/down_blocks.1/attentions.0/Add_output_0 copy", "Reformat", "Half")) == CONCAT_COPY
+    assert layer_kind(layer("Reformatting CopyNode for Input Tensor 0 to /unet/conv_in/Conv", "Reformat",
                             "Row major linear FP16 format (kLINEAR)")) == REFORMAT
-    assert layer_kind(layer("/conv_in/Conv", "CaskConvolution", "Int8 format")) == INT8
-    assert layer_kind(layer("{ForeignNode[/mid_block/...]}", "Myelin", "Half")) == GENERATED
+    assert layer_kind(layer("/unet/conv_in/Conv", "CaskConvolution", "Int8 format")) == INT8
+    assert layer_kind(layer("{ForeignNode[unet.down_blocks.0.attentions.0.transformer_blocks.0.norm3.weight...]}",
+                            "Myelin", "Half")) == GENERATED
 
 
 def test_time_by_kind_sums_layers_and_counts_unlisted_ones_as_generated():
