@@ -131,20 +131,23 @@ class GraphedCall:
     """`fn(*inputs)` captured once in a CUDA graph over static input buffers, replayed per call.
 
     Warm-up runs on a side stream first (cuBLAS/cuDNN workspaces, lazy initialisation), as PyTorch's
-    CUDA-graph guide asks. Each call copies its inputs into the static buffers, replays, and returns a
+    CUDA-graph guide asks; the capture runs on that stream too, which is on the inputs' device: torch.cuda.graph's
+    own default stream is made once per process, on whichever device was current then, and a capture there of work
+    on another GPU fails (sd-serve on cuda:1 after cuda:0, H100 x2, 2026-11-26). Each call copies its inputs into the static buffers, replays, and returns a
     clone of the outputs, so a later replay never changes what an earlier call returned."""
 
     def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2):
         self.inputs = tuple(t.clone() for t in inputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.output = fn(*self.inputs)
+        with torch.cuda.device(self.inputs[0].device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=stream):
+                self.output = fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor):
         for buffer, value in zip(self.inputs, inputs):

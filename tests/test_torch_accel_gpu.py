@@ -2,7 +2,7 @@
 plugin library): each plugin family substituted into the tiny model's modules against the unsubstituted
 module; the whole tiny pipeline with plugins, channels-last, CUDA graphs and torch.compile against the plain
 diffusers modules (PSNR and largest pixel difference); and the CUDA-graph path's outputs (static output
-poisoned before each replay, no aliasing between calls)."""
+poisoned before each replay, no aliasing between calls), on a second GPU too where there is one."""
 
 import copy
 
@@ -116,6 +116,13 @@ def test_pipeline_matches_plain_diffusers_modules(tiny, plain_images, label):
         assert stages["unet"].substitution.replaced["fMHA"] == 6
 
 
+def poison(graph) -> None:
+    """NaN into the graph's static outputs (a stage's graph returns a tuple of them)."""
+    with torch.inference_mode():
+        for output in graph.output:
+            output.fill_(float("nan"))
+
+
 def test_graph_outputs_are_fresh_and_written_in_full(tiny):
     """The CUDA-graph path: the static output is poisoned with NaN before each replay, so an element the
     replay does not write shows; what a call returned stays as it was after later calls."""
@@ -127,13 +134,31 @@ def test_graph_outputs_are_fresh_and_written_in_full(tiny):
     feeds = [model.sample_inputs(4, 64, 64, CUDA, torch.float16, torch.Generator().manual_seed(s)) for s in (1, 2)]
     outputs = []
     for feed in feeds:
-        with torch.inference_mode():
-            graph.output.fill_(float("nan"))
+        poison(graph)
         outputs.append(graphed(feed)["latent"])
-    with torch.inference_mode():
-        graph.output.fill_(float("nan"))
+    poison(graph)
     for feed, output in zip(feeds, outputs):
         assert torch.isfinite(output).all()  # neither aliased to the static output nor overwritten since
         assert rel_error(output, eager(feed)["latent"]) < 1e-3
     assert outputs[0].data_ptr() != outputs[1].data_ptr()
     assert rel_error(outputs[0], outputs[1]) > 0.1  # the second replay saw the second inputs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_graphs_on_a_second_gpu(tiny):
+    """sd-serve prepares one pipeline per GPU in one process: a capture on cuda:1 after one on cuda:0 must record
+    cuda:1's work (torch.cuda.graph's default stream lives on the device that was current at its first use)."""
+    model = STAGE_MODELS["unet"](tiny)
+    first = TorchStage(model, CUDA, torch.float16, TorchSettings(cuda_graph=True))
+    first.prepare(2, 64, 64)
+    second_gpu = torch.device("cuda", 1)
+    with torch.cuda.device(second_gpu):
+        graphed = TorchStage(model, second_gpu, torch.float16, TorchSettings(cuda_graph=True))
+        graphed.prepare(2, 64, 64)
+        eager = TorchStage(model, second_gpu, torch.float16)
+        feed = model.sample_inputs(2, 64, 64, second_gpu, torch.float16, torch.Generator().manual_seed(3))
+        (graph,) = graphed._graphs.values()
+        poison(graph)
+        output = graphed(feed)["latent"]
+        assert output.device == second_gpu
+        assert rel_error(output, eager(feed)["latent"]) < 1e-3

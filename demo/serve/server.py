@@ -1,8 +1,9 @@
 """sd-serve: the text-to-image, image-to-image and inpainting pipelines behind Triton Inference Server (PyTriton),
-models txt2img, img2img and inpaint (those the model can run), one set of stages per GPU, requests batched dynamically.
+models txt2img, img2img and inpaint (those the model can run), one set of stages per GPU, each in a process of its own
+(workers.py), requests batched dynamically.
 
     sd-serve --model tiny                                  # the CPU where there is no GPU; 127.0.0.1:8000
-    sd-serve --model sd1.5-arch --gpus 0,1 --max-batch-size 8 --max-queue-delay-ms 20
+    sd-serve --model sd1.5-arch --gpus 0,1 --max-batch-size 4
 
 Everything is prepared (engines built or loaded, LoRAs fused, graphs captured and compiled at every batch size) before
 Triton starts, so /v2/health/ready answers only then. SIGTERM or SIGINT: new requests are refused, those in flight
@@ -12,6 +13,7 @@ finish, the process exits 143 / 130 within 30 s. Needs the `serve` extra (docs/s
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -46,8 +48,10 @@ class ServeFlags:
     grpc_port: int = flag("Triton's gRPC port (default: %(default)s)", 8001)
     metrics_port: int = flag("Triton's Prometheus metrics port (default: %(default)s)", 8002)
     max_batch_size: int = flag("most requests one pipeline call runs (default: %(default)s)", 8)
-    max_queue_delay_ms: float = flag("how long a request may wait for others to batch with (default: %(default)s)",
-                                     10.0)
+    # 0: a pipeline call takes hundreds of ms, so under load requests queue (and batch) while the pipelines run;
+    # a delay would add only latency, to a request that finds a pipeline idle (H100, 2026-11-26).
+    max_queue_delay_ms: float = flag("how long a request may wait for others to batch with when a pipeline is idle "
+                                     "(default: %(default)s)", 0.0)
 
 
 def build_parser():
@@ -214,11 +218,15 @@ class RequestFailed(Exception):
     """Every request of a Triton batch failed; the message says why (Triton returns it as each one's error)."""
 
 
-def load_pipelines(flags, source, request: RequestFlags, devices, backend: str, settings, modes, progress) -> list:
-    """One prepared ServedPipeline per device, a pipeline for each of `modes` over one set of stages (the VAE encoder
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def prepare_device(flags, source, request: RequestFlags, device, backend: str, settings, modes) -> object:
+    """The device's prepared ServedPipeline, a pipeline for each of `modes` over one set of stages (the VAE encoder
     too: image-to-image's): stages built or loaded (engines: as `settings` say), LoRAs fused, and warm-up calls (CUDA
     graphs captured, torch.compile compiled, engine buffers sized): text-to-image at every batch size up to
-    --max-batch-size, each image mode at 1 (its requests run alone)."""
+    --max-batch-size, each image mode at 1 (its requests run alone). Runs in the device's own process (workers.py)."""
     import torch
     from PIL import Image
 
@@ -236,30 +244,26 @@ def load_pipelines(flags, source, request: RequestFlags, devices, backend: str, 
     if loras:
         check_loras(loras, model_targets(source))
     _, dtype = device_and_dtype(backend)
-    for device in devices:
-        check_memory(source, batch, request.height, request.width, device, dtype)
-    served = []
-    for device in devices:
-        accel = torch_settings(engine, flags[TorchFlags], device, source)[0] if backend == "torch" else None
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            models = [STAGE_MODELS[name](source) for name in image_to_image_stages(source)]
-            stages = create_stages(backend, models, device, dtype, settings, log=lambda *_: None, progress=progress,
-                                   torch_settings=accel)
-            pipelines = {mode: make_pipeline(source, stages, request.scheduler, device, dtype, mode) for mode in modes}
-            next(iter(pipelines.values())).set_loras(loras)  # into the stages, which they share
-        one = ServedPipeline(pipelines, device, lambda name: make_scheduler(name, source))
-        warm = replace(request, denoising_steps=1, seed=0)
-        if TEXT_TO_IMAGE in modes:
-            for size in range(1, batch + 1):
-                progress(f"[{PROG}] {device}: text-to-image warm-up at batch {size}/{batch} ...")
-                one([Request(warm)] * size)
-        gray = Image.new("RGB", (warm.width, warm.height), (128, 128, 128))
-        half = Image.new("L", gray.size)  # repaint the left half
-        half.paste(255, (0, 0, warm.width // 2, warm.height))
-        for mode in (mode for mode in modes if mode != TEXT_TO_IMAGE):
-            progress(f"[{PROG}] {device}: {mode} warm-up ...")
-            one([Request(warm, gray, half if mode == INPAINTING else None, strength=1.0)])  # its one step runs
-        served.append(one)
+    check_memory(source, batch, request.height, request.width, device, dtype)
+    accel = torch_settings(engine, flags[TorchFlags], device, source)[0] if backend == "torch" else None
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        models = [STAGE_MODELS[name](source) for name in image_to_image_stages(source)]
+        stages = create_stages(backend, models, device, dtype, settings, log=lambda *_: None, progress=progress,
+                               torch_settings=accel)
+        pipelines = {mode: make_pipeline(source, stages, request.scheduler, device, dtype, mode) for mode in modes}
+        next(iter(pipelines.values())).set_loras(loras)  # into the stages, which they share
+    served = ServedPipeline(pipelines, device, functools.partial(make_scheduler, source=source))
+    warm = replace(request, denoising_steps=1, seed=0)
+    if TEXT_TO_IMAGE in modes:
+        for size in range(1, batch + 1):
+            progress(f"[{PROG}] {device}: text-to-image warm-up at batch {size}/{batch} ...")
+            served([Request(warm)] * size)
+    gray = Image.new("RGB", (warm.width, warm.height), (128, 128, 128))
+    half = Image.new("L", gray.size)  # repaint the left half
+    half.paste(255, (0, 0, warm.width // 2, warm.height))
+    for mode in (mode for mode in modes if mode != TEXT_TO_IMAGE):
+        progress(f"[{PROG}] {device}: {mode} warm-up ...")
+        served([Request(warm, gray, half if mode == INPAINTING else None, strength=1.0)])  # its one step runs
     return served
 
 
@@ -270,15 +274,13 @@ def run(flags) -> int:
     from demo.logs import configure_library_logging
     from demo.pipeline import check_request, resolve_request
     from demo.serve.schema import served_modes
+    from demo.serve.workers import start_workers
     from demo.settings import TORCH_USES_ENGINE_FLAGS
 
     model, serve, engine = flags[ModelFlags], flags[ServeFlags], flags[EngineFlags]
     configure_library_logging(model.verbose)
     if not model.verbose:  # PyTriton logs each failed batch's traceback; the request's log line says why it failed
         logging.getLogger("pytriton").setLevel(logging.ERROR)
-
-    def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
 
     at_least("--max-batch-size", serve.max_batch_size, 1)
     at_least("--max-queue-delay-ms", serve.max_queue_delay_ms, 0)
@@ -307,9 +309,14 @@ def run(flags) -> int:
     triton_api = import_pytriton()
     check_python_backend()
     progress(f"[{PROG}] model {source.name}, backend {backend} ({reason}), on {', '.join(map(str, devices))}")
-    pipelines = load_pipelines(flags, source, defaults, devices, backend, settings, modes, progress)
-    return serve_forever(triton_api, Server(pipelines, source, defaults, check, model.verbose), modes, serve,
-                         progress)
+    workers = start_workers(devices, lambda device: functools.partial(
+        prepare_device, flags, source, defaults, device, backend, settings, modes), model.verbose)
+    progress(f"[{PROG}] prepared: {', '.join(f'{worker.device} in process {worker.pid}' for worker in workers)}")
+    try:
+        return serve_forever(triton_api, Server(workers, source, defaults, check, model.verbose), modes, serve)
+    finally:
+        for worker in workers:
+            worker.close()
 
 
 def triton_library_dirs() -> list[str]:
@@ -323,7 +330,7 @@ def triton_library_dirs() -> list[str]:
     return [sysconfig.get_config_var("LIBDIR")] + ([str(bundled)] if bundled.is_dir() else [])
 
 
-def serve_forever(triton_api, server: Server, modes, serve: ServeFlags, progress) -> int:
+def serve_forever(triton_api, server: Server, modes, serve: ServeFlags) -> int:
     """Start Triton with a model for each of `modes` bound to the pipelines, then wait for SIGTERM or SIGINT (handled
     here: a process started in the background ignores SIGINT) or for Triton to die; stop it, draining the requests in
     flight, and return the exit status (128 + the signal)."""
@@ -374,6 +381,9 @@ def serve_forever(triton_api, server: Server, modes, serve: ServeFlags, progress
         while not stop.wait(1.0):
             if not triton.is_alive():
                 raise RunFailure("Triton stopped by itself (run with --verbose for the reason)")
+            for worker in server.pipelines:
+                if not worker.alive():
+                    raise RunFailure(f"the pipeline process for {worker.device} exited")
         progress(f"[{PROG}] {signal.Signals(received[0]).name}: refusing new requests, finishing those in flight")
         started = time.monotonic()
     finally:

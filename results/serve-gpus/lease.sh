@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 21's figures in one lease of two GPUs (H200 x2 asked; the GPU is in every file): sd-serve with the torch
 # backend at its defaults (BACKEND=torch), or with TensorRT 8.6 engines (BACKEND=tensorrt, builder level LEVEL,
-# default 3), sd1.5-arch, 512x512, 30 steps. Not run on a GPU yet. Here, first: bash results/serve-gpus/make_wheels.sh.
+# default 3), sd1.5-arch, 512x512, 30 steps. Ran with the torch backend on two H100s, 2026-11-26.
+# Here, first: bash results/serve-gpus/make_wheels.sh.
 # For engines, the 15 carry calls of ../shared/trt86 first (docs/gpu-box.md), TRT86_SHA set on the start call.
 # Then three device calls back to back:
 #   carry [.carry/serve-a]                  mkdir -p /opt/w && cp .carry/serve-a/*.whl /opt/w/
@@ -15,8 +16,9 @@
 # pipeline time, for the latency at concurrency 1). Phase 2: one server on both GPUs, --max-batch-size 4: concurrency
 # 1 (p50 against the CLI), 16 (against one GPU's 16), then 500 requests. Each server is stopped with SIGTERM and its
 # drain time kept. summarize.py writes summary.md and summary.json.
+# PHASES=2: phase 2 alone, after the CLI (phase 1's files from an earlier lease go beside these before summarize.py).
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
-# (concurrency 8), then the CLI, one after another.
+# (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only.
 # A dry run on a CPU machine, tiny and every server on the CPU:
 #   MODEL=tiny SIZE=64 STEPS=2 GPU_A= GPU_B= BOTH= REQUESTS=8 MANY=20 bash results/serve-gpus/lease.sh work
 L=${L:-/tmp/s21} MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} STEPS=${STEPS:-30} BACKEND=${BACKEND:-torch} LEVEL=${LEVEL:-3}
@@ -92,17 +94,24 @@ print('numpy', numpy.__version__)" \
     step "CLI: $(grep -h Pipeline $L/cli.log)"
   }
   if [ "${ONE_GPU:-0}" = 1 ]; then  # one GPU, one server at a time; no two-GPU figures
-    step "one GPU ('$GPU_A'): batch 4, then batch 1, then the CLI"
-    serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c1 8000 1 20; load one-b4-c8 8000 8 "$REQUESTS"
-      load one-b4-many 8000 16 "$MANY"; stop one-b4; }
-    serve one-b1 "$GPU_A" 1 8100 && { load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1; }
+    step "one GPU ('$GPU_A'): servers at batch ${BATCHES:-4 1}, one after another, then the CLI"
+    for size in ${BATCHES:-4 1}; do
+      serve one-b$size "$GPU_A" $size 8000 && { load one-b$size-c1 8000 1 20; load one-b$size-c8 8000 8 "$REQUESTS"
+        [ $size = 4 ] && load one-b4-many 8000 16 "$MANY"; stop one-b$size; }
+    done
     cli "$GPU_A"
   else
-    step "phase 1: batch 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
-    ( serve one-b4 "$GPU_A" 4 8000 && load one-b4-c8 8000 8 "$REQUESTS" && load one-b4-c16 8000 16 $((REQUESTS * 2))
-      stop one-b4 ) &
-    ( serve one-b1 "$GPU_B" 1 8100 && load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1; cli "$GPU_B" ) &
-    wait
+    python3 -m pytest -q -p no:cacheprovider tests/test_torch_accel_gpu.py -k second_gpu >$L/test-second-gpu.log 2>&1
+    step "two-GPU capture test: $(tail -1 $L/test-second-gpu.log | sed s/failed/FAILED/)"  # poll stops at 'failed'
+    if [ "${PHASES:-1 2}" = 2 ]; then  # phase 1's figures from an earlier lease; the CLI again, for this one's p50
+      cli "$GPU_B"
+    else
+      step "phase 1: batch 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
+      ( serve one-b4 "$GPU_A" 4 8000 && load one-b4-c8 8000 8 "$REQUESTS" && load one-b4-c16 8000 16 $((REQUESTS * 2))
+        stop one-b4 ) &
+      ( serve one-b1 "$GPU_B" 1 8100 && load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1; cli "$GPU_B" ) &
+      wait
+    fi
     step "phase 2: batch 4 on GPUs '$BOTH'"
     serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
       load two-b4-many 8200 16 "$MANY"; stop two-b4; }

@@ -1,10 +1,11 @@
 """Issue 21's figures from one lease.sh run: python3 summarize.py RUN_DIR (the lease's /tmp/s21).
 
-Reads the load tests' JSON (RUN_DIR/results/loadtest-*.json), the CLI's report (RUN_DIR/cli/*.json) and the servers'
-drain times (RUN_DIR/steps.log); writes RUN_DIR/results/summary.md and summary.json: a row per load test, and the
-issue's ratios against their targets (two GPUs against one at concurrency 16, at least 1.9x; batch 4 against batch 1
-at concurrency 8, reported; p50 at concurrency 1 against the CLI's pipeline time, within 5%; the long run without a
-failure)."""
+Reads the load tests' JSON (RUN_DIR/results/loadtest-*.json), the CLI's report (RUN_DIR/cli/*.json), the servers'
+drain times (RUN_DIR/steps.log) and their pipeline calls (their logs, RUN_DIR/**/serve-*.log); writes
+RUN_DIR/results/summary.md and summary.json: a row per load test; the issue's ratios against their targets (two GPUs
+against one at concurrency 16, at least 1.9x; batch 4 against batch 1 at concurrency 8, reported; p50 at concurrency
+1 against the CLI's pipeline time, within 5%; the long run without a failure); and each server's mean pipeline call
+per device and batch size."""
 
 import json
 import re
@@ -23,7 +24,9 @@ def ratio(a: str, b: str, field=lambda t: t["images_per_s"]):
     return round(field(tests[a]) / field(tests[b]), 3) if a in tests and b in tests else None
 
 
-p50 = tests.get("two-b4-c1", tests.get("one-b4-c1", {})).get("latency_ms", {}).get("p50")  # one-*: ONE_GPU=1
+# one-*: ONE_GPU=1
+at_one = next((tests[name] for name in ("two-b4-c1", "one-b4-c1", "one-b1-c1") if name in tests), {})
+p50 = at_one.get("latency_ms", {}).get("p50")
 many = tests.get("two-b4-many", tests.get("one-b4-many"))
 checks = {
     "two_gpus_over_one_at_c16": {"value": ratio("two-b4-c16", "one-b4-c16"), "target": ">= 1.9"},
@@ -44,8 +47,25 @@ for name, test in tests.items():
 lines += ["", "| check | measured | target |", "| --- | --- | --- |"]
 lines += [f"| {name} | {check['value']} | {check['target']} |" for name, check in checks.items()]
 lines += ["", f"CLI pipeline ms (one run after warm-up): {cli_ms}; servers drained and exited in (s): {drains}"]
+# Each server's pipeline calls from its log lines (one per request; a batch's requests share its number and ms):
+# a call that takes longer on two GPUs than on one says the two pipelines slow each other down.
+calls: dict[tuple, dict[str, float]] = {}
+for log in sorted(run.glob("**/serve-*.log")):
+    batches = {}
+    for number, size, device, ms in re.findall(r"batch (\d+) of (\d+) on (\S+), ([\d.]+) ms", log.read_text()):
+        batches[number] = (int(size), device, float(ms))
+    for size, device, ms in batches.values():
+        row = calls.setdefault((log.stem.removeprefix("serve-"), device, size), {"calls": 0, "ms": 0.0})
+        row["calls"] += 1
+        row["ms"] += ms
+lines += ["", "| server | device | batch size | pipeline calls | mean ms per call |", "| --- | --- | ---: | ---: | ---: |"]
+lines += [f"| {server} | {device} | {size} | {row['calls']} | {row['ms'] / row['calls']:.1f} |"
+          for (server, device, size), row in sorted(calls.items())]
 summary = {"load_tests": {name: {k: v for k, v in test.items() if k != "samples"} for name, test in tests.items()},
-           "checks": checks, "cli": cli[0] if cli else None, "drain_s": drains}
+           "checks": checks, "cli": cli[0] if cli else None, "drain_s": drains,
+           "pipeline_calls": [{"server": server, "device": device, "batch_size": size, "calls": row["calls"],
+                               "mean_ms": round(row["ms"] / row["calls"], 1)}
+                              for (server, device, size), row in sorted(calls.items())]}
 (run / "results" / "summary.json").write_text(json.dumps(summary, indent=1))
 (run / "results" / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))

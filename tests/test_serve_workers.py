@@ -1,0 +1,139 @@
+"""sd-serve's per-device processes (demo/serve/workers.py), with toy jobs in place of pipelines: batches are answered
+in another process, exceptions come back with their type, a failed preparation ends every worker, a worker that dies
+fails its caller in one line, and no worker outlives the process that started it, even one killed with SIGKILL."""
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from core.errors import RunFailure, UsageError
+from demo.serve.workers import DeviceWorker, start_workers
+
+
+class Unpicklable(Exception):
+    def __init__(self, reason, extra):  # pickling calls Unpicklable(*args) with args == (reason,): it fails
+        super().__init__(reason)
+
+
+def answer(batch):
+    """A batch's answer from the worker: each item with the worker's pid, or the exception an item asks for."""
+    if "usage" in batch:
+        raise UsageError("--height 65: must be a multiple of 8")
+    if "odd" in batch:
+        raise Unpicklable("an exception that cannot cross a pipe", 1)
+    if "die" in batch:
+        os._exit(3)
+    return [(item, os.getpid()) for item in batch]
+
+
+def prepare(delay: float = 0.0, fail: bool = False):
+    time.sleep(delay)
+    if fail:
+        raise UsageError("no such model")
+    return answer
+
+
+def alive(pid: int) -> bool:
+    """Running: a zombie (killed, not yet reaped where PID 1 does not reap) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_batches_run_in_the_workers_process_and_errors_keep_their_type():
+    (worker,) = start_workers(["cpu"], lambda _: prepare)
+    try:
+        result = worker(["a", "b"])
+        assert [item for item, _ in result] == ["a", "b"]
+        assert result[0][1] != os.getpid()
+        with pytest.raises(UsageError, match="multiple of 8"):
+            worker(["usage"])
+        with pytest.raises(RuntimeError, match="Unpicklable: an exception that cannot cross a pipe"):
+            worker(["odd"])
+        assert worker(["c"])[0][0] == "c"  # the worker goes on after a failed batch
+    finally:
+        worker.close()
+    assert not worker.alive()
+
+
+def test_workers_prepare_side_by_side():
+    started = time.monotonic()
+    workers = start_workers(["cuda:0", "cuda:1"], lambda _: functools.partial(prepare, 3.0))
+    try:
+        assert time.monotonic() - started < 5.5  # one after another would take 6 s and more
+        assert len({worker(["x"])[0][1] for worker in workers}) == 2
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def test_a_failed_preparation_ends_every_worker():
+    jobs = {"cuda:0": functools.partial(prepare, 60.0), "cuda:1": functools.partial(prepare, fail=True)}
+    started = time.monotonic()
+    with pytest.raises(UsageError, match="no such model"):
+        start_workers(list(jobs), jobs.__getitem__)
+    assert time.monotonic() - started < 30  # the slow one was not waited for
+    assert not [child for child in _children() if "spawn_main" in child]
+
+
+def test_a_worker_that_dies_fails_its_call_naming_the_device():
+    worker = DeviceWorker("cuda:1", prepare)
+    worker.wait_prepared()
+    with pytest.raises(RunFailure, match=r"the pipeline process for cuda:1 exited \(status 3\)"):
+        worker(["die"])
+    worker.close()
+
+
+@pytest.mark.parametrize("state", ["preparing", "idle"])
+def test_no_worker_outlives_a_server_killed_with_sigkill(tmp_path, state):
+    pid_file = tmp_path / "worker.pid"
+    code = textwrap.dedent(f"""
+        import functools, pathlib, sys, time
+        sys.path[:0] = {sys.path!r}
+        from demo.serve.workers import DeviceWorker
+        from tests.test_serve_workers import prepare
+        worker = DeviceWorker("cpu", functools.partial(prepare, {600.0 if state == "preparing" else 0.0}))
+        if {state == "idle"}:
+            worker.wait_prepared()
+        pathlib.Path({str(pid_file)!r}).write_text(str(worker.pid))
+        time.sleep(600)
+    """)
+    server = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, "the toy server did not start its worker"
+            time.sleep(0.2)
+        worker_pid = int(pid_file.read_text())
+        time.sleep(2)  # the worker is in its job (preparing) or waiting for a batch
+        assert alive(worker_pid)
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+    deadline = time.monotonic() + 10
+    while alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(worker_pid)
+
+
+def _children() -> list[str]:
+    """The command lines of this process's children that are still running."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[1]) == os.getpid():
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    found.append(cmdline.read().replace(b"\0", b" ").decode())
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
