@@ -1,7 +1,7 @@
 """Issue 21's figures from one lease.sh run: python3 summarize.py RUN_DIR (the lease's /tmp/s21).
 
 Reads the load tests' JSON (RUN_DIR/results/loadtest-*.json), the CLI's report (RUN_DIR/cli/*.json), the servers'
-drain times (RUN_DIR/steps.log) and their pipeline calls (their logs, RUN_DIR/**/serve-*.log); writes
+drain times (RUN_DIR/steps.log) and their pipeline calls (their logs, RUN_DIR/serve-*.log); writes
 RUN_DIR/results/summary.md and summary.json: a row per load test; the issue's ratios against their targets (two GPUs
 against one at concurrency 16, at least 1.9x; batch 4 against batch 1 at concurrency 8, reported; p50 at concurrency
 1 against the CLI's pipeline time, within 5%; the long run without a failure); and each server's mean pipeline call
@@ -50,7 +50,7 @@ lines += ["", f"CLI pipeline ms (one run after warm-up): {cli_ms}; servers drain
 # Each server's pipeline calls from its log lines (one per request; a batch's requests share its number and ms):
 # a call that takes longer on two GPUs than on one says the two pipelines slow each other down.
 calls: dict[tuple, dict[str, float]] = {}
-for log in sorted(run.glob("**/serve-*.log")):
+for log in sorted(run.glob("serve-*.log")):
     batches = {}
     for number, size, device, ms in re.findall(r"batch (\d+) of (\d+) on (\S+), ([\d.]+) ms", log.read_text()):
         batches[number] = (int(size), device, float(ms))
