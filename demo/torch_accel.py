@@ -133,8 +133,9 @@ class GraphedCall:
     Warm-up runs on a side stream first (cuBLAS/cuDNN workspaces, lazy initialisation), as PyTorch's
     CUDA-graph guide asks; the capture runs on that stream too, which is on the inputs' device: torch.cuda.graph's
     own default stream is made once per process, on whichever device was current then, and a capture there of work
-    on another GPU fails (sd-serve on cuda:1 after cuda:0, H100 x2, 2026-11-26). Each call copies its inputs into the static buffers, replays, and returns a
-    clone of the outputs, so a later replay never changes what an earlier call returned."""
+    on another GPU fails (sd-serve on cuda:1 after cuda:0, H100 x2, 2026-11-26). Each call copies its inputs into the
+    static buffers, replays, and returns a clone of the outputs, so a later replay never changes what an earlier call
+    returned."""
 
     def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2):
         self.inputs = tuple(t.clone() for t in inputs)
