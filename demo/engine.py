@@ -277,7 +277,10 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     if options.timing_cache is not None:
         blob = options.timing_cache.read_bytes() if options.timing_cache.is_file() else b""
         cache = config.create_timing_cache(blob)
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        if not config.set_timing_cache(cache, ignore_mismatch=False):  # made on another GPU or TensorRT version
+            progress(f"[build] {model.name}: timing cache {options.timing_cache} is from another GPU or TensorRT "
+                     "version: not used, and left as it is")
+            cache = None
 
     with BuildProgress(api, model.name, progress) as build:
         if api.progress_monitor:

@@ -132,6 +132,9 @@ class _Profile:
         self.shapes[name] = [list(low), list(opt), list(high)]
 
 
+OTHER_DEVICE_CACHE = b"timing cache of another device"
+
+
 class _TimingCache:
     def __init__(self, blob):
         self.blob = bytes(blob) or b"fake-timing-cache"
@@ -168,7 +171,11 @@ class _Config:
         return _TimingCache(blob)
 
     def set_timing_cache(self, cache, ignore_mismatch):
+        """As TensorRT: False, and the cache unused, for one made on another device (here: its blob says so)."""
+        if cache.blob.startswith(OTHER_DEVICE_CACHE) and not ignore_mismatch:
+            return False
         self.timing_cache = cache
+        return True
 
 
 class Builder:

@@ -281,6 +281,27 @@ def test_cached_engines_are_found_without_exporting_again(trt, tiny, onnx_dir, t
     assert exported == [] and set(engines) == set(TEXT_TO_IMAGE_STAGES)
 
 
+def test_a_timing_cache_is_written_and_one_from_another_device_is_left_alone(trt, tiny, onnx_dir, tmp_path):
+    cache = tmp_path / "timing.cache"
+    profile = ImageProfile.for_request(tiny, 1, HEIGHT, WIDTH, static_batch=True, dynamic_shape=False)
+    models = [STAGE_MODELS["unet"](tiny)]
+
+    def build_with_cache(folder: str) -> list[str]:
+        said = []
+        settings = EngineSettings(onnx_dir, tmp_path / folder, profile, BuildOptions("tensorrt", 0, timing_cache=cache))
+        prepare_stage_engines(models, settings, CPU, torch.float32, QUIET, said.append)
+        return said
+
+    build_with_cache("first")
+    assert cache.read_bytes()  # what the build timed, for the next one
+    cache.write_bytes(fake_tensorrt.OTHER_DEVICE_CACHE + b" (an H200's, say)")
+    said = build_with_cache("second")
+    assert [line for line in said if "timing cache" in line] == [
+        f"[build] unet: timing cache {cache} is from another GPU or TensorRT version: not used, and left as it is"]
+    assert cache.read_bytes() == fake_tensorrt.OTHER_DEVICE_CACHE + b" (an H200's, say)"
+    assert (tmp_path / "second" / "unet.engine").stat().st_size > 0
+
+
 def test_latents_and_scheduler_stay_fp32_with_fp16_stages(tiny, monkeypatch):
     """fp16 engines see fp16 inputs, but the latents the scheduler steps are fp32, as in diffusers."""
     from demo.stages import Stage

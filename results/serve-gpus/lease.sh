@@ -30,7 +30,7 @@ ready() { python3 -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], ti
   "http://127.0.0.1:$1/v2/health/ready" 2>/dev/null; }
 engines() {  # MAX_BATCH: the engine flags of the servers with that --max-batch-size (none for the torch backend)
   [ "$BACKEND" = torch ] || echo "--onnx-dir onnx-serve-b$1 --engine-dir engine-serve-b$1 --optimization-level $LEVEL
-    --disable-tactic-sources CUDNN"
+    --disable-tactic-sources CUDNN --timing-cache $L/timing-serve-b$1.cache"
 }
 serve() {  # NAME GPUS MAX_BATCH PORT: an sd-serve in the background, its pid in $L/NAME.pid, ready or failed
   python3 scripts/serve.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" --width "$SIZE" $(gpus "$2") \
@@ -55,8 +55,9 @@ load() {  # NAME PORT CONCURRENCY REQUESTS: one load test, its JSON and chart in
   step "load $1: $(grep -h 'answered in' $L/load-$1.log)"
 }
 case "$1" in
-start)
+start)  # engines: the carried timing caches (as in engines-vs-torch/lease.sh) land in $L before any build
   lease_start $L results/serve-gpus/lease.sh || exit 1
+  [ "$BACKEND" = torch ] || echo "timing caches carried for this GPU: $(timing_caches_in $L)"
   sleep 2; cat $L/steps.log 2>/dev/null ;;
 work)
   mkdir -p $L/results
