@@ -23,6 +23,8 @@
 # runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and do they
 # pay? Each build reads and updates its TensorRT timing cache, $L/timing-NAME.cache (in e20.tgz): carried back as
 # .carry/timing/<GPU name>/ with the start call (docs/gpu-box.md), it spares the next lease most of the tactic timing.
+# THEN_SERVE=1 (two GPUs; the serve wheels in /opt/w as that lease's carry calls put them): once the benchmarks end,
+# results/serve-gpus/lease.sh's two-GPU server (PHASES=2) in the same hold; poll it with that lease's poll.
 L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1} CUBLAS_LT=${CUBLAS_LT:-0}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
@@ -109,6 +111,10 @@ print(plugin_dir_suffix(parse_plugin_set('auto')))")
     built auto && built int8 && benchmark B tensorrt-auto,tensorrt-int8
   fi
   wait
+  if [ "${THEN_SERVE:-0}" = 1 ]; then  # the GPUs free now: issue 21's two-GPU server in the same hold
+    step "then results/serve-gpus/lease.sh work, PHASES=2, in /tmp/s21 (its own poll)"
+    mkdir -p /tmp/s21 && PHASES=2 L=/tmp/s21 bash results/serve-gpus/lease.sh work >>/tmp/s21/work.log 2>&1
+  fi
   step "finished" ;;
 poll)
   for _ in $(seq 1 90); do grep -q "finished\|failed" $L/steps.log && break; sleep 5; done
