@@ -52,8 +52,8 @@ def _work(connection, prepare: Callable[[], Callable], verbose: bool) -> None:
                 traceback.print_exc()
             return "error", _sendable(exc)
 
-    kind, served = attempt(prepare)
-    connection.send((kind, None if kind == "ok" else served))
+    kind, prepared = attempt(prepare)
+    connection.send((kind, None if kind == "ok" else prepared))  # the callable stays here; an exception goes
     if kind != "ok":
         return
     while True:
@@ -63,7 +63,7 @@ def _work(connection, prepare: Callable[[], Callable], verbose: bool) -> None:
             return
         if batch is None:
             return
-        connection.send(attempt(served, batch))
+        connection.send(attempt(prepared, batch))
 
 
 class DeviceWorker:
