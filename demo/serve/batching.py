@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -19,15 +18,14 @@ from demo.serve.schema import Request, RequestRejected, batch_key
 
 class ServedPipeline:
     """One device's pipelines, one per served mode over one set of stages, called with batches of parsed one-image
-    requests of one batch_key."""
+    requests of one batch_key, one call at a time (its DeviceWorker's process runs them in turn: the modes share the
+    stages' engine buffers and graphs)."""
 
     def __init__(self, pipelines: dict, device: torch.device, make_scheduler: Callable[[str], object]):
         self.pipelines = pipelines  # mode -> pipeline
         self.device = device
         self._make_scheduler = make_scheduler
         self._schedulers: dict[str, object] = {}  # by name: a request picks one; scheduler state is per call
-        # One call at a time: each served model's instances on this device share its stages (engine buffers, graphs).
-        self._lock = threading.Lock()
 
     def __call__(self, requests: Sequence[Request]) -> np.ndarray:
         """8-bit images [B, H, W, 3], one per request, in order, each drawn from its own request's seed."""
@@ -42,7 +40,7 @@ class ServedPipeline:
                                     head.strength, seeds=tuple(r.flags.seed for r in requests))
         pipeline = self.pipelines[request.mode]
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with self._lock, on_device:  # the stages run in inference mode themselves, as in the CLI
+        with on_device:  # the stages run in inference mode themselves, as in the CLI
             if first.scheduler not in self._schedulers:
                 self._schedulers[first.scheduler] = self._make_scheduler(first.scheduler)
             pipeline.scheduler = self._schedulers[first.scheduler]

@@ -77,7 +77,9 @@ class DeviceWorker:
         self._process = context.Process(target=_work, args=(theirs, prepare, verbose), name=f"sd-serve {device}")
         self._process.start()
         theirs.close()
-        self._lock = threading.Lock()  # one batch at a time through the pipe
+        # One batch at a time: through the pipe, and on the stages that the device's models (txt2img, img2img,
+        # inpaint: a Triton instance each) share.
+        self._lock = threading.Lock()
 
     def _receive(self):
         try:
