@@ -9,22 +9,23 @@
 # did, two level-3 UNets built in the box's copy of the repository vanished at the next device call).
 # GPU 0 builds the fp16 engine sets, tensorrt-auto's (the default engine path) and tensorrt-plugins', side by side. The
 # last GPU (GPU 1 of two) builds tensorrt-int8's UNet alone, the longest build, once the auto UNet's ONNX is exported
-# (it calibrates on the built-in prompts first); with GPU_TESTS=1, GPU 1 also runs the GPU tests of what is new (they
-# passed on 2026-11-25). On one GPU every build runs one at a time, and the benchmarks after the last (2026-11-26: three
-# UNets side by side on one H200 took 896-1030 s each, 536 s alone, and the benchmark that followed ran beside a build).
-# Benchmark A on GPU 0 as soon as the fp16 builds end: ours-defaults and the engine sets that built (each TensorRT row
-# with its UNet's per-layer profile). Benchmark B once the INT8 UNet is built: tensorrt-auto and tensorrt-int8 (its
-# ratios, image and UNet output against tensorrt-auto) into the same results. Measured on an H100 x2 at level 3: the
-# auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another build. For a
-# shorter lease (one GPU): SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1 also
-# runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them), then
-# results/refit-h200/restore_check.py (tiny with all plugins and with none, tiny-xl with all; level 1). CUBLAS_LT=1 also
-# builds the auto set with `--enable-tactic-sources CUBLAS_LT` (into onnx-lt-* and engine-lt-*, on the last GPU) and
-# runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs, and do they
-# pay? Each build reads and updates its TensorRT timing cache, $L/timing-NAME.cache (in e20.tgz): carried back as
-# .carry/timing/<GPU name>/ with the start call (docs/gpu-box.md), it spares the next lease most of the tactic timing.
-# THEN_SERVE=1 (two GPUs; the serve wheels in /opt/w as that lease's carry calls put them): once the benchmarks end,
-# results/serve-gpus/lease.sh's two-GPU server (PHASES=2) in the same hold; poll it with that lease's poll.
+# (it calibrates on the built-in prompts first); with GPU_TESTS=1, GPU 1 also runs the GPU tests of the TensorRT
+# plugins and engines (they passed on 2026-11-25). While the UNets export, tests/test_torch_accel_gpu.py runs (its
+# CUDA-graph tests, the second GPU's among them). On one GPU every build runs one at a time (2026-11-26: three UNets
+# side by side on one H200 took 896-1030 s each, 536 s alone). Once every build has ended, benchmark A on GPU 0: one
+# sd-benchmark run of ours-defaults and each engine set that built (each TensorRT row with its UNet's per-layer
+# profile; tensorrt-int8's ratios, image and UNet output against tensorrt-auto's). Measured on an H100 x2 at level 3:
+# the auto UNet exports in ~100 s and builds in ~525 s alone on its GPU; the INT8 UNet in ~895 s beside another
+# build. For a shorter lease: SETS=auto INT8=0 builds and benchmarks the default engine path alone. RESTORE_CHECK=1
+# also runs, on GPU 0 while the UNet exports, issue 19's checks: GroupNorm's kernel tests (determinism among them),
+# then results/refit-h200/restore_check.py (tiny with all plugins and with none, tiny-xl with all; level 1).
+# CUBLAS_LT=1 also builds the auto set with `--enable-tactic-sources CUBLAS_LT` (into onnx-lt-* and engine-lt-*, on the
+# last GPU) and runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs,
+# and do they pay? Each build reads and updates its TensorRT timing cache, $L/timing-NAME.cache (in e20.tgz): carried
+# back as .carry/timing/<GPU name>/ with the start call (docs/gpu-box.md), it spares the next lease most of the tactic
+# timing. THEN_SERVE=1 (two GPUs; the serve wheels in /opt/w as that lease's carry calls put them): once the
+# benchmarks end, results/serve-gpus/lease.sh's two-GPU server (PHASES=2) in the same hold; poll it with
+# `bash results/serve-gpus/lease.sh poll`.
 L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1} CUBLAS_LT=${CUBLAS_LT:-0}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
@@ -83,32 +84,25 @@ print(plugin_dir_suffix(parse_plugin_set('auto')))")
          $L/restore-$1-$3.json >$L/restore-$1-$3.log 2>&1
      done) &
   fi
+  (python3 -m pytest -q -p no:cacheprovider tests/test_torch_accel_gpu.py; echo "exit $?") >$L/torch-accel-tests.log 2>&1 &
   if [ "${GPU_TESTS:-0}" = 1 ]; then
     (CUDA_VISIBLE_DEVICES=1 timeout 1200 python3 -m pytest -q -s -p no:cacheprovider tests/test_trt_plugins_gpu.py \
        tests/test_engines_gpu.py; echo "exit $?") >$L/gpu-tests.log 2>&1 &
   fi
-  pending() {  # NAME: asked for and not ended; on one GPU the benchmarks wait for every build
-    case $1 in
-      auto|plugins) [[ " $SETS " == *" $1 "* ]] && ! ended $1 ;;
-      lt) [ "$CUBLAS_LT" = 1 ] && [ $last_gpu = 0 ] && ! ended lt ;;
-      int8) [ "$INT8" = 1 ] && [ $last_gpu = 0 ] && ! ended int8 ;;
-    esac
+  asked() {  # NAME: a build benchmark A waits for
+    case $1 in auto|plugins) [[ " $SETS " == *" $1 "* ]] ;; int8) [ "$INT8" = 1 ] ;; esac
   }
-  while pending auto || pending plugins || pending lt || pending int8; do sleep 10; done
-  step "fp16 builds: $(grep -H '^exit' $L/build-*.log | sed 's|.*/build-||' | tr '\n' ' ')"
+  for name in auto plugins int8; do while asked $name && ! ended $name; do sleep 10; done; done
+  step "builds: $(grep -H '^exit' $L/build-*.log | sed 's|.*/build-||' | tr '\n' ' ')"
   contenders=ours-defaults  # and the sets that built: a failed one would build inside the timed run
   built auto && contenders+=,tensorrt-auto; built plugins && contenders+=,tensorrt-plugins
+  built int8 && contenders+=,tensorrt-int8
   benchmark A $contenders
   if [ "$CUBLAS_LT" = 1 ]; then
     until ended lt; do sleep 10; done
     step "cuBLASLt build: $(tail -1 $L/build-lt.log)"
     built lt && benchmark C tensorrt-auto --engine-dir engine-lt --enable-tactic-sources CUBLAS_LT \
       --results-dir $L/results-lt
-  fi
-  if [ "$INT8" = 1 ]; then
-    until ended int8; do sleep 10; done
-    step "INT8 build: $(tail -1 $L/build-int8.log)"
-    built auto && built int8 && benchmark B tensorrt-auto,tensorrt-int8
   fi
   wait
   if [ "${THEN_SERVE:-0}" = 1 ]; then  # the GPUs free now: issue 21's two-GPU server in the same hold
