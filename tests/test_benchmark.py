@@ -21,6 +21,7 @@ from demo.settings import EngineFlags
 from demo.torch_accel import TorchSettings, resolve_torch_settings
 from models.plugin_set import parse_plugin_set
 from plugins import torch_ops
+from plugins.contract import PLUGIN_KEYS
 from plugins.tuned import PLUGINS_AUTO, TORCH_DEFAULTS, read_entry, write_entry
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path; the GPU runs the real thing")
@@ -194,8 +195,10 @@ def test_contender_selection():
 
 def test_tensorrt_auto_takes_the_plugins_auto_picks_here_and_engines_of_each_set_their_own_folder(monkeypatch):
     monkeypatch.setattr("models.plugin_set.local_compute_capability", lambda: "9.0")
+    picks = {"plugins": ["fMHCA", "GroupNorm", "fMHA"]}  # not the shipped entry: that one may pick all
+    monkeypatch.setattr("models.plugin_set.find_entry", lambda section, key, xl, table: (key, picks))
     auto = resolve_here(contenders()["tensorrt-auto"], None)
-    assert auto.plugins == parse_plugin_set("auto", "9.0") and auto.plugins
+    assert auto.plugins == ("GroupNorm", "fMHA", "fMHCA") == parse_plugin_set("auto", "9.0")
     first, other = Workload(512, 512, 1), Workload(768, 768, 1)
     folders = {label: contender_engine_flags(EngineFlags(), c, first, first).engine_dir
                for label, c in {"tensorrt": contenders()["tensorrt"], "tensorrt-auto": auto,
@@ -205,6 +208,9 @@ def test_tensorrt_auto_takes_the_plugins_auto_picks_here_and_engines_of_each_set
     assert contender_engine_flags(EngineFlags(), auto, other, first).engine_dir == \
         f"{folders['tensorrt-auto']}-{other.slug()}"
     assert contender_engine_flags(EngineFlags(), auto, first, first).plugins == ",".join(auto.plugins)
+    picks["plugins"] = sorted(PLUGIN_KEYS)  # auto picking every plugin shares the all-plugins engines
+    all_auto = resolve_here(contenders()["tensorrt-auto"], None)
+    assert contender_engine_flags(EngineFlags(), all_auto, first, first).engine_dir == folders["tensorrt-plugins"]
 
 
 def _row(label, backend, pipeline, settings, workload="sd1.5-arch, 512x512, batch 1, 50 steps"):

@@ -266,7 +266,7 @@ def test_the_shipped_tuned_defaults_are_read():
     assert TUNED_DEFAULTS_FILE == Path(plugins.__file__).resolve().parent / "tuned_defaults.json"
     assert set(json.loads(TUNED_DEFAULTS_FILE.read_text())) == {PLUGINS_AUTO, TORCH_DEFAULTS}
     auto = read_entry(PLUGINS_AUTO, "9.0")
-    assert auto["plugins"] == ["GroupNorm", "fMHA", "fMHCA"] and auto["gpu"] == "NVIDIA H200"
+    assert auto["plugins"] == sorted(PLUGIN_KEYS) and auto["gpu"] == "NVIDIA H100 80GB HBM3"
     torch_defaults = read_entry(TORCH_DEFAULTS, "9.0")
     assert (torch_defaults["plugins"], torch_defaults["channels_last"], torch_defaults["cuda_graph"],
             torch_defaults["compile"]) == ([], True, True, "default")
@@ -274,7 +274,7 @@ def test_the_shipped_tuned_defaults_are_read():
 
     from models.plugin_set import PLUGINS_HELP, parse_plugin_set
 
-    assert parse_plugin_set("auto", "9.0") == ("GroupNorm", "fMHA", "fMHCA")
+    assert parse_plugin_set("auto", "9.0") == tuple(sorted(PLUGIN_KEYS))
     assert "plugins/tuned_defaults.json" in PLUGINS_HELP
 
 

@@ -54,6 +54,10 @@ work)
   trt86_setup $L sd1.5-arch || exit 1
   auto=$(python3 -c "from bench.runner import plugin_dir_suffix; from models.plugin_set import parse_plugin_set
 print(plugin_dir_suffix(parse_plugin_set('auto')))")
+  if [ "$auto" = -plugins ] && [[ " $SETS " == *" plugins "* ]]; then  # auto picks every plugin here: one set
+    SETS=$(echo $SETS | tr ' ' '\n' | grep -vx plugins | tr '\n' ' ')
+    step "--plugins auto is all plugins on this GPU: tensorrt-plugins would be tensorrt-auto's engines, not built twice"
+  fi
   last_gpu=$(( $(nvidia-smi -L | wc -l) - 1 ))  # the INT8 and cuBLASLt builds' (GPU 0 where there is one)
   step "building $SETS on GPU 0 (auto in engine$auto, plugins in engine-plugins); on GPU $last_gpu: INT8 $INT8," \
     "cuBLASLt $CUBLAS_LT"
