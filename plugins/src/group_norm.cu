@@ -1,7 +1,8 @@
 // GroupNorm (+ optional SiLU) over NCHW or NHWC fp16 tensors; any group count dividing C.
 //
-// Groups of up to 48K elements (the UNet's, at SD sizes) take one block each and stay in registers:
-// one read, exact two-pass statistics, one write. Larger groups (the VAE's) take three launches.
+// Groups of up to 48K elements in NCHW, 40K in NHWC (the UNet's at SD sizes, but in NHWC four of SD 1.5's 61 at
+// 512x512: 64x64 with 640 and 960 channels, 32x32 with 1920) take one block each and stay in registers: one read,
+// exact two-pass statistics, one write. Larger groups (the VAE's) take three launches.
 // `stats` splits the work into chunks (enough blocks to fill the GPU even for the
 // VAE's 32 huge groups) and writes each chunk's (mean, M2, count) per group to the workspace.
 // `finalize` merges a group's chunks with Chan's parallel-variance formula (stable) into (mean, rstd). Every kernel
@@ -19,6 +20,7 @@ constexpr int kTargetBlocks = 1024;  // fixed, so the workspace size depends on 
 constexpr int kMinChunkElements = 2048;
 constexpr int kMaxGroupsNHWC = 1024;  // per-group sums of one NHWC block live in shared memory
 constexpr int kFusedThreads = 1024, kFusedMaxVectors = 6;  // per thread; more spills at 64 registers
+constexpr int kFusedMaxPairs = 22;  // NHWC's half2 pairs (pixels) per thread; 23 spills
 
 struct Moments {
   float mean, m2, count;
@@ -303,6 +305,76 @@ __global__ void __launch_bounds__(kThreads) nhwc_apply(Problem p) {
   }
 }
 
+// One block per (batch item, group), the group held in registers as half2 pairs. Thread t takes channels
+// 2 (t % (cpg / 2)) and the next of the group, in pixels t / (cpg / 2) + i * rows, so consecutive threads read along
+// a pixel's channels, then the next pixel's, with no division in the loops. Needs cpg even (a pair never straddles
+// two groups) and x, y 4-byte aligned. Two-pass statistics over the registers, in a fixed order like NCHW's.
+template <int PPT, bool SILU>
+__global__ void __launch_bounds__(kFusedThreads) nhwc_fused(Problem p) {
+  __shared__ float scratch[32];
+  const int half_cpg = p.cpg / 2, rows = (p.hw + PPT - 1) / PPT;  // pixels the block takes at once
+  const int row = threadIdx.x / half_cpg, c = p.cpg * int(blockIdx.x % p.groups) + 2 * int(threadIdx.x % half_cpg);
+  const int64_t item = blockIdx.x / p.groups * int64_t(p.hw) * p.channels;
+  const half* src = p.x + item;
+  half* dst = p.y + item;
+  const int first = row * p.channels + c, step = rows * p.channels;  // within the item: < 2^31 (nhwc_fits)
+  __half2 raw[PPT];
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < PPT; ++i) {
+    if (row < rows && row + i * rows < p.hw) {
+      raw[i] = *reinterpret_cast<const __half2*>(src + first + i * step);
+      const float2 v = __half22float2(raw[i]);
+      sum += v.x + v.y;
+    }
+  }
+  const float n = float(p.hw) * p.cpg, mean = block_sum(sum, scratch) / n;
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < PPT; ++i) {
+    if (row < rows && row + i * rows < p.hw) {
+      const float2 v = __half22float2(raw[i]);
+      sq += (v.x - mean) * (v.x - mean) + (v.y - mean) * (v.y - mean);
+    }
+  }
+  const float rstd = rsqrtf(block_sum(sq, scratch) / n + p.eps);
+  if (row >= rows) return;
+  const float scale0 = rstd * __half2float(p.gamma[c]), scale1 = rstd * __half2float(p.gamma[c + 1]);
+  const float shift0 = __half2float(p.beta[c]), shift1 = __half2float(p.beta[c + 1]);
+#pragma unroll
+  for (int i = 0; i < PPT; ++i) {
+    if (row + i * rows < p.hw) {
+      const float2 v = __half22float2(raw[i]);
+      float y0 = (v.x - mean) * scale0 + shift0, y1 = (v.y - mean) * scale1 + shift1;
+      if (SILU) y0 = silu(y0), y1 = silu(y1);
+      *reinterpret_cast<__half2*>(dst + first + i * step) = __floats2half2_rn(y0, y1);
+    }
+  }
+}
+
+int nhwc_fused_pixels_per_thread(const Problem& p) {  // the fewest that fit one block, or 0 where none does
+  const int half_cpg = p.cpg / 2;
+  for (int ppt = 1; ppt <= kFusedMaxPairs; ++ppt)
+    if (int64_t((p.hw + ppt - 1) / ppt) * half_cpg <= kFusedThreads) return ppt;
+  return 0;
+}
+
+bool nhwc_fits(const Problem& p) {
+  const auto address = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.y);
+  return p.cpg % 2 == 0 && address % 4 == 0 && int64_t(p.hw) * p.channels < (int64_t(1) << 31) &&
+         nhwc_fused_pixels_per_thread(p) > 0;
+}
+
+template <int PPT>
+void launch_nhwc_fused(const Problem& p, int ppt, bool silu, cudaStream_t stream) {
+  if constexpr (PPT <= kFusedMaxPairs) {
+    if (PPT < ppt) return launch_nhwc_fused<PPT + 1>(p, ppt, silu, stream);
+    const int threads = ((p.hw + PPT - 1) / PPT * (p.cpg / 2) + 31) / 32 * 32;
+    if (silu) nhwc_fused<PPT, true><<<p.batch * p.groups, threads, 0, stream>>>(p);
+    else nhwc_fused<PPT, false><<<p.batch * p.groups, threads, 0, stream>>>(p);
+  }
+}
+
 template <int V>
 int run(Problem& p, int layout, bool silu, cudaStream_t stream) {
   const int64_t group_elems = int64_t(p.cpg) * p.hw;
@@ -317,6 +389,8 @@ int run(Problem& p, int layout, bool silu, cudaStream_t stream) {
     finalize<<<blocks_for(int64_t(p.batch) * p.groups, kThreads / 32), kThreads, 0, stream>>>(p);
     if (silu) nchw_apply<V, true><<<grid, kThreads, 0, stream>>>(p);
     else nchw_apply<V, false><<<grid, kThreads, 0, stream>>>(p);
+  } else if (nhwc_fits(p)) {
+    launch_nhwc_fused<1>(p, nhwc_fused_pixels_per_thread(p), silu, stream);
   } else {
     dim3 grid(p.chunks, p.batch);
     nhwc_stats<V><<<grid, kThreads, 0, stream>>>(p);
