@@ -314,9 +314,9 @@ __global__ void __launch_bounds__(kFusedThreads) nhwc_fused(Problem p) {
   __shared__ float scratch[32];
   const int half_cpg = p.cpg / 2, rows = (p.hw + PPT - 1) / PPT;  // pixels the block takes at once
   const int row = threadIdx.x / half_cpg, c = p.cpg * int(blockIdx.x % p.groups) + 2 * int(threadIdx.x % half_cpg);
-  const int64_t item = blockIdx.x / p.groups * int64_t(p.hw) * p.channels;
-  const half* src = p.x + item;
-  half* dst = p.y + item;
+  const int64_t item_start = blockIdx.x / p.groups * int64_t(p.hw) * p.channels;
+  const half* src = p.x + item_start;
+  half* dst = p.y + item_start;
   const int first = row * p.channels + c, step = rows * p.channels;  // within the item: < 2^31 (nhwc_fits)
   __half2 raw[PPT];
   float sum = 0.f;
