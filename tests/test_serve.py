@@ -3,8 +3,9 @@ request failing alone; then a real Triton server on loopback with `tiny` (where 
 extra): concurrent requests answered with the CLI's images, batching seen in the responses, the log and Triton's
 metrics, bad requests answered with errors while the server goes on, img2img and inpaint (the latent blend) answered
 with the CLI's images for --input-image and --mask-image, SIGTERM draining the requests in flight; one with
-`tiny-inpaint` (a 9-channel UNet), which serves inpaint only; one with PyTriton installed outside site-packages; and
-the check that Triton's Python backend, which ignores PYTHONPATH, can import what PyTriton's proxy needs."""
+`tiny-inpaint` (a 9-channel UNet), which serves inpaint only; one with PyTriton installed outside site-packages; one
+on the stand-in TensorRT's engines; and the check that Triton's Python backend, which ignores PYTHONPATH, can import
+what PyTriton's proxy needs."""
 
 import concurrent.futures
 import importlib.util
@@ -239,12 +240,14 @@ def test_sd_serve_refuses_a_port_taken(capsys):
 class Served:
     """An sd-serve process on loopback, its log in a file."""
 
-    def __init__(self, tmp_path, model: str = "tiny", max_batch_size: int = 4, env: dict | None = None):
+    def __init__(self, tmp_path, model: str = "tiny", max_batch_size: int = 4, env: dict | None = None,
+                 args: tuple = ()):
         self.http, self.grpc, self.metrics = free_ports(3)
         self.log = tmp_path / "serve.log"
         command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", model, "--height", str(SIZE),
                    "--width", str(SIZE), "--max-batch-size", str(max_batch_size), "--max-queue-delay-ms", "500",
-                   "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
+                   "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
+                   *args]
         with open(self.log, "w") as log:  # the child has its own copy
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                                             start_new_session=True, env=env)
@@ -433,6 +436,58 @@ def test_sd_serve_starts_with_pytriton_installed_outside_site_packages(tmp_path)
         assert served.generate(prompt="a red apple", seed=0)[0].shape == (SIZE, SIZE, 3)
     finally:
         served.stop()
+
+
+# Every process of the server below (itself and its pipeline's worker, which the spawn start method makes a fresh
+# interpreter) takes the stand-in TensorRT this way, before anything imports `tensorrt`; Triton's Python-backend stub
+# runs isolated from PYTHONPATH and never sees it.
+STAND_IN_TENSORRT = """
+import torch._dynamo  # first: it looks up the tensorrt module's spec, which a stand-in lacks
+import sys
+from tests import fake_tensorrt
+sys.modules["tensorrt"] = fake_tensorrt.make_module("8.6.0")
+import demo.backends, demo.engine
+demo.backends.current_cc = demo.engine.current_cc = lambda: (9, 0)  # engines "for this GPU", as on an H100
+"""
+
+
+@needs_pytriton
+def test_engines_behind_the_server_answer_with_the_clis_images_on_engines(tmp_path, monkeypatch):
+    """sd-serve --backend tensorrt on the stand-in TensorRT (ONNX Runtime runs the engines): it builds engines for a
+    batch range before it is ready, batches requests arriving together into one engine call, and answers each with
+    the image the CLI draws on its own engines; a request of another size is refused naming the engines' size."""
+    from demo.cli.generate import main
+    from demo.serve.client import ServeError
+    from PIL import Image
+    from tests import fake_tensorrt
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STAND_IN_TENSORRT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(ROOT),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    served = Served(tmp_path, env=env, args=("--backend", "tensorrt"))
+    try:
+        served.wait_ready()
+        seeds = [4, 9, 2]
+        answers = together([lambda seed=seed: served.generate(prompt=f"a boat {seed}", seed=seed) for seed in seeds])
+        with pytest.raises(ServeError, match=r"^height 32: the served engines take 64"):
+            served.generate(prompt="a", seed=1, height=32)
+    finally:
+        served.stop()
+    assert "model tiny, backend tensorrt (requested" in served.text() and (tmp_path / "engine").is_dir()
+    assert [batch for _, batch in answers] == [3] * 3
+    fake_tensorrt.install(monkeypatch, "8.6.0")
+    monkeypatch.setattr("demo.backends.current_cc", lambda: (9, 0))
+    for seed, (image, _) in zip(seeds, answers):
+        out = tmp_path / f"cli-{seed}"
+        assert main([f"a boat {seed}", "--model", "tiny", "--backend", "tensorrt", "--seed", str(seed),
+                     "--denoising-steps", str(STEPS), "--height", str(SIZE), "--width", str(SIZE),
+                     "--onnx-dir", str(tmp_path / "cli-onnx"), "--engine-dir", str(tmp_path / "cli-engine"),
+                     "--num-warmup-runs", "0", "--output-dir", str(out)]) == 0
+        expected = np.asarray(Image.open(out / f"tiny-seed{seed}-0.png"))
+        assert image.shape == expected.shape == (SIZE, SIZE, 3) and differs(image, expected) <= 2, seed
+    assert differs(answers[0][0], answers[1][0]) > 20  # real, different pictures
 
 
 def test_sd_serve_refuses_a_python_whose_isolated_self_lacks_the_proxys_modules(tmp_path):
