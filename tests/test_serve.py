@@ -456,9 +456,10 @@ def test_engines_behind_the_server_answer_with_the_clis_images_on_engines(tmp_pa
     """sd-serve --backend tensorrt on the stand-in TensorRT (ONNX Runtime runs the engines): it builds engines for a
     batch range before it is ready, batches requests arriving together into one engine call, and answers each with
     the image the CLI draws on its own engines; a request of another size is refused naming the engines' size."""
+    from PIL import Image
+
     from demo.cli.generate import main
     from demo.serve.client import ServeError
-    from PIL import Image
     from tests import fake_tensorrt
 
     site = tmp_path / "site"

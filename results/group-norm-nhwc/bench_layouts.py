@@ -104,8 +104,8 @@ def main(argv: list[str]) -> int:
         rows.append(row)
     gpu = torch.cuda.get_device_name()
     columns = list(totals)
-    lines = [f"GroupNorm+SiLU per call (ms, mean of {CALLS} back-to-back calls replayed from a CUDA graph, inputs L2-warm), SD 1.5 UNet shapes "
-             f"at 512x512, batch {BATCH}, {GROUPS} groups, on {gpu}", "",
+    lines = [f"GroupNorm+SiLU per call (ms, mean of {CALLS} back-to-back calls replayed from a CUDA graph, inputs "
+             f"L2-warm), SD 1.5 UNet shapes at 512x512, batch {BATCH}, {GROUPS} groups, on {gpu}", "",
              "| C | H*W | layers | " + " | ".join(columns) + " |", "| ---: | ---: | ---: |" + " ---: |" * len(columns)]
     for row in rows:
         lines.append(f"| {row['channels']} | {row['hw']} | {row['count']} | "
