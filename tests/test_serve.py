@@ -442,12 +442,11 @@ def test_sd_serve_starts_with_pytriton_installed_outside_site_packages(tmp_path)
 # interpreter) takes the stand-in TensorRT this way, before anything imports `tensorrt`; Triton's Python-backend stub
 # runs isolated from PYTHONPATH and never sees it.
 STAND_IN_TENSORRT = """
-import torch._dynamo  # first: it looks up the tensorrt module's spec, which a stand-in lacks
-import sys
+import pytest
 from tests import fake_tensorrt
-sys.modules["tensorrt"] = fake_tensorrt.make_module("8.6.0")
-import demo.backends, demo.engine
-demo.backends.current_cc = demo.engine.current_cc = lambda: (9, 0)  # engines "for this GPU", as on an H100
+patch = pytest.MonkeyPatch()  # never undone: the process is the test's server
+fake_tensorrt.install(patch, "8.6.0")
+patch.setattr("demo.backends.current_cc", lambda: (9, 0))  # engines "for this GPU", as on an H100
 """
 
 

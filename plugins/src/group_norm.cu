@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kFusedThreads) nhwc_fused(Problem p) {
   const int64_t item_start = blockIdx.x / p.groups * int64_t(p.hw) * p.channels;
   const half* src = p.x + item_start;
   half* dst = p.y + item_start;
-  const int first = row * p.channels + c, step = rows * p.channels;  // within the item: < 2^31 (nhwc_fits)
+  const int first = row * p.channels + c, step = rows * p.channels;  // within the item: < 2^31 (checked)
   __half2 raw[PPT];
   float sum = 0.f;
 #pragma unroll
@@ -352,17 +352,13 @@ __global__ void __launch_bounds__(kFusedThreads) nhwc_fused(Problem p) {
   }
 }
 
-int nhwc_fused_pixels_per_thread(const Problem& p) {  // the fewest that fit one block, or 0 where none does
-  const int half_cpg = p.cpg / 2;
-  for (int ppt = 1; ppt <= kFusedMaxPairs; ++ppt)
-    if (int64_t((p.hw + ppt - 1) / ppt) * half_cpg <= kFusedThreads) return ppt;
-  return 0;
-}
-
-bool nhwc_fits(const Problem& p) {
+// nhwc_fused's pixels per thread: the fewest that fit one block, or 0 where the group cannot take that kernel.
+int nhwc_fused_pixels_per_thread(const Problem& p) {
   const auto address = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.y);
-  return p.cpg % 2 == 0 && address % 4 == 0 && int64_t(p.hw) * p.channels < (int64_t(1) << 31) &&
-         nhwc_fused_pixels_per_thread(p) > 0;
+  if (p.cpg % 2 != 0 || address % 4 != 0 || int64_t(p.hw) * p.channels >= (int64_t(1) << 31)) return 0;
+  for (int ppt = 1; ppt <= kFusedMaxPairs; ++ppt)
+    if (int64_t((p.hw + ppt - 1) / ppt) * (p.cpg / 2) <= kFusedThreads) return ppt;
+  return 0;
 }
 
 template <int PPT>
@@ -389,8 +385,8 @@ int run(Problem& p, int layout, bool silu, cudaStream_t stream) {
     finalize<<<blocks_for(int64_t(p.batch) * p.groups, kThreads / 32), kThreads, 0, stream>>>(p);
     if (silu) nchw_apply<V, true><<<grid, kThreads, 0, stream>>>(p);
     else nchw_apply<V, false><<<grid, kThreads, 0, stream>>>(p);
-  } else if (nhwc_fits(p)) {
-    launch_nhwc_fused<1>(p, nhwc_fused_pixels_per_thread(p), silu, stream);
+  } else if (const int ppt = nhwc_fused_pixels_per_thread(p)) {
+    launch_nhwc_fused<1>(p, ppt, silu, stream);
   } else {
     dim3 grid(p.chunks, p.batch);
     nhwc_stats<V><<<grid, kThreads, 0, stream>>>(p);

@@ -81,8 +81,9 @@ print('numpy', numpy.__version__)" \
     trt86_setup $L "$MODEL" || exit 1
   fi
   if [ "$BACKEND" != torch ]; then
-    for size in 4 1; do  # an engines lease's cache of the same plugin set (today's auto: all) spares most timing
-      seed=$(ls $L/timing-plugins.cache $L/timing-auto.cache 2>/dev/null | head -1)
+    # An engines lease's cache of the same plugin set (today's auto: all) spares most of the timing
+    seed=$(ls $L/timing-plugins.cache $L/timing-auto.cache 2>/dev/null | head -1)
+    for size in 4 1; do
       [ -f $L/timing-serve-b$size.cache ] || [ -z "$seed" ] || cp "$seed" $L/timing-serve-b$size.cache
     done
     step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'" \
