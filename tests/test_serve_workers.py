@@ -1,18 +1,23 @@
 """sd-serve's per-device processes (demo/serve/workers.py), with toy jobs in place of pipelines: batches are answered
 in another process, exceptions come back with their type, a failed preparation ends every worker, a worker that dies
-fails its caller in one line, and no worker outlives the process that started it, even one killed with SIGKILL."""
+fails its caller in one line, no worker outlives the process that started it, even one killed with SIGKILL, and
+images cross in shared memory that is gone once they have arrived."""
 
 import functools
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
+import numpy as np
 import pytest
 
 from core.errors import RunFailure, UsageError
+from demo.serve import workers as workers_module
 from demo.serve.workers import DeviceWorker, start_workers
 
 
@@ -29,7 +34,14 @@ def answer(batch):
         raise Unpicklable("an exception that cannot cross a pipe", 1)
     if "die" in batch:
         os._exit(3)
+    if "images" in batch:
+        return [images(seed) for seed in range(len(batch))]
     return [(item, os.getpid()) for item in batch]
+
+
+def images(seed: int) -> np.ndarray:
+    """A batch of four 512x512 images, as a pipeline returns them: 3 MiB."""
+    return np.random.default_rng(seed).integers(0, 256, (4, 512, 512, 3), dtype=np.uint8)
 
 
 def prepare(delay: float = 0.0, fail: bool = False):
@@ -62,6 +74,46 @@ def test_batches_run_in_the_workers_process_and_errors_keep_their_type():
     finally:
         worker.close()
     assert not worker.alive()
+
+
+def shared_segments() -> set[str]:
+    return set(os.listdir(workers_module.SHARED_MEMORY_DIR))
+
+
+def test_images_come_back_whole_and_leave_no_shared_memory_behind():
+    before = shared_segments()
+    (worker,) = start_workers(["cpu"], lambda _: prepare)
+    try:
+        for _ in range(3):
+            result = worker(["images", "images"])
+            assert len(result) == 2
+            for seed, got in enumerate(result):
+                assert np.array_equal(got, images(seed))
+            result[0][0, 0, 0] = 7  # writable, as the pipeline's own arrays are
+    finally:
+        worker.close()
+    assert shared_segments() == before
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_arrays_go_in_shared_memory_where_it_has_room_else_in_the_pipe(monkeypatch, room):
+    monkeypatch.setattr(workers_module, "_room_for", lambda size: room)
+    ours, theirs = multiprocessing.Pipe()
+    value = ("ok", [images(1), "text"])
+    before = shared_segments()
+    sender = threading.Thread(target=workers_module._send, args=(theirs, value))
+    sender.start()
+    payload, name, sizes = message = ours.recv()
+    sender.join()
+    assert (name is not None) == room
+    assert len(payload) < (10_000 if room else images(1).nbytes + 10_000) <= len(payload) + images(1).nbytes
+    ours_again, theirs_again = multiprocessing.Pipe()
+    sender = threading.Thread(target=theirs_again.send, args=(message,))  # a pipe holds 64 KiB: someone must read
+    sender.start()
+    kind, (array, text) = workers_module._receive_value(ours_again)
+    sender.join()
+    assert kind == "ok" and text == "text" and np.array_equal(array, images(1))
+    assert shared_segments() == before
 
 
 def test_workers_prepare_side_by_side():

@@ -274,7 +274,7 @@ def run(flags) -> int:
     from demo.logs import configure_library_logging
     from demo.pipeline import check_request, resolve_request
     from demo.serve.schema import served_modes
-    from demo.serve.workers import start_workers
+    from demo.serve.workers import SERVER_SWITCH_INTERVAL_S, start_workers
     from demo.settings import TORCH_USES_ENGINE_FLAGS
 
     model, serve, engine = flags[ModelFlags], flags[ServeFlags], flags[EngineFlags]
@@ -312,6 +312,7 @@ def run(flags) -> int:
     workers = start_workers(devices, lambda device: functools.partial(
         prepare_device, flags, source, defaults, device, backend, settings, modes), model.verbose)
     progress(f"[{PROG}] prepared: {', '.join(f'{worker.device} in process {worker.pid}' for worker in workers)}")
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)  # this process's threads now mostly hand batches on
     try:
         return serve_forever(triton_api, Server(workers, source, defaults, check, model.verbose), modes, serve)
     finally:

@@ -1,17 +1,20 @@
 """One process per served device. Two pipelines in one process share its interpreter lock: on two H100s
 (2026-11-26) a batch of 4 took 830 ms with both GPUs busy against 679 ms with one, and two GPUs gave 1.47x one GPU's
 throughput. Each device's pipeline is prepared and run in a process of its own; the server's process keeps a
-DeviceWorker per device, which Triton calls as it would the pipeline, and waits on a pipe without holding the lock."""
+DeviceWorker per device, which Triton calls as it would the pipeline, and waits on a pipe without holding the lock.
+Images cross in shared memory, not through the pipe (see _send)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import signal
 import sys
 import threading
 import traceback
+from multiprocessing import shared_memory
 from typing import Callable, Sequence
 
 from core.errors import RunFailure
@@ -37,6 +40,64 @@ def _sendable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+SHARED_MEMORY_DIR = "/dev/shm"
+# The server process's interpreter switch interval (Python's default: 5 ms). A thread back from a pipe or a syscall
+# waits up to that long for the lock while another thread of the server runs Python; a batch's hand-off makes some
+# ten such waits. At 0.5 ms a batch of four 512x512 images arrived in 8.6 ms instead of 50 with one busy thread
+# (results/serve-gpus/transfer-cpu-2026-11-26/).
+SERVER_SWITCH_INTERVAL_S = 0.0005
+
+
+def _send(connection, value) -> None:
+    """`value` to the other process, its arrays' bytes (pickle's out-of-band buffers) in one shared memory segment
+    that the receiver copies out and unlinks. Why: a pipe moves 64 KiB per read, and the reading thread takes the
+    interpreter lock back after each: with another thread busy in the server's process (PyTriton's, the other GPU's),
+    a batch of four 512x512 images took 90 ms to arrive instead of 12 (results/serve-gpus/transfer-cpu-2026-11-26/).
+    In the pipe where shared memory lacks the room: a segment larger than its free space would kill the writer
+    (SIGBUS) instead of failing."""
+    buffers: list[pickle.PickleBuffer] = []
+    payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    views = [buffer.raw() for buffer in buffers]
+    total = sum(view.nbytes for view in views)
+    if not views or not _room_for(total):
+        connection.send((pickle.dumps(value, protocol=5), None, ()))
+        return
+    segment = shared_memory.SharedMemory(create=True, size=total)
+    offset = 0
+    for view in views:
+        segment.buf[offset:offset + view.nbytes] = view
+        offset += view.nbytes
+    sizes = tuple(view.nbytes for view in views)
+    segment.close()  # the receiver unlinks it; if the server dies first, multiprocessing's resource tracker does
+    connection.send((payload, segment.name, sizes))
+
+
+def _room_for(size: int) -> bool:
+    try:
+        stat = os.statvfs(SHARED_MEMORY_DIR)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize >= 2 * size  # room to spare: the server's PyTriton uses it too
+
+
+def _receive_value(connection):
+    """What _send sent (EOFError/OSError where the pipe is closed)."""
+    payload, name, sizes = connection.recv()
+    if name is None:
+        return pickle.loads(payload)
+    segment = shared_memory.SharedMemory(name=name)
+    try:
+        buffers, offset = [], 0
+        for size in sizes:
+            with segment.buf[offset:offset + size] as view:
+                buffers.append(bytearray(view))  # one copy, so that the segment can go now
+            offset += size
+    finally:
+        segment.close()
+        segment.unlink()
+    return pickle.loads(payload, buffers=buffers)
+
+
 def _work(connection, prepare: Callable[[], Callable], verbose: bool) -> None:
     """The device's process: `prepare()` gives the callable that answers batches; then batches until the pipe closes
     or brings None. Signals are the server's to handle: it drains, then closes the pipe."""
@@ -53,17 +114,17 @@ def _work(connection, prepare: Callable[[], Callable], verbose: bool) -> None:
             return "error", _sendable(exc)
 
     kind, prepared = attempt(prepare)
-    connection.send((kind, None if kind == "ok" else prepared))  # the callable stays here; an exception goes
+    _send(connection, (kind, None if kind == "ok" else prepared))  # the callable stays here; an exception goes
     if kind != "ok":
         return
     while True:
         try:
-            batch = connection.recv()
+            batch = _receive_value(connection)
         except EOFError:
             return
         if batch is None:
             return
-        connection.send(attempt(prepared, batch))
+        _send(connection, attempt(prepared, batch))
 
 
 class DeviceWorker:
@@ -83,7 +144,7 @@ class DeviceWorker:
 
     def _receive(self):
         try:
-            kind, value = self.connection.recv()
+            kind, value = _receive_value(self.connection)
         except (EOFError, OSError):
             self._process.join(5)
             raise RunFailure(f"the pipeline process for {self.device} exited (status {self._process.exitcode})") \
@@ -98,7 +159,7 @@ class DeviceWorker:
 
     def __call__(self, requests: Sequence):
         with self._lock:
-            self.connection.send(list(requests))
+            _send(self.connection, list(requests))
             return self._receive()
 
     @property
@@ -111,7 +172,7 @@ class DeviceWorker:
     def close(self, timeout: float = 10.0) -> None:
         """Ends the process: once it finishes the batch it is running, or at `timeout`."""
         try:
-            self.connection.send(None)
+            _send(self.connection, None)
         except OSError:
             pass  # already gone
         self._process.join(timeout)
