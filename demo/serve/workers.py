@@ -59,8 +59,11 @@ def _send(connection, value) -> None:
     payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     views = [buffer.raw() for buffer in buffers]
     total = sum(view.nbytes for view in views)
-    if not views or not _room_for(total):
-        connection.send((pickle.dumps(value, protocol=5), None, ()))
+    if not views:
+        connection.send((payload, None, ()))
+        return
+    if not _room_for(total):
+        connection.send((pickle.dumps(value, protocol=5), None, ()))  # the arrays in the pipe after all
         return
     segment = shared_memory.SharedMemory(create=True, size=total)
     offset = 0

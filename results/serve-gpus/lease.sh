@@ -135,7 +135,8 @@ print('numpy', numpy.__version__)" \
 poll)
   for _ in $(seq 1 90); do grep -q "finished\|failed" $L/steps.log 2>/dev/null && break; sleep 5; done
   cat $L/steps.log; cat $L/results/summary.md 2>/dev/null
-  mkdir -p "$OUT" && cp $L/results/summary.* "$OUT/" 2>/dev/null; tar -czf "$OUT/$(basename $L).tgz" --exclude=repo -C "$(dirname $L)" "$(basename $L)" ;;
+  mkdir -p "$OUT" && cp $L/results/summary.* "$OUT/" 2>/dev/null
+  tar -czf "$OUT/$(basename $L).tgz" --exclude=repo -C "$(dirname $L)" "$(basename $L)" ;;
 *)
   echo "usage: bash results/serve-gpus/lease.sh start | poll | work"; exit 2 ;;
 esac
