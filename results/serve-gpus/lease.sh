@@ -17,8 +17,9 @@
 # 1 (p50 against the CLI), 16 (against one GPU's 16), then 500 requests. Each server is stopped with SIGTERM and its
 # drain time kept. summarize.py writes summary.md and summary.json.
 # PHASES=2: phase 2 alone, after the CLI (phase 1's files from an earlier lease go beside these before summarize.py).
-# PHASES=pair: the CLI, a batch-4 server on GPU_A alone at concurrency 16, then phase 2: the two-GPU ratio, p50 and
-# the long run from one lease, without the batch-1 server (about 9 minutes with the torch backend).
+# PHASES=pair: the CLI, phase 2, then a batch-4 server on GPU_A alone at concurrency 16: the two-GPU ratio, p50 and
+# the long run from one lease, without the batch-1 server. With the torch backend it took 15 minutes on 2026-11-26,
+# the one-GPU server first then; phase 2 first should spare about 3.5 minutes of compiling.
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
 # (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only.
 # A dry run on a CPU machine, tiny and every server on the CPU:
@@ -114,21 +115,27 @@ print('numpy', numpy.__version__)" \
       python3 -m pytest -q -p no:cacheprovider tests/test_torch_accel_gpu.py -k second_gpu >$L/test-second-gpu.log 2>&1
       step "two-GPU capture test: $(tail -1 $L/test-second-gpu.log | sed s/failed/FAILED/)"  # poll stops at 'failed'
     fi
+    both() {
+      step "phase 2: batch 4 on GPUs '$BOTH'"
+      serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
+        load two-b4-many 8200 16 "$MANY"; stop two-b4; }
+    }
     case "${PHASES:-1 2}" in
-      2) cli "$GPU_B" ;;  # phase 1's figures from an earlier lease; the CLI again, for this one's p50
-      pair)  # the two-GPU ratio's one-GPU side alone, in the same lease as phase 2
+      2) cli "$GPU_B"; both ;;  # phase 1's figures from an earlier lease; the CLI again, for this one's p50
+      pair)  # the two-GPU ratio's one-GPU side after phase 2. On two H100s (2026-11-26), a two-GPU server took 5.6
+        # minutes to start right after a one-GPU server on GPU 0, and 84 s once both GPUs had run one: what
+        # torch.compile caches did not serve the other GPU. Phase 2 first, and the one-GPU server starts warm.
         cli "$GPU_A"
+        both
         serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c16 8000 16 $((REQUESTS * 2)); stop one-b4; } ;;
       *)
         step "phase 1: batch 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
         ( serve one-b4 "$GPU_A" 4 8000 && load one-b4-c8 8000 8 "$REQUESTS" && load one-b4-c16 8000 16 $((REQUESTS * 2))
           stop one-b4 ) &
         ( serve one-b1 "$GPU_B" 1 8100 && load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1; cli "$GPU_B" ) &
-        wait ;;
+        wait
+        both ;;
     esac
-    step "phase 2: batch 4 on GPUs '$BOTH'"
-    serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
-      load two-b4-many 8200 16 "$MANY"; stop two-b4; }
   fi
   python3 results/serve-gpus/summarize.py $L >$L/summary.log 2>&1; step "summary: $(tail -1 $L/summary.log)"
   step "finished" ;;
