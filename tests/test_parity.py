@@ -91,3 +91,23 @@ def test_a_bad_vae_folder_is_one_line(make, message, tiny, tmp_path):
     make(tmp_path)
     with pytest.raises(UsageError, match=message):
         resolve_model("tiny", vae=str(tmp_path))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs gpu: no CUDA device"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pixels_made_on_the_device_are_the_clis_bit_for_bit(device, dtype):
+    """sd-serve's 8-bit images (device_pixels) against the CLI's (to_uint8 of postprocess, on the CPU), on fresh
+    random decoder outputs beyond [-1, 1] and on values whose pixel lies half way between two (rounding's edge)."""
+    from demo.pipeline import device_pixels, postprocess
+
+    decoded = torch.randn(2, 3, 40, 48, generator=torch.Generator().manual_seed(7)) * 1.2
+    halves = (torch.arange(255, dtype=torch.float32) + 0.5) / 255 * 2 - 1  # (x / 2 + 0.5) * 255 near k + 0.5
+    decoded[0, 0, 0, :48] = halves[:48]
+    decoded[1, 1, 0, :48] = halves[-48:]
+    decoded = decoded.to(dtype)
+    clis = to_uint8(postprocess(decoded.float(), dtype))
+    served = device_pixels(decoded.to(device), dtype)
+    assert served.dtype == np.uint8 and served.shape == (2, 40, 48, 3)
+    assert np.array_equal(served, clis)
+    assert len(np.unique(served)) > 200

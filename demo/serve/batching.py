@@ -29,7 +29,7 @@ class ServedPipeline:
 
     def __call__(self, requests: Sequence[Request]) -> np.ndarray:
         """8-bit images [B, H, W, 3], one per request, in order, each drawn from its own request's seed."""
-        from demo.pipeline import GenerationRequest, to_uint8
+        from demo.pipeline import GenerationRequest
         from demo.report import StageTimer
 
         head = requests[0]  # an image request runs alone (batch_key): its image, mask and strength
@@ -44,7 +44,7 @@ class ServedPipeline:
             if first.scheduler not in self._schedulers:
                 self._schedulers[first.scheduler] = self._make_scheduler(first.scheduler)
             pipeline.scheduler = self._schedulers[first.scheduler]
-            return to_uint8(pipeline(request, StageTimer(self.device)))
+            return pipeline(request, StageTimer(self.device), pixels=True)
 
 
 @dataclass
