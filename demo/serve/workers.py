@@ -58,19 +58,18 @@ def _send(connection, value) -> None:
     buffers: list[pickle.PickleBuffer] = []
     payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     views = [buffer.raw() for buffer in buffers]
-    total = sum(view.nbytes for view in views)
+    sizes = tuple(view.nbytes for view in views)
     if not views:
         connection.send((payload, None, ()))
         return
-    if not _room_for(total):
+    if not _room_for(sum(sizes)):
         connection.send((pickle.dumps(value, protocol=5), None, ()))  # the arrays in the pipe after all
         return
-    segment = shared_memory.SharedMemory(create=True, size=total)
+    segment = shared_memory.SharedMemory(create=True, size=sum(sizes))
     offset = 0
     for view in views:
         segment.buf[offset:offset + view.nbytes] = view
         offset += view.nbytes
-    sizes = tuple(view.nbytes for view in views)
     segment.close()  # the receiver unlinks it; if the server dies first, multiprocessing's resource tracker does
     connection.send((payload, segment.name, sizes))
 

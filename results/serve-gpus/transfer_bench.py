@@ -37,8 +37,9 @@ def spin(stop: threading.Event) -> None:
 def measure(shared: bool, busy: int, switch_interval: float) -> float:
     """Median ms from asking to holding the batch."""
     sys.setswitchinterval(switch_interval)
-    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-    process = multiprocessing.get_context("spawn").Process(target=reply, args=(theirs, shared))
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    process = spawn.Process(target=reply, args=(theirs, shared))
     process.start()
     stop = threading.Event()
     spinners = [threading.Thread(target=spin, args=(stop,)) for _ in range(busy)]
