@@ -21,12 +21,3 @@ trt86_setup() {  # DIR MODEL: TensorRT 8.6 and the carried wheels (TRT86_SHA), t
     || { step "generation of $2 failed"; return 1; }
   wait $library || { step "plugin library failed"; return 1; }
 }
-
-timing_caches_in() {  # DIR: the TensorRT timing caches carried for this kind of GPU (.carry/timing/<GPU name>/, from an
-  # earlier lease's DIR/timing-*.cache) into DIR, where the builds read and update them: a level-3 UNet build then
-  # times only what the cache lacks. A cache from another GPU or TensorRT is noted by the build and not used.
-  local gpu; gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -c 'A-Za-z0-9\n' '-')
-  echo "$gpu" >"$1/gpu-name.txt"  # for scripts/keep_timing_caches.sh, here
-  cp .carry/timing/"$gpu"/timing-*.cache "$1"/ 2>/dev/null
-  ls "$1"/timing-*.cache 2>/dev/null | wc -l
-}

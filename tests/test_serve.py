@@ -476,6 +476,7 @@ def test_engines_behind_the_server_answer_with_the_clis_images_on_engines(tmp_pa
     finally:
         served.stop()
     assert "model tiny, backend tensorrt (requested" in served.text() and (tmp_path / "engine").is_dir()
+    assert "Warning" not in served.text()  # the export's, in the pipeline's process: quiet unless --verbose, as the CLI
     assert [batch for _, batch in answers] == [3] * 3
     fake_tensorrt.install(monkeypatch, "8.6.0")
     monkeypatch.setattr("demo.backends.current_cc", lambda: (9, 0))

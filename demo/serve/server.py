@@ -232,6 +232,7 @@ def prepare_device(flags, source, request: RequestFlags, device, backend: str, s
 
     from demo.arguments import torch_settings
     from demo.backends import create_stages, device_and_dtype
+    from demo.logs import configure_library_logging
     from demo.memory import check_memory
     from demo.pipeline import INPAINTING, TEXT_TO_IMAGE, make_pipeline, make_scheduler
     from demo.serve.batching import ServedPipeline
@@ -239,6 +240,7 @@ def prepare_device(flags, source, request: RequestFlags, device, backend: str, s
     from models import STAGE_MODELS, image_to_image_stages
     from models.lora import check_loras, model_targets
 
+    configure_library_logging(flags[ModelFlags].verbose)  # a spawned process: the server's settings are not here
     engine, batch = flags[EngineFlags], flags[ServeFlags].max_batch_size
     loras = read_loras(flags[LoraFlags], backend, engine.build_enable_refit)
     if loras:

@@ -21,9 +21,8 @@
 # then results/refit-h200/restore_check.py (tiny with all plugins and with none, tiny-xl with all; level 1).
 # CUBLAS_LT=1 also builds the auto set with `--enable-tactic-sources CUBLAS_LT` (into onnx-lt-* and engine-lt-*, on the
 # last GPU) and runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs,
-# and do they pay? Each build reads and updates its TensorRT timing cache, $L/timing-NAME.cache (in e20.tgz): carried
-# back as .carry/timing/<GPU name>/ with the start call (docs/gpu-box.md), it spares the next lease most of the tactic
-# timing. THEN_SERVE=1 (two GPUs; the serve wheels in /opt/w as that lease's carry calls put them): once the
+# and do they pay? No timing cache: TensorRT 8.6.0 refused every one its UNet builds had written, carried into the
+# next lease or not (docs/gpu-box.md). THEN_SERVE=1 (two GPUs; the serve wheels in /opt/w as that lease's carry calls put them): once the
 # benchmarks end, results/serve-gpus/lease.sh's two-GPU server (PHASES=2) in the same hold; poll it with
 # `bash results/serve-gpus/lease.sh poll`.
 L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1} CUBLAS_LT=${CUBLAS_LT:-0}
@@ -34,7 +33,7 @@ source scripts/box_lease_lib.sh
 build() {  # NAME GPU PLUGINS SUFFIX [more]: build-engines into the folders the benchmark's contender NAME looks in
   (CUDA_VISIBLE_DEVICES=$2 python3 scripts/build_engines.py "${COMMON[@]}" --backend tensorrt --height 512 \
     --width 512 --build-static-batch --plugins "$3" --onnx-dir onnx$4 --engine-dir engine$4 "${@:5}" \
-    --timing-cache $L/timing-$1.cache --report $L/build-$1.json; echo "exit $?") >$L/build-$1.log 2>&1
+    --report $L/build-$1.json; echo "exit $?") >$L/build-$1.log 2>&1
 }
 ended() { grep -q '^exit' $L/build-$1.log 2>/dev/null; }
 built() { grep -q '^exit 0' $L/build-$1.log 2>/dev/null; }
@@ -45,9 +44,8 @@ benchmark() {  # NAME CONTENDERS [more]: one sd-benchmark run on GPU 0
   step "benchmark $1: $(tail -1 $L/benchmark-$1.log)"
 }
 case "$1" in
-start)  # the carried timing caches land in $L while the work sets up (a minute before any build)
+start)
   lease_start $L results/engines-vs-torch/lease.sh || exit 1
-  echo "timing caches carried for this GPU: $(timing_caches_in $L)"
   sleep 2; cat $L/steps.log ;;
 work)
   step "setup (level $LEVEL) in $PWD"

@@ -1,25 +1,24 @@
 #!/bin/bash
 # Issue 21's figures in one lease of two GPUs (H200 x2 asked; the GPU is in every file): sd-serve with the torch
 # backend at its defaults (BACKEND=torch), or with TensorRT 8.6 engines (BACKEND=tensorrt, builder level LEVEL,
-# default 3), sd1.5-arch, 512x512, 30 steps. Ran with the torch backend on two H100s, 2026-11-26.
+# default 3), sd1.5-arch, 512x512, 30 steps. Ran with each on two H100s, 2026-11-26.
 # Here, first: bash results/serve-gpus/make_wheels.sh.
-# For engines, the 15 carry calls of ../shared/trt86 first (docs/gpu-box.md), TRT86_SHA set on the start call.
+# For engines, the carry calls of ../shared/trt86 first (docs/gpu-box.md), TRT86_SHA set on the start call.
 # Then three device calls back to back:
 #   carry [.carry/serve-a]                  mkdir -p /opt/w && cp .carry/serve-a/*.whl /opt/w/
 #   carry [.carry/serve-c]                  cp .carry/serve-c/*.whl /opt/w/
 #   carry [.carry/serve-b, .whl]            cp .carry/serve-b/*.whl /opt/w/ && BACKEND=torch bash results/serve-gpus/lease.sh start
 # and polls (`bash results/serve-gpus/lease.sh poll`, up to ~8 min each; files into $OUT).
-# With engines, each server's engines (a batch range up to its --max-batch-size, in folders of their own) are built
-# first, one set per GPU side by side: the servers then only load them.
-# Phase 1, side by side: on GPU 0 a server with --max-batch-size 4 (load tests at concurrency 8 and 16), on GPU 1 one
-# with --max-batch-size 1 (concurrency 8: what batching gains), then demo-diffusion with the same request (the CLI's
-# pipeline time, for the latency at concurrency 1). Phase 2: one server on both GPUs, --max-batch-size 4: concurrency
-# 1 (p50 against the CLI), 16 (against one GPU's 16), then 500 requests. Each server is stopped with SIGTERM and its
-# drain time kept. summarize.py writes summary.md and summary.json.
-# PHASES=2: phase 2 alone, after the CLI (phase 1's files from an earlier lease go beside these before summarize.py).
-# PHASES=pair: the CLI, phase 2, then a batch-4 server on GPU_A alone at concurrency 16: the two-GPU ratio, p50 and
-# the long run from one lease, without the batch-1 server. With the torch backend it took 15 minutes on 2026-11-26,
-# the one-GPU server first then; phase 2 first should spare about 3.5 minutes of compiling.
+# With engines, each server's engines (a batch range up to its --max-batch-size, in folders of their own; the VAE
+# encoder too, for img2img) are built first, one set per GPU side by side: the servers then only load them. On two
+# H100s (2026-11-26) that took 19 minutes at level 3, and the whole lease 27 after the carry calls.
+# First the CLI alone on GPU_A (demo-diffusion with the load tests' request: the latency's yardstick). Phase 2: one
+# server on both GPUs, --max-batch-size 4: concurrency 1 (p50 against the CLI), 16 (against one GPU's 16), then MANY
+# requests. Phase 1, side by side: on GPU_A a server with --max-batch-size 4 (concurrency 1, 8 and 16), on GPU_B one
+# with --max-batch-size 1 (concurrency 8: what batching gains). Each server is stopped with SIGTERM and its drain time
+# kept. summarize.py writes summary.md and summary.json. PHASES=2: phase 2 only; PHASES=pair: phase 2, then the
+# batch-4 server on GPU_A alone at concurrency 16 (the two-GPU ratio without the batch-1 server). With the torch
+# backend, PHASES=pair took 15 minutes on two H100s (2026-11-26), its one-GPU server first then.
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
 # (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only.
 # A dry run on a CPU machine, tiny and every server on the CPU:
@@ -33,7 +32,7 @@ ready() { python3 -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], ti
   "http://127.0.0.1:$1/v2/health/ready" 2>/dev/null; }
 engines() {  # MAX_BATCH: the engine flags of the servers with that --max-batch-size (none for the torch backend)
   [ "$BACKEND" = torch ] || echo "--onnx-dir onnx-serve-b$1 --engine-dir engine-serve-b$1 --optimization-level $LEVEL
-    --disable-tactic-sources CUDNN --timing-cache $L/timing-serve-b$1.cache"
+    --disable-tactic-sources CUDNN"
 }
 serve() {  # NAME GPUS MAX_BATCH PORT: an sd-serve in the background, its pid in $L/NAME.pid, ready or failed
   python3 scripts/serve.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" --width "$SIZE" $(gpus "$2") \
@@ -58,9 +57,8 @@ load() {  # NAME PORT CONCURRENCY REQUESTS: one load test, its JSON and chart in
   step "load $1: $(grep -h 'answered in' $L/load-$1.log)"
 }
 case "$1" in
-start)  # engines: the carried timing caches (as in engines-vs-torch/lease.sh) land in $L before any build
+start)
   lease_start $L results/serve-gpus/lease.sh || exit 1
-  [ "$BACKEND" = torch ] || echo "timing caches carried for this GPU: $(timing_caches_in $L)"
   sleep 2; cat $L/steps.log 2>/dev/null ;;
 work)
   mkdir -p $L/results
@@ -82,17 +80,12 @@ print('numpy', numpy.__version__)" \
     trt86_setup $L "$MODEL" || exit 1
   fi
   if [ "$BACKEND" != torch ]; then
-    # An engines lease's cache of the same plugin set (today's auto: all) spares most of the timing
-    seed=$(ls $L/timing-plugins.cache $L/timing-auto.cache 2>/dev/null | head -1)
-    for size in 4 1; do
-      [ -f $L/timing-serve-b$size.cache ] || [ -z "$seed" ] || cp "$seed" $L/timing-serve-b$size.cache
-    done
-    step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'" \
-      "($(ls $L/timing-serve-b*.cache 2>/dev/null | wc -l) timing caches)"
+    step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
     for side in "4 $GPU_A" "1 $GPU_B"; do
       set -- $side
       (CUDA_VISIBLE_DEVICES=$2 python3 scripts/build_engines.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" \
-        --width "$SIZE" --batch-size "$1" $(engines "$1") --report $L/build-b$1.json; echo "exit $?") >$L/build-b$1.log 2>&1 &
+        --width "$SIZE" --batch-size "$1" $(engines "$1") --stages clip,unet,vae,vae_encoder \
+        --report $L/build-b$1.json; echo "exit $?") >$L/build-b$1.log 2>&1 &
     done
     wait
     step "engines: $(grep -H '^exit' $L/build-b*.log | sed 's|.*/build-||' | tr '\n' ' ')"
@@ -115,26 +108,20 @@ print('numpy', numpy.__version__)" \
       python3 -m pytest -q -p no:cacheprovider tests/test_torch_accel_gpu.py -k second_gpu >$L/test-second-gpu.log 2>&1
       step "two-GPU capture test: $(tail -1 $L/test-second-gpu.log | sed s/failed/FAILED/)"  # poll stops at 'failed'
     fi
-    both() {
-      step "phase 2: batch 4 on GPUs '$BOTH'"
-      serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
-        load two-b4-many 8200 16 "$MANY"; stop two-b4; }
-    }
-    case "${PHASES:-1 2}" in
-      2) cli "$GPU_B"; both ;;  # phase 1's figures from an earlier lease; the CLI again, for this one's p50
-      pair)  # the two-GPU ratio's one-GPU side after phase 2. On two H100s (2026-11-26), a two-GPU server took 5.6
-        # minutes to start right after a one-GPU server on GPU 0, and 84 s once both GPUs had run one: what
-        # torch.compile caches did not serve the other GPU. Phase 2 first, and the one-GPU server starts warm.
-        cli "$GPU_A"
-        both
-        serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c16 8000 16 $((REQUESTS * 2)); stop one-b4; } ;;
+    cli "$GPU_A"  # alone: the p50's yardstick
+    step "phase 2: batch 4 on GPUs '$BOTH'"  # first: on two H100s (2026-11-26), torch.compile's caches from a one-GPU
+    # server did not serve the other GPU (5.6 minutes to start after one, 84 s after both)
+    serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
+      load two-b4-many 8200 16 "$MANY"; stop two-b4; }
+    case "${PHASES:-2 1}" in
+      2) ;;
+      pair) serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c16 8000 16 $((REQUESTS * 2)); stop one-b4; } ;;
       *)
         step "phase 1: batch 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
-        ( serve one-b4 "$GPU_A" 4 8000 && load one-b4-c8 8000 8 "$REQUESTS" && load one-b4-c16 8000 16 $((REQUESTS * 2))
-          stop one-b4 ) &
-        ( serve one-b1 "$GPU_B" 1 8100 && load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1; cli "$GPU_B" ) &
-        wait
-        both ;;
+        ( serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c1 8000 1 20; load one-b4-c8 8000 8 "$REQUESTS"
+          load one-b4-c16 8000 16 $((REQUESTS * 2)); stop one-b4; } ) &
+        ( serve one-b1 "$GPU_B" 1 8100 && load one-b1-c8 8100 8 "$REQUESTS"; stop one-b1 ) &
+        wait ;;
     esac
   fi
   python3 results/serve-gpus/summarize.py $L >$L/summary.log 2>&1; step "summary: $(tail -1 $L/summary.log)"
