@@ -22,9 +22,9 @@
 # CUBLAS_LT=1 also builds the auto set with `--enable-tactic-sources CUBLAS_LT` (into onnx-lt-* and engine-lt-*, on the
 # last GPU) and runs benchmark C, tensorrt-auto on those engines, into results-lt: does TensorRT pick cuBLASLt's GEMMs,
 # and do they pay? No timing cache: TensorRT 8.6.0 refused every one its UNet builds had written, carried into the
-# next lease or not (docs/gpu-box.md). THEN_SERVE=1 (two GPUs; the serve wheels in /opt/w as that lease's carry calls put them): once the
-# benchmarks end, results/serve-gpus/lease.sh's two-GPU server (PHASES=2) in the same hold; poll it with
-# `bash results/serve-gpus/lease.sh poll`.
+# next lease or not (docs/gpu-box.md). THEN_SERVE=1 (two GPUs; the serve wheels in /opt/w as that lease's carry calls
+# put them): once the benchmarks end, results/serve-gpus/lease.sh's two-GPU server (PHASES=2) in the same hold; poll
+# it with `bash results/serve-gpus/lease.sh poll`.
 L=/tmp/e20 LEVEL=${LEVEL:-3} SETS=${SETS:-auto plugins} INT8=${INT8:-1} CUBLAS_LT=${CUBLAS_LT:-0}
 COMMON=(--model sd1.5-arch --disable-tactic-sources CUDNN --optimization-level "$LEVEL")
 REQUEST=(--seed 0 --scheduler DDIM)
