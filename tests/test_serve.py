@@ -140,18 +140,18 @@ def test_an_image_request_is_sized_and_checked_as_the_cli_checks_input_images(ti
 
 def test_image_requests_each_run_alone(tiny):
     from demo.pipeline import IMAGE_TO_IMAGE
-    from demo.serve.batching import run_requests
+    from demo.serve.batching import Generated, run_requests
     from demo.serve.schema import parse_request
     from demo.settings import RequestFlags
 
     same = inputs(prompt="a", image=random_pixels(SIZE, SIZE), seed=1, steps=STEPS)
     parsed = [parse_request(same, tiny, RequestFlags(), mode=IMAGE_TO_IMAGE) for _ in range(3)]
-    outcomes = run_requests(parsed, lambda requests: np.zeros((len(requests), 8, 8, 3), np.uint8))
+    outcomes = run_requests(parsed, lambda requests: Generated(np.zeros((len(requests), 8, 8, 3), np.uint8), 1.0))
     assert [o.batch_size for o in outcomes] == [1, 1, 1]  # one input image per pipeline call
 
 
 def test_requests_batch_only_with_their_like_and_a_failing_one_fails_alone(tiny):
-    from demo.serve.batching import run_requests
+    from demo.serve.batching import Generated, run_requests
     from demo.serve.schema import RequestRejected
 
     calls = []
@@ -160,7 +160,7 @@ def test_requests_batch_only_with_their_like_and_a_failing_one_fails_alone(tiny)
         calls.append([r.flags.prompt for r in requests])
         if any(r.flags.prompt == "boom" for r in requests):
             raise RuntimeError("CUDA out of memory\nmore detail")
-        return np.zeros((len(requests), 8, 8, 3), np.uint8)
+        return Generated(np.zeros((len(requests), 8, 8, 3), np.uint8), 1.0)
 
     parsed = [text_request(tiny, prompt="a", seed=1), text_request(tiny, prompt="b", seed=2, height=48),
               RequestRejected("steps must be at least 1, got 0"), text_request(tiny, prompt="c", seed=3),
@@ -190,8 +190,10 @@ def test_a_batch_draws_each_image_from_its_own_seed(tiny, tiny_stages):
     pipeline = make_pipeline(tiny, tiny_stages, "EulerA", torch.device("cpu"), torch.float32)
     served = ServedPipeline({TEXT_TO_IMAGE: pipeline}, torch.device("cpu"), lambda name: make_scheduler(name, tiny))
     requests = [text_request(tiny, prompt=f"a photo {seed}", seed=seed, scheduler="EulerA") for seed in (3, 1, 2)]
-    batched = served(requests)
-    alone = np.concatenate([served([request]) for request in requests])
+    generated = served(requests)
+    batched = generated.images
+    alone = np.concatenate([served([request]).images for request in requests])
+    assert generated.pipeline_milliseconds > 0
     assert batched.shape == (3, SIZE, SIZE, 3) and batched.dtype == np.uint8
     assert np.abs(batched.astype(int) - alone.astype(int)).max() <= 2
     assert np.abs(batched[0].astype(int) - batched[1].astype(int)).max() > 20  # different seeds, different images
@@ -349,8 +351,10 @@ def test_concurrent_requests_are_batched_and_answered_with_the_clis_images(serve
     # They arrived within the 500 ms queue delay: one pipeline call ran them all, as the responses, the log and
     # Triton's metrics say.
     assert [batch for _, batch in answers] == [4] * 4
-    assert len(re.findall(r"sd-serve: request \d+ 64x64 steps 4 seed \d+: batch \d+ of 4 on cpu, [\d.]+ ms",
-                          server.text())) >= 4
+    calls = re.findall(r"sd-serve: request \d+ 64x64 steps 4 seed \d+: batch \d+ of 4 on cpu, ([\d.]+) ms "
+                       r"\(pipeline ([\d.]+) ms\)", server.text())
+    assert len(calls) >= 4
+    assert all(0 < float(pipeline) <= float(call) for call, pipeline in calls), calls
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as answer:
         metrics = answer.read().decode()
     counts = {name: float(re.search(rf'^{name}{{model="txt2img",version="1"}} ([\d.]+)$', metrics, re.M).group(1))

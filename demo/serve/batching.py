@@ -16,6 +16,15 @@ import torch
 from demo.serve.schema import Request, RequestRejected, batch_key
 
 
+@dataclass
+class Generated:
+    """A pipeline call's images, and its time as the CLI measures it ("Pipeline" in its table): what the call took
+    less the hand-off around it (the request's way to the device's process and the images' way back)."""
+
+    images: np.ndarray
+    pipeline_milliseconds: float
+
+
 class ServedPipeline:
     """One device's pipelines, one per served mode over one set of stages, called with batches of parsed one-image
     requests of one batch_key, one call at a time (its DeviceWorker's process runs them in turn: the modes share the
@@ -27,8 +36,9 @@ class ServedPipeline:
         self._make_scheduler = make_scheduler
         self._schedulers: dict[str, object] = {}  # by name: a request picks one; scheduler state is per call
 
-    def __call__(self, requests: Sequence[Request]) -> np.ndarray:
-        """8-bit images [B, H, W, 3], one per request, in order, each drawn from its own request's seed."""
+    def __call__(self, requests: Sequence[Request]) -> Generated:
+        """8-bit images [B, H, W, 3], one per request, in order, each drawn from its own request's seed; and the
+        pipeline's own time, as the CLI reports it."""
         from demo.pipeline import GenerationRequest
         from demo.report import StageTimer
 
@@ -44,7 +54,9 @@ class ServedPipeline:
             if first.scheduler not in self._schedulers:
                 self._schedulers[first.scheduler] = self._make_scheduler(first.scheduler)
             pipeline.scheduler = self._schedulers[first.scheduler]
-            return pipeline(request, StageTimer(self.device), pixels=True)
+            timer = StageTimer(self.device)
+            images = pipeline(request, timer, pixels=True)
+            return Generated(images, timer.milliseconds()["pipeline"])
 
 
 @dataclass
@@ -56,7 +68,8 @@ class Outcome:
     error: str | None = None
     call: int | None = None  # which of run_requests' pipeline calls made its image (0, 1, ...)
     batch_size: int = 0  # the requests that call ran
-    milliseconds: float = 0.0  # that call's
+    milliseconds: float = 0.0  # that call's, as the server waited for it
+    pipeline_milliseconds: float = 0.0  # of those, the pipeline's own (Generated)
 
 
 def failure_line(exc: BaseException) -> str:
@@ -67,7 +80,7 @@ def failure_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
-def run_requests(parsed: Sequence[Request | RequestRejected], generate: Callable[[list[Request]], np.ndarray],
+def run_requests(parsed: Sequence[Request | RequestRejected], generate: Callable[[list[Request]], Generated],
                  on_failure: Callable[[BaseException], None] = lambda _: None) -> list[Outcome]:
     """Each parsed request's outcome: the rejected ones fail with their reason, the rest run in batches of one
     batch_key (in the order their first request came), a failing batch again one request at a time. `on_failure`
@@ -84,16 +97,17 @@ def run_requests(parsed: Sequence[Request | RequestRejected], generate: Callable
     def run(indices: list[int]) -> bool:
         start = time.perf_counter()
         try:
-            images = generate([outcomes[i].request for i in indices])
+            generated = generate([outcomes[i].request for i in indices])
         except Exception as exc:  # noqa: BLE001 -- a request's failure is its answer; the server goes on
             on_failure(exc)
             if len(indices) == 1:
                 outcomes[indices[0]].error = failure_line(exc)
             return False
         milliseconds, call = (time.perf_counter() - start) * 1000, next(calls)
-        for index, image in zip(indices, images):
-            outcomes[index].image, outcomes[index].call = image, call
-            outcomes[index].batch_size, outcomes[index].milliseconds = len(indices), milliseconds
+        for index, image in zip(indices, generated.images):
+            outcome = outcomes[index]
+            outcome.image, outcome.call, outcome.batch_size = image, call, len(indices)
+            outcome.milliseconds, outcome.pipeline_milliseconds = milliseconds, generated.pipeline_milliseconds
         return True
 
     for indices in groups.values():

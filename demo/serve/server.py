@@ -202,7 +202,8 @@ class Server:
             traceback.print_exception(exc, file=sys.stderr)
 
     def _log(self, request_id: int, outcome, batch_id: int | None, device) -> None:
-        """One line per request: its id, shape, the batch it ran in (the server's count of pipeline calls), ms."""
+        """One line per request: its id, shape, the batch it ran in (the server's count of pipeline calls), the
+        call's ms and the pipeline's own (the rest: the hand-off to the device's process and back)."""
         request = None if outcome.request is None else outcome.request.flags
         what = "" if request is None else (f" {request.height}x{request.width} steps {request.denoising_steps} "
                                            f"seed {request.seed}")
@@ -210,7 +211,7 @@ class Server:
             line = f"request {request_id}{what} failed: {outcome.error}"
         else:
             line = (f"request {request_id}{what}: batch {batch_id} of {outcome.batch_size} on {device}, "
-                    f"{outcome.milliseconds:.1f} ms")
+                    f"{outcome.milliseconds:.1f} ms (pipeline {outcome.pipeline_milliseconds:.1f} ms)")
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
 
 
