@@ -366,9 +366,11 @@ def postprocess(images: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 def device_pixels(images: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     """Decoded images in [-1, 1] as 8-bit [B, H, W, 3], computed where they are: bit for bit to_uint8(postprocess())
     (the same float32 operations; halving is exact; both round half to even), with a quarter of the bytes to copy
-    and no arithmetic on the CPU, where a server's per-GPU processes would otherwise do it side by side."""
+    and no arithmetic on the CPU, where a server's per-GPU processes would otherwise do it side by side. Laid out
+    [B, H, W, 3] in memory too (the channels moved on the device): a permuted view stays one through .cpu()."""
     _warn_if_not_finite(images, dtype)
-    return ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    pixels = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    return pixels.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
 def _warn_if_not_finite(images: torch.Tensor, dtype: torch.dtype) -> None:

@@ -108,6 +108,6 @@ def test_pixels_made_on_the_device_are_the_clis_bit_for_bit(device, dtype):
     decoded = decoded.to(dtype)
     clis = to_uint8(postprocess(decoded.float(), dtype))
     served = device_pixels(decoded.to(device), dtype)
-    assert served.dtype == np.uint8 and served.shape == (2, 40, 48, 3)
+    assert served.dtype == np.uint8 and served.shape == (2, 40, 48, 3) and served.flags.c_contiguous
     assert np.array_equal(served, clis)
     assert len(np.unique(served)) > 200

@@ -97,24 +97,26 @@ def test_images_come_back_whole_and_leave_no_shared_memory_behind():
 
 @pytest.mark.parametrize("room", [True, False])
 def test_arrays_go_in_shared_memory_where_it_has_room_else_in_the_pipe(monkeypatch, room):
+    """Arrays in any layout: a permuted view (as torch's .permute().numpy() gives) too."""
     monkeypatch.setattr(workers_module, "_room_for", lambda size: room)
     ours, theirs = multiprocessing.Pipe()
-    value = ("ok", [images(1), "text"])
+    channels_first = np.ascontiguousarray(images(1).transpose(0, 3, 1, 2))
+    value = ("ok", [images(1), "text", channels_first.transpose(0, 2, 3, 1)])
     before = shared_segments()
     sender = threading.Thread(target=workers_module._send, args=(theirs, value))
     sender.start()
     payload, name, sizes = message = ours.recv()
     sender.join()
     if room:
-        assert name is not None and len(payload) < 10_000  # the image is not in the pipe
+        assert name is not None and len(payload) < 10_000  # the images are not in the pipe
     else:
-        assert name is None and len(payload) > images(1).nbytes
+        assert name is None and len(payload) > 2 * images(1).nbytes
     ours_again, theirs_again = multiprocessing.Pipe()
     sender = threading.Thread(target=theirs_again.send, args=(message,))  # a pipe holds 64 KiB: someone must read
     sender.start()
-    kind, (array, text) = workers_module._receive_value(ours_again)
+    kind, (array, text, permuted) = workers_module._receive_value(ours_again)
     sender.join()
-    assert kind == "ok" and text == "text" and np.array_equal(array, images(1))
+    assert kind == "ok" and text == "text" and np.array_equal(array, images(1)) and np.array_equal(permuted, array)
     assert shared_segments() == before
 
 

@@ -6,6 +6,7 @@ Images cross in shared memory, not through the pipe (see _send)."""
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -48,6 +49,20 @@ SHARED_MEMORY_DIR = "/dev/shm"
 SERVER_SWITCH_INTERVAL_S = 0.0005
 
 
+class _OutOfBandPickler(pickle.Pickler):
+    """Protocol 5 with every numpy array's bytes out of band: pickle takes only a C- or Fortran-ordered array's that
+    way and copies any other (a permuted view, say) into the stream; such an array is made C-ordered first. On an
+    H100 (2026-11-26) the server's images, permuted views then, crossed in the pipe: a batch of four 512x512 images
+    took 28.6 ms to hand back."""
+
+    def reducer_override(self, obj):
+        import numpy as np
+
+        if isinstance(obj, np.ndarray) and not (obj.flags.c_contiguous or obj.flags.f_contiguous):
+            return np.ascontiguousarray(obj).__reduce_ex__(5)
+        return NotImplemented
+
+
 def _send(connection, value) -> None:
     """`value` to the other process, its arrays' bytes (pickle's out-of-band buffers) in one shared memory segment
     that the receiver copies out and unlinks. Why: a pipe moves 64 KiB per read, and the reading thread takes the
@@ -56,7 +71,9 @@ def _send(connection, value) -> None:
     In the pipe where shared memory lacks the room: a segment larger than its free space would kill the writer
     (SIGBUS) instead of failing."""
     buffers: list[pickle.PickleBuffer] = []
-    payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    stream = io.BytesIO()
+    _OutOfBandPickler(stream, protocol=5, buffer_callback=buffers.append).dump(value)
+    payload = stream.getvalue()
     views = [buffer.raw() for buffer in buffers]
     sizes = tuple(view.nbytes for view in views)
     if not views:
