@@ -18,6 +18,8 @@ import traceback
 from multiprocessing import shared_memory
 from typing import Callable, Sequence
 
+import numpy as np
+
 from core.errors import RunFailure
 
 
@@ -56,8 +58,6 @@ class _OutOfBandPickler(pickle.Pickler):
     took 28.6 ms to hand back."""
 
     def reducer_override(self, obj):
-        import numpy as np
-
         if isinstance(obj, np.ndarray) and not (obj.flags.c_contiguous or obj.flags.f_contiguous):
             return np.ascontiguousarray(obj).__reduce_ex__(5)
         return NotImplemented

@@ -18,11 +18,10 @@
 # with --max-batch-size 1 (concurrency 8: what batching gains). Each server is stopped with SIGTERM and its drain time
 # kept. summarize.py writes summary.md and summary.json. PHASES=2: phase 2 only; PHASES=pair: phase 2, then the
 # batch-4 server on GPU_A alone at concurrency 16 (the two-GPU ratio without the batch-1 server). With the torch
-# backend, PHASES=pair took 15 minutes on two H100s (2026-11-26), its one-GPU server first then.
+# backend on two H100s (2026-11-26), PHASES=pair took 15 minutes (its one-GPU server first then), the default 14.
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
-# (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only. CLI_RUNS: how
-# many times the CLI runs (default 1), its median pipeline time the yardstick: one run's varies (torch on an H100:
-# 222-230 ms in three leases).
+# (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only. The CLI runs
+# CLI_RUNS times (3), its median pipeline time the yardstick: one run's varies (torch on H100s: 222-241 ms in one day).
 # A dry run on a CPU machine, tiny and every server on the CPU:
 #   MODEL=tiny SIZE=64 STEPS=2 GPU_A= GPU_B= BOTH= REQUESTS=8 MANY=20 bash results/serve-gpus/lease.sh work
 L=${L:-/tmp/s21} MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} STEPS=${STEPS:-30} BACKEND=${BACKEND:-torch} LEVEL=${LEVEL:-3}
@@ -93,7 +92,7 @@ print('numpy', numpy.__version__)" \
     step "engines: $(grep -H '^exit' $L/build-b*.log | sed 's|.*/build-||' | tr '\n' ' ')"
   fi
   cli() {  # GPU: demo-diffusion with the load tests' request CLI_RUNS times, the median pipeline time the yardstick
-    for run in $(seq 1 "${CLI_RUNS:-1}"); do
+    for run in $(seq 1 "${CLI_RUNS:-3}"); do
       CUDA_VISIBLE_DEVICES=$1 python3 -m demo.demo_diffusion "a photo of an astronaut riding a horse on mars" \
         --model "$MODEL" --backend "$BACKEND" --height "$SIZE" --width "$SIZE" --denoising-steps "$STEPS" --seed 0 \
         $(engines 1) --num-warmup-runs 3 --output-dir $L/cli/run$run >$L/cli-$run.log 2>&1
