@@ -1,12 +1,12 @@
 """Issue 21's figures from one lease.sh run: python3 summarize.py RUN_DIR (the lease's /tmp/s21).
 
 Reads the load tests' JSON (RUN_DIR/results/loadtest-*.json), the CLI's reports (RUN_DIR/cli/**/*.json: the median
-of its runs' pipeline times is the yardstick), the servers' drain times (RUN_DIR/steps.log) and their pipeline calls (their logs, RUN_DIR/serve-*.log); writes
-RUN_DIR/results/summary.md and summary.json: a row per load test; the issue's ratios against their targets (two GPUs
-against one at concurrency 16, at least 1.9x; batch 4 against batch 1 at concurrency 8, reported; p50 at concurrency
-1 against the CLI's pipeline time, within 5%; the long run without a failure); and each server's pipeline calls per
-device and batch size: their mean time, and of it the pipeline's own (the rest is the hand-off; logs from before the
-servers logged it have none)."""
+of its runs' pipeline times is the yardstick), the servers' drain times (RUN_DIR/steps.log) and their pipeline calls
+(their logs, RUN_DIR/serve-*.log); writes RUN_DIR/results/summary.md and summary.json: a row per load test; the
+issue's ratios against their targets (two GPUs against one at concurrency 16, at least 1.9x; batch 4 against batch 1
+at concurrency 8, reported; p50 at concurrency 1 against the CLI's pipeline time, within 5%; the long run without a
+failure); and each server's pipeline calls per device and batch size: their mean time, and of it the pipeline's own
+(the rest is the hand-off; logs from before the servers logged it have none)."""
 
 import json
 import re
@@ -53,7 +53,7 @@ lines += ["", f"CLI pipeline ms (each run one after warm-up; the median is the y
           f"{', '.join(f'{ms:.1f}' for ms in cli_runs)}; servers drained and exited in (s): {drains}"]
 # Each server's pipeline calls from its log lines (one per request; a batch's requests share its number and ms):
 # a call that takes longer on two GPUs than on one says the two pipelines slow each other down.
-calls: dict[tuple, dict[str, float]] = {}
+calls: dict[tuple, dict] = {}
 for log in sorted(run.glob("serve-*.log")):
     batches = {}
     for number, size, device, ms, own in re.findall(r"batch (\d+) of (\d+) on (\S+), ([\d.]+) ms"
