@@ -1,7 +1,7 @@
 """sd-serve's per-device processes (demo/serve/workers.py), with toy jobs in place of pipelines: batches are answered
 in another process, exceptions come back with their type, a failed preparation ends every worker, a worker that dies
 fails its caller in one line, no worker outlives the process that started it, even one killed with SIGKILL, and
-images cross in shared memory that is gone once they have arrived."""
+images cross in shared memory that is gone once they have arrived; the pool lends the first free worker."""
 
 import functools
 import multiprocessing
@@ -18,7 +18,7 @@ import pytest
 
 from core.errors import RunFailure, UsageError
 from demo.serve import workers as workers_module
-from demo.serve.workers import DeviceWorker, start_workers
+from demo.serve.workers import DeviceWorker, WorkerPool, start_workers
 
 
 class Unpicklable(Exception):
@@ -179,6 +179,33 @@ def test_no_worker_outlives_a_server_killed_with_sigkill(tmp_path, state):
         time.sleep(0.1)
     assert not alive(worker_pid)
 
+
+def test_the_pool_lends_the_first_free_worker_and_waits_when_none_is():
+    pool = WorkerPool(["cuda:0", "cuda:1"])
+    for _ in range(3):  # one call at a time: always the first, however Triton's instances take turns
+        with pool.lend() as worker:
+            assert worker == "cuda:0"
+    with pytest.raises(ValueError):
+        with pool.lend():
+            raise ValueError("a failed call gives its worker back")
+    third_lent = []
+
+    def third_call():
+        with pool.lend() as worker:
+            third_lent.append(worker)
+
+    second = pool.lend()
+    with pool.lend() as first:
+        assert (first, second.__enter__()) == ("cuda:0", "cuda:1")
+        third = threading.Thread(target=third_call)
+        third.start()
+        time.sleep(0.5)
+        assert third_lent == [], "a third call got a worker while both were lent"
+    third.join(10)  # the first came back: the third call has it
+    assert third_lent == ["cuda:0"]
+    second.__exit__(None, None, None)
+    with pool.lend() as worker:
+        assert worker == "cuda:0"
 
 def _children() -> list[str]:
     """The command lines of this process's children that are still running."""

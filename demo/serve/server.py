@@ -155,19 +155,20 @@ def engine_limits(settings, source):
 
 
 class Server:
-    """What Triton calls: one inference callable per device and model, each answering a batch of its requests."""
+    """What Triton calls: an inference callable per model, which its instances (one per device) share, each
+    answering a batch of requests on a device's pipeline lent by the pool."""
 
-    def __init__(self, pipelines, source, defaults: RequestFlags, check, verbose: bool):
-        self.pipelines, self.source, self.defaults, self.check = pipelines, source, defaults, check
+    def __init__(self, pool, source, defaults: RequestFlags, check, verbose: bool):
+        self.pool, self.source, self.defaults, self.check = pool, source, defaults, check
         self.verbose = verbose
         self._ids = itertools.count(1)
         self._batches = itertools.count(1)
-        self._lock = threading.Lock()  # the counters, shared by the pipelines' threads
+        self._lock = threading.Lock()  # the counters, shared by the instances' threads
 
-    def callable_for(self, served, mode: str):
-        return lambda requests: self.answer(served, mode, requests)
+    def callable_for(self, mode: str):
+        return lambda requests: self.answer(mode, requests)
 
-    def answer(self, served, mode: str, requests) -> list[dict]:
+    def answer(self, mode: str, requests) -> list[dict]:
         """Triton's batch of requests, answered: raises only where all of them failed (Triton then fails each one
         with the message); otherwise a failed request's `error` output says why (PyTriton fails a batch only whole)."""
         import numpy as np
@@ -181,7 +182,8 @@ class Server:
                 parsed.append(parse_request(request.data, self.source, self.defaults, self.check, mode))
             except RequestRejected as exc:
                 parsed.append(exc)
-        outcomes = run_requests(parsed, served, on_failure=self._failed)
+        with self.pool.lend() as served:
+            outcomes = run_requests(parsed, served, on_failure=self._failed)
         calls = sorted({outcome.call for outcome in outcomes if outcome.call is not None})
         with self._lock:
             ids = [next(self._ids) for _ in outcomes]
@@ -277,7 +279,7 @@ def run(flags) -> int:
     from demo.logs import configure_library_logging
     from demo.pipeline import check_request, resolve_request
     from demo.serve.schema import served_modes
-    from demo.serve.workers import SERVER_SWITCH_INTERVAL_S, start_workers
+    from demo.serve.workers import SERVER_SWITCH_INTERVAL_S, WorkerPool, start_workers
     from demo.settings import TORCH_USES_ENGINE_FLAGS
 
     model, serve, engine = flags[ModelFlags], flags[ServeFlags], flags[EngineFlags]
@@ -317,7 +319,8 @@ def run(flags) -> int:
     progress(f"[{PROG}] prepared: {', '.join(f'{worker.device} in process {worker.pid}' for worker in workers)}")
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)  # this process's threads now mostly hand batches on
     try:
-        return serve_forever(triton_api, Server(workers, source, defaults, check, model.verbose), modes, serve)
+        return serve_forever(triton_api, Server(WorkerPool(workers), source, defaults, check, model.verbose),
+                             modes, serve)
     finally:
         for worker in workers:
             worker.close()
@@ -367,7 +370,7 @@ def serve_forever(triton_api, server: Server, modes, serve: ServeFlags) -> int:
         for mode, name in zip(modes, names):
             triton.bind(
                 model_name=name,
-                infer_func=[server.callable_for(pipeline, mode) for pipeline in server.pipelines],
+                infer_func=[server.callable_for(mode) for _ in server.pool.workers],  # an instance per device
                 inputs=[Tensor(name=item.name, dtype=item.dtype, shape=item.shape, optional=item.optional)
                         for item in inputs_of(mode)],
                 outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
@@ -385,7 +388,7 @@ def serve_forever(triton_api, server: Server, modes, serve: ServeFlags) -> int:
         while not stop.wait(1.0):
             if not triton.is_alive():
                 raise RunFailure("Triton stopped by itself (run with --verbose for the reason)")
-            for worker in server.pipelines:
+            for worker in server.pool.workers:
                 if not worker.alive():
                     raise RunFailure(f"the pipeline process for {worker.device} exited")
         progress(f"[{PROG}] {signal.Signals(received[0]).name}: refusing new requests, finishing those in flight")

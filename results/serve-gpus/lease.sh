@@ -17,7 +17,7 @@
 # requests. Phase 1, side by side: on GPU_A a server with --max-batch-size 4 (concurrency 1, 8 and 16), on GPU_B one
 # with --max-batch-size 1 (concurrency 8: what batching gains). Each server is stopped with SIGTERM and its drain time
 # kept. summarize.py writes summary.md and summary.json. PHASES=2: phase 2 only; PHASES=pair: phase 2, then the
-# batch-4 server on GPU_A alone at concurrency 16 (the two-GPU ratio without the batch-1 server). With the torch
+# batch-4 server on GPU_A alone at concurrency 1 and 16 (the two-GPU ratio without the batch-1 server). With the torch
 # backend on two H100s (2026-11-26), PHASES=pair took 15 minutes (its one-GPU server first then), the default 14.
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
 # (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only. The CLI runs
@@ -118,7 +118,8 @@ print('numpy', numpy.__version__)" \
       load two-b4-many 8200 16 "$MANY"; stop two-b4; }
     case "${PHASES:-2 1}" in
       2) ;;
-      pair) serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c16 8000 16 $((REQUESTS * 2)); stop one-b4; } ;;
+      pair) serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c1 8000 1 20; load one-b4-c16 8000 16 $((REQUESTS * 2))
+        stop one-b4; } ;;
       *)
         step "phase 1: batch 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
         ( serve one-b4 "$GPU_A" 4 8000 && { load one-b4-c1 8000 1 20; load one-b4-c8 8000 8 "$REQUESTS"
