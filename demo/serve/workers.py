@@ -224,7 +224,8 @@ class WorkerPool:
     """The device workers, lent one call at a time: the free one listed first, or the first to come free. Why not
     one worker per Triton instance: Triton hands requests to its idle instances in turn, so at concurrency 1 on two
     H100s (2026-11-26) the GPUs alternated, each idle for a whole request before its next, and a request took 12.6 ms
-    longer than on one GPU. Lent this way, one GPU runs everything while one suffices; under load, all do."""
+    longer than on one GPU; lent this way, 6.7 (results/serve-gpus/h100x2-2026-11-26-pool/). One GPU runs everything
+    while one suffices; under load, all do."""
 
     def __init__(self, workers: Sequence):
         self.workers = list(workers)

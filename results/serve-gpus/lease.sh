@@ -20,7 +20,8 @@
 # batch-4 server on GPU_A alone at concurrency 1 and 16 (the two-GPU ratio without the batch-1 server). With the torch
 # backend on two H100s (2026-11-26), PHASES=pair took 15 minutes (its one-GPU server first then), the default 14.
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
-# (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only. The CLI runs
+# (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only (with engines,
+# builds only its engines, which the CLI then uses too). The CLI runs
 # CLI_RUNS times (3), its median pipeline time the yardstick: one run's varies (torch on H100s: 222-241 ms in one day).
 # A dry run on a CPU machine, tiny and every server on the CPU:
 #   MODEL=tiny SIZE=64 STEPS=2 GPU_A= GPU_B= BOTH= REQUESTS=8 MANY=20 bash results/serve-gpus/lease.sh work
@@ -80,15 +81,19 @@ print('numpy', numpy.__version__)" \
   else
     trt86_setup $L "$MODEL" || exit 1
   fi
+  build() {  # MAX_BATCH GPU: a server's engines
+    (CUDA_VISIBLE_DEVICES=$2 python3 scripts/build_engines.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" \
+      --width "$SIZE" --batch-size "$1" $(engines "$1") --stages clip,unet,vae,vae_encoder \
+      --report $L/build-b$1.json; echo "exit $?") >$L/build-b$1.log 2>&1
+  }
   if [ "$BACKEND" != torch ]; then
-    step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
-    for side in "4 $GPU_A" "1 $GPU_B"; do
-      set -- $side
-      (CUDA_VISIBLE_DEVICES=$2 python3 scripts/build_engines.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" \
-        --width "$SIZE" --batch-size "$1" $(engines "$1") --stages clip,unet,vae,vae_encoder \
-        --report $L/build-b$1.json; echo "exit $?") >$L/build-b$1.log 2>&1 &
-    done
-    wait
+    if [ "${ONE_GPU:-0}" = 1 ]; then
+      step "building engines at level $LEVEL on GPU '$GPU_A': batch up to ${BATCHES:-4 1}, one after another"
+      for size in ${BATCHES:-4 1}; do build $size "$GPU_A"; done
+    else
+      step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
+      build 4 "$GPU_A" & build 1 "$GPU_B" & wait
+    fi
     step "engines: $(grep -H '^exit' $L/build-b*.log | sed 's|.*/build-||' | tr '\n' ' ')"
   fi
   cli() {  # GPU: demo-diffusion with the load tests' request CLI_RUNS times, the median pipeline time the yardstick
