@@ -207,6 +207,7 @@ def test_the_pool_lends_the_first_free_worker_and_waits_when_none_is():
     with pool.lend() as worker:
         assert worker == "cuda:0"
 
+
 def _children() -> list[str]:
     """The command lines of this process's children that are still running."""
     found = []

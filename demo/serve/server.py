@@ -326,29 +326,49 @@ def run(flags) -> int:
             worker.close()
 
 
-def triton_library_dirs() -> list[str]:
-    """Where Triton's processes must find their libraries first: the libpython this interpreter runs on (Triton's
-    Python-backend stub would load the system's), then PyTriton's bundled ones (libcudart among them). PyTriton
-    looks for those beside site-packages only: installed anywhere else (`pip install --target`, PYTHONPATH; the GPU
-    box, 2026-11-26) it takes itself for an editable install, and tritonserver cannot start."""
+def put_triton_libraries_first() -> None:
+    """LD_LIBRARY_PATH, for the Triton processes this one starts, led by where they must find their libraries: the
+    libpython this interpreter runs on (Triton's Python-backend stub would load the system's), then PyTriton's bundled
+    ones (libcudart among them). PyTriton looks for those beside site-packages only: installed anywhere else (`pip
+    install --target`, PYTHONPATH; the GPU box, 2026-11-26) it takes itself for an editable install, and tritonserver
+    cannot start."""
     import pytriton
 
     bundled = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
-    return [sysconfig.get_config_var("LIBDIR")] + ([str(bundled)] if bundled.is_dir() else [])
+    libraries = [sysconfig.get_config_var("LIBDIR"), str(bundled) if bundled.is_dir() else None,
+                 os.environ.get("LD_LIBRARY_PATH")]
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libraries))
+
+
+def bind_model(triton, mode: str, infer_funcs: list, max_batch_size: int, max_queue_delay_ms: float) -> str:
+    """`mode`'s model bound on `triton` (its inputs schema.inputs_of's; its outputs the image, the batch size and the
+    error), a Triton instance per inference function, batched dynamically; returns the model's name."""
+    import numpy as np
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+
+    from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAMES, inputs_of
+
+    triton.bind(
+        model_name=MODEL_NAMES[mode],
+        infer_func=infer_funcs,
+        inputs=[Tensor(name=item.name, dtype=item.dtype, shape=item.shape, optional=item.optional)
+                for item in inputs_of(mode)],
+        outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
+                 Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,)),
+                 Tensor(name=ERROR, dtype=np.bytes_, shape=(1,))],
+        config=ModelConfig(max_batch_size=max_batch_size, batcher=DynamicBatcher(
+            max_queue_delay_microseconds=int(max_queue_delay_ms * 1000))),
+    )
+    return MODEL_NAMES[mode]
 
 
 def serve_forever(triton_api, server: Server, modes, serve: ServeFlags) -> int:
     """Start Triton with a model for each of `modes` bound to the pipelines, then wait for SIGTERM or SIGINT (handled
     here: a process started in the background ignores SIGINT) or for Triton to die; stop it, draining the requests in
     flight, and return the exit status (128 + the signal)."""
-    import numpy as np
-    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-
     from core.errors import RunFailure
-    from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAMES, inputs_of
 
-    libraries = [*triton_library_dirs(), os.environ.get("LD_LIBRARY_PATH")]
-    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libraries))
+    put_triton_libraries_first()
     received: list[int] = []
     stop = threading.Event()
 
@@ -365,20 +385,9 @@ def serve_forever(triton_api, server: Server, modes, serve: ServeFlags) -> int:
     # only once the model is there (by default PyTriton loads it into a running server, ready before it is).
     triton = triton_api.Triton(config=config, triton_lifecycle_policy=triton_api.TritonLifecyclePolicy(
         launch_triton_on_startup=False, local_model_store=True))
-    names = [MODEL_NAMES[mode] for mode in modes]
     try:
-        for mode, name in zip(modes, names):
-            triton.bind(
-                model_name=name,
-                infer_func=[server.callable_for(mode) for _ in server.pool.workers],  # an instance per device
-                inputs=[Tensor(name=item.name, dtype=item.dtype, shape=item.shape, optional=item.optional)
-                        for item in inputs_of(mode)],
-                outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
-                         Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,)),
-                         Tensor(name=ERROR, dtype=np.bytes_, shape=(1,))],
-                config=ModelConfig(max_batch_size=serve.max_batch_size, batcher=DynamicBatcher(
-                    max_queue_delay_microseconds=int(serve.max_queue_delay_ms * 1000))),
-            )
+        names = [bind_model(triton, mode, [server.callable_for(mode) for _ in server.pool.workers],  # one per device
+                            serve.max_batch_size, serve.max_queue_delay_ms) for mode in modes]
         try:
             triton.run()
         except Exception as exc:  # noqa: BLE001 -- PyTriton's start-up failures (a timeout, a dead server) as one line

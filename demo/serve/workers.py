@@ -159,8 +159,8 @@ class DeviceWorker:
         self._process = context.Process(target=_work, args=(theirs, prepare, verbose), name=f"sd-serve {device}")
         self._process.start()
         theirs.close()
-        # One batch at a time: through the pipe, and on the stages that the device's models (txt2img, img2img,
-        # inpaint: a Triton instance each) share.
+        # One batch at a time through the pipe, on the stages that the device's models (txt2img, img2img, inpaint)
+        # share. The server's WorkerPool lends a worker to one call at a time; this keeps any other caller to that.
         self._lock = threading.Lock()
 
     def _receive(self):

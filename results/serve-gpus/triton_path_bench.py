@@ -17,8 +17,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from demo.pipeline import TEXT_TO_IMAGE  # noqa: E402
 from demo.serve.client import connect, generate  # noqa: E402
-from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAMES, inputs_of  # noqa: E402
-from demo.serve.server import import_pytriton, triton_library_dirs  # noqa: E402
+from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE  # noqa: E402
+from demo.serve.server import bind_model, import_pytriton, put_triton_libraries_first  # noqa: E402
 from demo.serve.workers import SERVER_SWITCH_INTERVAL_S  # noqa: E402
 
 WAITS_MS = (0, 20, 200)
@@ -28,11 +28,8 @@ HTTP_PORT = 8300
 
 def serve(wait: dict):
     """Triton with the stand-in model on HTTP_PORT (gRPC the next port); `wait["ms"]` is read at each call."""
-    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-
     triton_api = import_pytriton()
-    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [*triton_library_dirs(),
-                                                                  os.environ.get("LD_LIBRARY_PATH")]))
+    put_triton_libraries_first()
     image = np.random.default_rng(0).integers(0, 256, (1, 512, 512, 3), dtype=np.uint8)
 
     def answer(requests):
@@ -44,13 +41,7 @@ def serve(wait: dict):
                                      http_port=HTTP_PORT, grpc_port=HTTP_PORT + 1, metrics_port=HTTP_PORT + 2)
     triton = triton_api.Triton(config=config, triton_lifecycle_policy=triton_api.TritonLifecyclePolicy(
         launch_triton_on_startup=False, local_model_store=True))
-    triton.bind(model_name=MODEL_NAMES[TEXT_TO_IMAGE], infer_func=answer,
-                inputs=[Tensor(name=item.name, dtype=item.dtype, shape=item.shape, optional=item.optional)
-                        for item in inputs_of(TEXT_TO_IMAGE)],
-                outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
-                         Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,)),
-                         Tensor(name=ERROR, dtype=np.bytes_, shape=(1,))],
-                config=ModelConfig(max_batch_size=4, batcher=DynamicBatcher(max_queue_delay_microseconds=0)))
+    bind_model(triton, TEXT_TO_IMAGE, [answer], max_batch_size=4, max_queue_delay_ms=0)
     triton.run()
     return triton
 
