@@ -22,8 +22,8 @@
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
 # (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only (with engines,
 # builds only its engines, which the CLI then uses too): on one H100 at level 3 (2026-11-26) the builds took 20
-# minutes, the whole lease about 26 after its 19 carry calls. The CLI runs CLI_RUNS times (3), its median pipeline time the
-# yardstick: one run's varies (torch on H100s: 222-247 ms in one day).
+# minutes, the whole lease about 26 after its 19 carry calls. The CLI runs CLI_RUNS times (3), its median pipeline
+# time the yardstick: one run's varies (torch on H100s: 222-247 ms in one day).
 # A dry run on a CPU machine, tiny and every server on the CPU:
 #   MODEL=tiny SIZE=64 STEPS=2 GPU_A= GPU_B= BOTH= REQUESTS=8 MANY=20 bash results/serve-gpus/lease.sh work
 L=${L:-/tmp/s21} MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} STEPS=${STEPS:-30} BACKEND=${BACKEND:-torch} LEVEL=${LEVEL:-3}
