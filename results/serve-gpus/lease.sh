@@ -27,7 +27,7 @@
 # A dry run on a CPU machine, tiny and every server on the CPU:
 #   MODEL=tiny SIZE=64 STEPS=2 GPU_A= GPU_B= BOTH= REQUESTS=8 MANY=20 bash results/serve-gpus/lease.sh work
 L=${L:-/tmp/s21} MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} STEPS=${STEPS:-30} BACKEND=${BACKEND:-torch} LEVEL=${LEVEL:-3}
-GPU_A=${GPU_A-0} GPU_B=${GPU_B-1} BOTH=${BOTH-0,1} REQUESTS=${REQUESTS:-64} MANY=${MANY:-500}
+GPU_A=${GPU_A-0} GPU_B=${GPU_B-1} BOTH=${BOTH-0,1} REQUESTS=${REQUESTS:-64} MANY=${MANY:-500} BATCHES=${BATCHES:-4 1}
 step() { echo "[s21] $(date +%T) $*" | tee -a $L/steps.log; }
 source scripts/box_lease_lib.sh
 gpus() { [ -n "$1" ] && echo "--gpus $1"; }
@@ -89,8 +89,8 @@ print('numpy', numpy.__version__)" \
   }
   if [ "$BACKEND" != torch ]; then
     if [ "${ONE_GPU:-0}" = 1 ]; then
-      step "building engines at level $LEVEL on GPU '$GPU_A': batch up to ${BATCHES:-4 1}, one after another"
-      for size in ${BATCHES:-4 1}; do build $size "$GPU_A"; done
+      step "building engines at level $LEVEL on GPU '$GPU_A': batch up to $BATCHES, one after another"
+      for size in $BATCHES; do build $size "$GPU_A"; done
     else
       step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
       build 4 "$GPU_A" & build 1 "$GPU_B" & wait
@@ -106,8 +106,8 @@ print('numpy', numpy.__version__)" \
     done
   }
   if [ "${ONE_GPU:-0}" = 1 ]; then  # one GPU, one server at a time; no two-GPU figures
-    step "one GPU ('$GPU_A'): servers at batch ${BATCHES:-4 1}, one after another, then the CLI"
-    for size in ${BATCHES:-4 1}; do
+    step "one GPU ('$GPU_A'): servers at batch $BATCHES, one after another, then the CLI"
+    for size in $BATCHES; do
       serve one-b$size "$GPU_A" $size 8000 && { load one-b$size-c1 8000 1 20; load one-b$size-c8 8000 8 "$REQUESTS"
         [ $size = 4 ] && load one-b4-many 8000 16 "$MANY"; stop one-b$size; }
     done

@@ -60,8 +60,7 @@ for log in sorted(run.glob("serve-*.log")):
                                                     r"(?: \(pipeline ([\d.]+) ms\))?", log.read_text()):
         batches[number] = (int(size), device, float(ms), float(own) if own else None)
     for size, device, ms, own in batches.values():
-        row = calls.setdefault((log.stem.removeprefix("serve-"), device, size), {"calls": 0, "ms": [], "own": []})
-        row["calls"] += 1
+        row = calls.setdefault((log.stem.removeprefix("serve-"), device, size), {"ms": [], "own": []})
         row["ms"].append(ms)
         if own is not None:
             row["own"].append(own)
@@ -73,11 +72,11 @@ def mean(values: list[float]) -> float | None:
 
 lines += ["", "| server | device | batch size | pipeline calls | mean ms per call | of it the pipeline's own |",
           "| --- | --- | ---: | ---: | ---: | ---: |"]
-lines += [f"| {server} | {device} | {size} | {row['calls']} | {mean(row['ms'])} | {mean(row['own']) or '—'} |"
+lines += [f"| {server} | {device} | {size} | {len(row['ms'])} | {mean(row['ms'])} | {mean(row['own']) or '—'} |"
           for (server, device, size), row in sorted(calls.items())]
 summary = {"load_tests": {name: {k: v for k, v in test.items() if k != "samples"} for name, test in tests.items()},
            "checks": checks, "cli": cli, "cli_pipeline_ms": cli_runs, "drain_s": drains,
-           "pipeline_calls": [{"server": server, "device": device, "batch_size": size, "calls": row["calls"],
+           "pipeline_calls": [{"server": server, "device": device, "batch_size": size, "calls": len(row["ms"]),
                                "mean_ms": mean(row["ms"]), "mean_pipeline_ms": mean(row["own"])}
                               for (server, device, size), row in sorted(calls.items())]}
 (run / "results" / "summary.json").write_text(json.dumps(summary, indent=1))
