@@ -89,8 +89,10 @@ def parse_stages(text: str) -> list[str]:
     return stages
 
 
-def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, height: int, width: int, guided: bool):
-    """What the engine backends need for these flags and this request, checked before anything is exported."""
+def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, height: int, width: int, guided: bool,
+                    max_batch: int = 1):
+    """What the engine backends need for these flags and this request (engines tuned for `batch_size`, taking up to
+    `max_batch` too), checked before anything is exported."""
     from demo.engine import (
         BuildOptions,
         EngineSettings,
@@ -110,7 +112,8 @@ def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, h
         print(f"note: --use-cuda-graph: engines built for exactly batch {batch_size} (as with --build-static-batch)",
               file=sys.stderr)
         static_batch = True
-    profile = ImageProfile.for_request(source, batch_size, height, width, static_batch, flags.build_dynamic_shape)
+    profile = ImageProfile.for_request(source, batch_size, height, width, static_batch, flags.build_dynamic_shape,
+                                       max_batch)
     check_engine_image_size(source, height, width)
     check_writable_directory("ONNX directory", Path(flags.onnx_dir))
     check_writable_directory("engine directory", Path(flags.engine_dir))

@@ -54,8 +54,10 @@ class ImageProfile:
 
     @classmethod
     def for_request(cls, source: ModelSource, batch_size: int, height: int, width: int,
-                    static_batch: bool, dynamic_shape: bool) -> "ImageProfile":
-        batch = (batch_size,) * 3 if static_batch else (1, batch_size, max(batch_size, DEFAULT_MAX_BATCH))
+                    static_batch: bool, dynamic_shape: bool, max_batch: int = 1) -> "ImageProfile":
+        """Engines tuned for `batch_size` (the profile's optimum) that take 1 to at least `max_batch` and
+        DEFAULT_MAX_BATCH, or exactly `batch_size` with `static_batch`."""
+        batch = (batch_size,) * 3 if static_batch else (1, batch_size, max(batch_size, max_batch, DEFAULT_MAX_BATCH))
         if dynamic_shape:
             low, high = source.image_size_range
             return cls(batch, (low, height, high), (low, width, high))

@@ -169,6 +169,10 @@ def test_build_engines_script_on_a_model_directory(tiny, tmp_path, capsys):
     (["--target-cc", "8.6", "--stages", "unet,text"], "unknown stage(s) text"),
     (["--target-cc", "8.6", "--height", "60"], "multiple of 8"),
     (["--target-cc", "8.6", "--use-cuda-graph", "--build-dynamic-shape"], "--use-cuda-graph needs static shapes"),
+    (["--target-cc", "8.6", "--batch-size", "4", "--max-batch-size", "2"],
+     "--max-batch-size must be at least --batch-size (4)"),
+    (["--target-cc", "8.6", "--build-static-batch", "--max-batch-size", "4"],
+     "or equal to it with --build-static-batch"),
 ])
 def test_build_engines_usage_errors(args, message, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # as where full TensorRT is not installed

@@ -36,7 +36,10 @@ def _stages_help() -> str:
 class BuildFlags:
     backend: str = flag(_flavours_help, "tensorrt-rtx")
     stages: str | None = flag(_stages_help)
-    batch_size: int = flag("images per run the engines serve (default: %(default)s)", 1)
+    batch_size: int = flag("images per run the engines are tuned for (default: %(default)s)", 1)
+    max_batch_size: int | None = flag("most images per run the engines take (default: --batch-size, and at least 4 "
+                                      "unless --build-static-batch); sd-serve's engines: its --max-batch-size, with "
+                                      "its --opt-batch-size as --batch-size")
     height: int | None = flag("image height (default: model's native)")
     width: int | None = flag("image width (default: model's native)")
     no_guidance: bool = flag("CLIP and UNet engines for unguided batches", False)
@@ -67,6 +70,7 @@ def build(flags) -> int:
     import torch
 
     from core.atomic import atomic_write_bytes
+    from core.errors import UsageError
     from demo.arguments import check_image_size, check_writable_file, engine_settings, parse_stages, stages_of
     from demo.backends import device_and_dtype
     from demo.engine import prepare_stage_engines, stage_int8
@@ -77,6 +81,11 @@ def build(flags) -> int:
     model, build_flags, engine = flags[ModelFlags], flags[BuildFlags], flags[EngineFlags]
     stages = parse_stages(build_flags.stages) if build_flags.stages else None
     at_least("--batch-size", build_flags.batch_size, 1)
+    max_batch = build_flags.max_batch_size or build_flags.batch_size
+    static_batch = engine.build_static_batch or engine.use_cuda_graph  # engines for exactly --batch-size
+    if max_batch < build_flags.batch_size or (static_batch and max_batch != build_flags.batch_size):
+        raise UsageError(f"--max-batch-size must be at least --batch-size ({build_flags.batch_size}), or equal to it "
+                         f"with --build-static-batch or --use-cuda-graph, got {max_batch}")
     if build_flags.report:
         check_writable_file("report file", Path(build_flags.report))
     import_flavour(build_flags.backend)  # clear error if the flavour is missing
@@ -85,7 +94,7 @@ def build(flags) -> int:
     height, width = build_flags.height or source.native_image_size, build_flags.width or source.native_image_size
     check_image_size(source, height, width)
     settings = engine_settings(engine, source, build_flags.backend, build_flags.batch_size, height, width,
-                               guided=not build_flags.no_guidance)
+                               guided=not build_flags.no_guidance, max_batch=max_batch)
     device, dtype = device_and_dtype(build_flags.backend, build_flags.onnx_precision)
     precision = "fp16" if dtype == torch.float16 else "fp32"
     start = time.perf_counter()
