@@ -9,9 +9,10 @@
 #   carry [.carry/serve-c]                  cp .carry/serve-c/*.whl /opt/w/
 #   carry [.carry/serve-b, .whl]            cp .carry/serve-b/*.whl /opt/w/ && BACKEND=torch bash results/serve-gpus/lease.sh start
 # and polls (`bash results/serve-gpus/lease.sh poll`, up to ~8 min each; files into $OUT).
-# With engines, each server's engines (a batch range up to its --max-batch-size, in folders of their own; the VAE
-# encoder too, for img2img) are built first, one set per GPU side by side: the servers then only load them. On two
-# H100s (2026-11-26) that took 19 minutes at level 3, and the whole lease 27 after the carry calls.
+# With engines, one set is built first (tuned for batch 1, taking up to 4: the CLI's, and every server's at its default
+# --opt-batch-size; the VAE encoder too, for img2img), the UNet on GPU_A beside the other stages on GPU_B: the servers
+# and the CLI then only load them. Until 2026-11-26 each server had engines tuned for its --max-batch-size, two sets
+# built side by side (20 minutes on two H100s at level 3; the lease of 2026-11-26 20:15 took 28 after the carry calls).
 # First the CLI alone on GPU_A (demo-diffusion with the load tests' request: the latency's yardstick). Phase 2: one
 # server on both GPUs, --max-batch-size 4: concurrency 1 (p50 against the CLI), 16 (against one GPU's 16), then MANY
 # requests. Phase 1, side by side: on GPU_A a server with --max-batch-size 4 (concurrency 1, 8 and 16), on GPU_B one
@@ -20,10 +21,9 @@
 # batch-4 server on GPU_A alone at concurrency 1 and 16 (the two-GPU ratio without the batch-1 server). With the torch
 # backend on two H100s (2026-11-26), PHASES=pair took 15 minutes (its one-GPU server first then), the default 14.
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
-# (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only (with engines,
-# builds only its engines, which the CLI then uses too): on one H100 at level 3 (2026-11-26) the builds took 20
-# minutes, the whole lease about 26 after its 19 carry calls. The CLI runs CLI_RUNS times (3), its median pipeline
-# time the yardstick: one run's varies (torch on H100s: 222-247 ms in one day).
+# (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only: on one H100 at
+# level 3 (2026-11-26) the engines took 20 minutes, the whole lease about 26 after its 19 carry calls. The CLI runs
+# CLI_RUNS times (3), its median pipeline time the yardstick: one run's varies (torch on H100s: 222-247 ms in one day).
 # A dry run on a CPU machine, tiny and every server on the CPU:
 #   MODEL=tiny SIZE=64 STEPS=2 GPU_A= GPU_B= BOTH= REQUESTS=8 MANY=20 bash results/serve-gpus/lease.sh work
 L=${L:-/tmp/s21} MODEL=${MODEL:-sd1.5-arch} SIZE=${SIZE:-512} STEPS=${STEPS:-30} BACKEND=${BACKEND:-torch} LEVEL=${LEVEL:-3}
@@ -33,13 +33,13 @@ source scripts/box_lease_lib.sh
 gpus() { [ -n "$1" ] && echo "--gpus $1"; }
 ready() { python3 -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" \
   "http://127.0.0.1:$1/v2/health/ready" 2>/dev/null; }
-engines() {  # MAX_BATCH: the engine flags of the servers with that --max-batch-size (none for the torch backend)
-  [ "$BACKEND" = torch ] || echo "--onnx-dir onnx-serve-b$1 --engine-dir engine-serve-b$1 --optimization-level $LEVEL
+engines() {  # the engine flags of the servers and the CLI (none for the torch backend)
+  [ "$BACKEND" = torch ] || echo "--onnx-dir onnx-serve --engine-dir engine-serve --optimization-level $LEVEL
     --disable-tactic-sources CUDNN"
 }
 serve() {  # NAME GPUS MAX_BATCH PORT: an sd-serve in the background, its pid in $L/NAME.pid, ready or failed
   python3 scripts/serve.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" --width "$SIZE" $(gpus "$2") \
-    --max-batch-size "$3" $(engines "$3") --http-port "$4" --grpc-port $(($4 + 1)) --metrics-port $(($4 + 2)) \
+    --max-batch-size "$3" $(engines) --http-port "$4" --grpc-port $(($4 + 1)) --metrics-port $(($4 + 2)) \
     >$L/serve-$1.log 2>&1 &
   echo $! >$L/$1.pid
   for _ in $(seq 1 1200); do
@@ -82,26 +82,26 @@ print('numpy', numpy.__version__)" \
   else
     trt86_setup $L "$MODEL" || exit 1
   fi
-  build() {  # MAX_BATCH GPU: a server's engines
+  build() {  # STAGES GPU: those stages' engines (sd-serve's defaults: tuned for batch 1, taking up to 4)
     (CUDA_VISIBLE_DEVICES=$2 python3 scripts/build_engines.py --model "$MODEL" --backend "$BACKEND" --height "$SIZE" \
-      --width "$SIZE" --batch-size "$1" $(engines "$1") --stages clip,unet,vae,vae_encoder \
-      --report $L/build-b$1.json; echo "exit $?") >$L/build-b$1.log 2>&1
+      --width "$SIZE" --batch-size 1 --max-batch-size 4 $(engines) --stages "$1" --report "$L/build-${1//,/-}.json"
+      echo "exit $?") >"$L/build-${1//,/-}.log" 2>&1
   }
   if [ "$BACKEND" != torch ]; then
     if [ "${ONE_GPU:-0}" = 1 ]; then
-      step "building engines at level $LEVEL on GPU '$GPU_A': batch up to $BATCHES, one after another"
-      for size in $BATCHES; do build $size "$GPU_A"; done
+      step "building engines at level $LEVEL on GPU '$GPU_A'"
+      build clip,unet,vae,vae_encoder "$GPU_A"
     else
-      step "building engines at level $LEVEL: batch up to 4 on GPU '$GPU_A', batch 1 on GPU '$GPU_B'"
-      build 4 "$GPU_A" & build 1 "$GPU_B" & wait
+      step "building engines at level $LEVEL: the UNet on GPU '$GPU_A', the other stages on GPU '$GPU_B'"
+      build unet "$GPU_A" & build clip,vae,vae_encoder "$GPU_B" & wait
     fi
-    step "engines: $(grep -H '^exit' $L/build-b*.log | sed 's|.*/build-||' | tr '\n' ' ')"
+    step "engines: $(grep -H '^exit' $L/build-*.log | sed 's|.*/build-||' | tr '\n' ' ')"
   fi
   cli() {  # GPU: demo-diffusion with the load tests' request CLI_RUNS times, the median pipeline time the yardstick
     for run in $(seq 1 "${CLI_RUNS:-3}"); do
       CUDA_VISIBLE_DEVICES=$1 python3 -m demo.demo_diffusion "a photo of an astronaut riding a horse on mars" \
         --model "$MODEL" --backend "$BACKEND" --height "$SIZE" --width "$SIZE" --denoising-steps "$STEPS" --seed 0 \
-        $(engines 1) --num-warmup-runs 3 --output-dir $L/cli/run$run >$L/cli-$run.log 2>&1
+        $(engines) --num-warmup-runs 3 --output-dir $L/cli/run$run >$L/cli-$run.log 2>&1
       step "CLI run $run: $(grep -h Pipeline $L/cli-$run.log)"
     done
   }
@@ -137,10 +137,15 @@ print('numpy', numpy.__version__)" \
   python3 results/serve-gpus/summarize.py $L >$L/summary.log 2>&1; step "summary: $(tail -1 $L/summary.log)"
   step "finished" ;;
 poll)
-  for _ in $(seq 1 90); do grep -q "finished\|failed" $L/steps.log 2>/dev/null && break; sleep 5; done
-  cat $L/steps.log; cat $L/results/summary.md 2>/dev/null
-  mkdir -p "$OUT" && cp $L/results/summary.* "$OUT/" 2>/dev/null
-  tar -czf "$OUT/$(basename $L).tgz" --exclude=repo -C "$(dirname $L)" "$(basename $L)" ;;
+  keep() {  # $L into $OUT; each minute too, so that a call cut short (the session's device time spent) brings it back
+    mkdir -p "$OUT" && cp $L/results/summary.* "$OUT/" 2>/dev/null
+    tar -czf "$OUT/partial.tgz" --exclude=repo -C "$(dirname $L)" "$(basename $L)"
+    mv "$OUT/partial.tgz" "$OUT/$(basename $L).tgz"
+  }
+  for i in $(seq 1 90); do
+    grep -q "finished\|failed" $L/steps.log 2>/dev/null && break; [ $((i % 12)) = 0 ] && keep; sleep 5
+  done
+  cat $L/steps.log; cat $L/results/summary.md 2>/dev/null; keep ;;
 *)
   echo "usage: bash results/serve-gpus/lease.sh start | poll | work"; exit 2 ;;
 esac
