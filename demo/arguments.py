@@ -90,9 +90,9 @@ def parse_stages(text: str) -> list[str]:
 
 
 def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, height: int, width: int, guided: bool,
-                    max_batch: int = 1):
+                    max_batch: int | None = None):
     """What the engine backends need for these flags and this request (engines tuned for `batch_size`, taking up to
-    `max_batch` too), checked before anything is exported."""
+    `max_batch` too, by default `batch_size`), checked before anything is exported."""
     from demo.engine import (
         BuildOptions,
         EngineSettings,
@@ -105,13 +105,16 @@ def engine_settings(flags: EngineFlags, source, flavour: str, batch_size: int, h
 
     if not 0 <= flags.optimization_level <= 5:
         raise UsageError(f"--optimization-level must be 0..5, got {flags.optimization_level}")
-    static_batch = flags.build_static_batch
     if flags.use_cuda_graph and flags.build_dynamic_shape:
         raise UsageError("--use-cuda-graph needs static shapes: drop --build-dynamic-shape")
-    if flags.use_cuda_graph and not static_batch:  # graphs replay one shape: engines for exactly this request
+    static_batch = flags.build_static_batch or flags.use_cuda_graph  # graphs replay one shape: exactly this request
+    max_batch = max_batch or batch_size
+    if max_batch < batch_size or (static_batch and max_batch != batch_size):
+        raise UsageError(f"--max-batch-size must be at least --batch-size ({batch_size}), or equal to it with "
+                         f"--build-static-batch or --use-cuda-graph, got {max_batch}")
+    if flags.use_cuda_graph and not flags.build_static_batch:
         print(f"note: --use-cuda-graph: engines built for exactly batch {batch_size} (as with --build-static-batch)",
               file=sys.stderr)
-        static_batch = True
     profile = ImageProfile.for_request(source, batch_size, height, width, static_batch, flags.build_dynamic_shape,
                                        max_batch)
     check_engine_image_size(source, height, width)

@@ -70,7 +70,6 @@ def build(flags) -> int:
     import torch
 
     from core.atomic import atomic_write_bytes
-    from core.errors import UsageError
     from demo.arguments import check_image_size, check_writable_file, engine_settings, parse_stages, stages_of
     from demo.backends import device_and_dtype
     from demo.engine import prepare_stage_engines, stage_int8
@@ -81,11 +80,6 @@ def build(flags) -> int:
     model, build_flags, engine = flags[ModelFlags], flags[BuildFlags], flags[EngineFlags]
     stages = parse_stages(build_flags.stages) if build_flags.stages else None
     at_least("--batch-size", build_flags.batch_size, 1)
-    max_batch = build_flags.max_batch_size or build_flags.batch_size
-    static_batch = engine.build_static_batch or engine.use_cuda_graph  # engines for exactly --batch-size
-    if max_batch < build_flags.batch_size or (static_batch and max_batch != build_flags.batch_size):
-        raise UsageError(f"--max-batch-size must be at least --batch-size ({build_flags.batch_size}), or equal to it "
-                         f"with --build-static-batch or --use-cuda-graph, got {max_batch}")
     if build_flags.report:
         check_writable_file("report file", Path(build_flags.report))
     import_flavour(build_flags.backend)  # clear error if the flavour is missing
@@ -94,7 +88,7 @@ def build(flags) -> int:
     height, width = build_flags.height or source.native_image_size, build_flags.width or source.native_image_size
     check_image_size(source, height, width)
     settings = engine_settings(engine, source, build_flags.backend, build_flags.batch_size, height, width,
-                               guided=not build_flags.no_guidance, max_batch=max_batch)
+                               guided=not build_flags.no_guidance, max_batch=build_flags.max_batch_size)
     device, dtype = device_and_dtype(build_flags.backend, build_flags.onnx_precision)
     precision = "fp16" if dtype == torch.float16 else "fp32"
     start = time.perf_counter()
