@@ -14,7 +14,7 @@
 # and the CLI then only load them. Until 2026-11-26 each server had engines tuned for its --max-batch-size, two sets
 # built side by side (20 minutes on two H100s at level 3; the lease of 2026-11-26 20:15 took 28 after the carry calls).
 # First the CLI alone on GPU_A (demo-diffusion with the load tests' request: the latency's yardstick). Phase 2: one
-# server on both GPUs, --max-batch-size 4: concurrency 1 (p50 against the CLI), 16 (against one GPU's 16), then MANY
+# server on both GPUs, --max-batch-size 4: concurrency 1 (p50 against the CLI; over HTTP, then gRPC), 16 (against one GPU's 16), then MANY
 # requests. Phase 1, side by side: on GPU_A a server with --max-batch-size 4 (concurrency 1, 8 and 16), on GPU_B one
 # with --max-batch-size 1 (concurrency 8: what batching gains). Each server is stopped with SIGTERM and its drain time
 # kept. summarize.py writes summary.md and summary.json. PHASES=2: phase 2 only; PHASES=pair: phase 2, then the
@@ -54,9 +54,9 @@ stop() {  # NAME: SIGTERM, then how long it took to drain and exit
   kill -TERM "$pid"; while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
   step "$1 stopped in $(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $start }") s"
 }
-load() {  # NAME PORT CONCURRENCY REQUESTS: one load test, its JSON and chart into $L/results
+load() {  # NAME PORT CONCURRENCY REQUESTS [FLAGS]: one load test, its JSON and chart into $L/results
   python3 scripts/loadtest.py --url "127.0.0.1:$2" --concurrency "$3" --requests "$4" --denoising-steps "$STEPS" \
-    --results-dir $L/results --name "$1" >$L/load-$1.log 2>&1
+    --results-dir $L/results --name "$1" "${@:5}" >$L/load-$1.log 2>&1
   step "load $1: $(grep -h 'answered in' $L/load-$1.log)"
 }
 case "$1" in
@@ -120,7 +120,8 @@ print('numpy', numpy.__version__)" \
     cli "$GPU_A"  # alone: the p50's yardstick
     step "phase 2: batch 4 on GPUs '$BOTH'"  # first: on two H100s (2026-11-26), torch.compile's caches from a one-GPU
     # server did not serve the other GPU (5.6 minutes to start after one, 84 s after both)
-    serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c16 8200 16 $((REQUESTS * 2))
+    serve two-b4 "$BOTH" 4 8200 && { load two-b4-c1 8200 1 20; load two-b4-c1-grpc 8201 1 20 --protocol grpc
+      load two-b4-c16 8200 16 $((REQUESTS * 2))
       load two-b4-many 8200 16 "$MANY"; stop two-b4; }
     case "${PHASES:-2 1}" in
       2) ;;
