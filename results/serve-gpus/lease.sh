@@ -11,11 +11,13 @@
 # and polls (`bash results/serve-gpus/lease.sh poll`, up to ~8 min each; files into $OUT).
 # With engines, one set is built first (tuned for batch 1, taking up to 4: the CLI's, and every server's at its default
 # --opt-batch-size; the VAE encoder too, for img2img), the UNet on GPU_A beside the other stages on GPU_B: the servers
-# and the CLI then only load them. Until 2026-11-26 each server had engines tuned for its --max-batch-size, two sets
-# built side by side (20 minutes on two H100s at level 3; the lease of 2026-11-26 20:15 took 28 after the carry calls).
+# and the CLI then only load them (17 minutes on two H100s at level 3; with PHASES=pair the lease of 2026-11-26 23:46
+# took 24.5 after its 19 carry calls, 27 in all). Until 2026-11-26 each server had engines tuned for its
+# --max-batch-size, two sets built side by side (20 minutes on two H100s at level 3; the lease of 2026-11-26 20:15 took
+# 28 after the carry calls).
 # First the CLI alone on GPU_A (demo-diffusion with the load tests' request: the latency's yardstick). Phase 2: one
-# server on both GPUs, --max-batch-size 4: concurrency 1 (p50 against the CLI; over HTTP, then gRPC), 16 (against one GPU's 16), then MANY
-# requests. Phase 1, side by side: on GPU_A a server with --max-batch-size 4 (concurrency 1, 8 and 16), on GPU_B one
+# server on both GPUs, --max-batch-size 4: concurrency 1 (p50 against the CLI; over HTTP, then gRPC), 16 (against one
+# GPU's 16), then MANY requests. Phase 1, side by side: on GPU_A a server with --max-batch-size 4 (concurrency 1, 8 and 16), on GPU_B one
 # with --max-batch-size 1 (concurrency 8: what batching gains). Each server is stopped with SIGTERM and its drain time
 # kept. summarize.py writes summary.md and summary.json. PHASES=2: phase 2 only; PHASES=pair: phase 2, then the
 # batch-4 server on GPU_A alone at concurrency 1 and 16 (the two-GPU ratio without the batch-1 server). With the torch
@@ -67,7 +69,9 @@ work)
   mkdir -p $L/results
   if [ -d /opt/w ]; then  # on the box: the carried wheels into its interpreter itself, numpy 1.26 replacing numpy 2:
     # Triton's Python-backend stub ignores PYTHONPATH (its models could not import zmq from there, 2026-11-26)
-    python3 -m pip install -q --no-index --no-deps --no-compile /opt/w/*.whl .whl/*.whl \
+    wheels=(/opt/w/*.whl)  # .whl's too, less those serve-b carries as well (pip refuses one wheel given twice)
+    for wheel in .whl/*.whl; do [ -e "/opt/w/${wheel##*/}" ] || wheels+=("$wheel"); done
+    python3 -m pip install -q --no-index --no-deps --no-compile "${wheels[@]}" \
       >$L/setup.log 2>&1 || { step "setup failed: $(tail -1 $L/setup.log)"; exit 1; }
     export DEMO_DIFFUSION_CACHE=/tmp/ddcache
   fi
