@@ -17,11 +17,12 @@
 # 28 after the carry calls).
 # First the CLI alone on GPU_A (demo-diffusion with the load tests' request: the latency's yardstick). Phase 2: one
 # server on both GPUs, --max-batch-size 4: concurrency 1 (p50 against the CLI; over HTTP, then gRPC), 16 (against one
-# GPU's 16), then MANY requests. Phase 1, side by side: on GPU_A a server with --max-batch-size 4 (concurrency 1, 8 and 16), on GPU_B one
-# with --max-batch-size 1 (concurrency 8: what batching gains). Each server is stopped with SIGTERM and its drain time
-# kept. summarize.py writes summary.md and summary.json. PHASES=2: phase 2 only; PHASES=pair: phase 2, then the
-# batch-4 server on GPU_A alone at concurrency 1 and 16 (the two-GPU ratio without the batch-1 server). With the torch
-# backend on two H100s (2026-11-26), PHASES=pair took 15 minutes (its one-GPU server first then), the default 14.
+# GPU's 16), then MANY requests. Phase 1, side by side: on GPU_A a server with --max-batch-size 4 (concurrency 1, 8 and
+# 16), on GPU_B one with --max-batch-size 1 (concurrency 8: what batching gains). Each server is stopped with SIGTERM
+# and its drain time kept. summarize.py writes summary.md and summary.json. PHASES=2: phase 2 only; PHASES=pair: phase
+# 2, then the batch-4 server on GPU_A alone at concurrency 1 and 16 (the two-GPU ratio without the batch-1 server). With
+# the torch backend on two H100s (2026-11-26), PHASES=pair took 15 minutes (its one-GPU server first then), the default
+# 14.
 # ONE_GPU=1 (one GPU, GPU_A): a server at batch 4 (concurrency 1 and 8, then MANY requests), one at batch 1
 # (concurrency 1 and 8), then the CLI, one after another; BATCHES="1" runs the batch-1 server only: on one H100 at
 # level 3 (2026-11-26) the engines took 20 minutes, the whole lease about 26 after its 19 carry calls. The CLI runs
