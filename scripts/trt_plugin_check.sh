@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# One device call on a GPU machine with TensorRT's Python package: build the kernels and libsdplugins_trt.so
-# against TensorRT's headers, then run every plugin inside a one-node engine (tests/test_trt_plugins_gpu.py)
-# and the Seq2Spatial kernel tests of both residual layouts. Logs go to $OUT (or ./gpu-out).
+# On a GPU machine with TensorRT's Python package: build the kernels and libsdplugins_trt.so against TensorRT's
+# headers, then run every plugin inside a one-node engine (tests/test_trt_plugins_gpu.py) and the Seq2Spatial kernel
+# tests of both residual layouts.
 #
-# Usage: bash scripts/trt_plugin_check.sh [DIR]   DIR (or $TENSORRT_INCLUDE_DIR): the one with NvInfer.h.
-# On the H100/H200 box with the TensorRT 8.6 kit set up (../shared/trt86/README.md): DIR is
-# /opt/k/misc/src/include (the kit's 8.6 headers), and /opt/trt86/env.sh is sourced here.
+# Usage: bash scripts/trt_plugin_check.sh [DIR] [OUT_DIR]
+#   DIR (or $TENSORRT_INCLUDE_DIR): the folder holding NvInfer.h, of the TensorRT version `import tensorrt` loads.
+#   OUT_DIR: logs (default: gpu-out in the repository root). Environment: PYTEST_ARGS (more pytest arguments).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 headers=${1:-${TENSORRT_INCLUDE_DIR:-}}
-[ -f "$headers/NvInfer.h" ] || { echo "usage: $0 DIR (or TENSORRT_INCLUDE_DIR=DIR), DIR holding NvInfer.h; got '$headers'"; exit 2; }
-[ -f /opt/trt86/env.sh ] && source /opt/trt86/env.sh
-out=${OUT:-gpu-out}; mkdir -p "$out"
+[ -f "$headers/NvInfer.h" ] || { echo "usage: $0 DIR [OUT_DIR] (or TENSORRT_INCLUDE_DIR=DIR), DIR holding NvInfer.h; got '$headers'"; exit 2; }
+headers=$(cd "$headers" && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=$(d=${2:-$root/gpu-out} && mkdir -p "$d" && cd "$d" && pwd) || exit 2
+cd "$root"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import tensorrt as trt; print('tensorrt', trt.__version__)" 2>&1 | tee -a "$out/gpu.txt"
