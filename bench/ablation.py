@@ -25,14 +25,27 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import torch
+from PIL import Image
+
 from bench.charts import ablation_chart, kernel_chart
 from bench.common import ResultsFlags, log, measuring_parser, slug
 from bench.jobs import ALL, ATTENTION, BUILT_STAGES, BuildPlan, build_all, config_jobs, export_and_probe
 from bench.runner import compare_images, run_config
 from bench.tables import ablation_table, kernel_table
-from core.errors import UsageError
-from demo.settings import EngineFlags, ModelFlags, RequestFlags, at_least, flag, same_as
+from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
+from core.errors import UsageError, at_least
+from demo.backends.registry import backend_named
+from demo.backends.tensorrt.options import MAX_OPTIMIZATION_LEVEL
+from demo.cli.command import run_command
+from demo.cli.flags import EngineFlags, ModelFlags, flag, parse_flags, same_as
+from demo.cli.to_spec import request_from_flags, spec_from_flags
+from demo.request import TEXT_TO_IMAGE
+from demo.runtime.loader import plan_pipeline, quiet
+from demo.runtime.spec import reference_spec
+from models.plugin_set import local_compute_capability
 from plugins.contract import OURS, TENSORRT
+from plugins.tuned import PLUGINS_AUTO, entry_key, write_entry
 
 PROG = "sd-ablation"
 say = partial(log, PROG)
@@ -87,13 +100,7 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import run_command
-    from demo.settings import parse_flags
-
-    def run(flags) -> int:
-        return ablate(flags[ModelFlags], flags[RequestFlags], flags[AblationFlags], flags[ResultsFlags])
-
-    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv)))
+    return run_command(PROG, lambda: ablate(parse_flags(build_parser(), argv)))
 
 
 def select_configs(text: str | None) -> list[tuple[str, tuple[str, ...], str]]:
@@ -135,40 +142,30 @@ def kernel_comparisons(rows: list[dict]) -> list[dict]:
 
 def check_flags(ablation: AblationFlags, output: ResultsFlags) -> None:
     """What can be checked before the model is resolved (which may generate a built-in one)."""
-    import torch
-
-    from demo.arguments import check_writable_directory, check_writable_file
-
-    at_least("--runs", ablation.runs, 1)
-    at_least("--parallel-builds", ablation.parallel_builds, 1)
+    at_least("runs", ablation.runs, 1)
+    at_least("parallel_builds", ablation.parallel_builds, 1)
     if not 1 <= ablation.build_gpus <= max(torch.cuda.device_count(), 1):
         raise UsageError(f"--build-gpus must be 1 to the {torch.cuda.device_count()} GPUs here, "
                          f"got {ablation.build_gpus}")
     if ablation.build_budget_s is not None and ablation.build_budget_s <= 0:
         raise UsageError(f"--build-budget-s must be positive, got {ablation.build_budget_s}")
-    if not 0 <= ablation.optimization_level <= 5:
-        raise UsageError(f"--optimization-level must be 0..5, got {ablation.optimization_level}")
+    if not 0 <= ablation.optimization_level <= MAX_OPTIMIZATION_LEVEL:
+        raise UsageError(f"--optimization-level must be 0..{MAX_OPTIMIZATION_LEVEL}, got "
+                         f"{ablation.optimization_level}")
     check_writable_directory("results directory", Path(output.results_dir))
     check_writable_directory("work directory", Path(ablation.work_dir))
     if output.update_defaults:
         check_writable_file("tuned-defaults file", output.defaults_path)
 
 
-def ablate(model: ModelFlags, request: RequestFlags, ablation: AblationFlags, output: ResultsFlags) -> int:
-    import torch
-    from PIL import Image
-
-    from demo.logs import configure_library_logging
-    from demo.pipeline import check_request, resolve_request
-    from demo.trt_flavour import version
-    from models.plugin_set import local_compute_capability
-
+def ablate(flags) -> int:
+    ablation, output, model = flags[AblationFlags], flags[ResultsFlags], flags[ModelFlags]
     configs = select_configs(ablation.configs)
     check_flags(ablation, output)
-    configure_library_logging(model.verbose)
-    source = model.resolve()
-    request = resolve_request(request, source)
-    check_request(request, source)
+    # The request every configuration runs, resolved and checked against the model.
+    reference = plan_pipeline(reference_spec(spec_from_flags(flags, modes=(TEXT_TO_IMAGE,))),
+                              request=request_from_flags(flags), log=quiet)
+    source, request = reference.source, reference.request
     work = Path(ablation.work_dir)
     plan = BuildPlan(model.model, work, request.height, request.width, request.batch_size, request.guided,
                      ablation.optimization_level, ablation.disable_tactic_sources, ablation.enable_tactic_sources)
@@ -202,7 +199,8 @@ def ablate(model: ModelFlags, request: RequestFlags, ablation: AblationFlags, ou
     for row in rows:
         row["psnr_vs_none"], row["max_pixel_diff_vs_none"] = compare_images(images[row["label"]], images.get("none"))
     gpu = torch.cuda.get_device_name()
-    meta = {"gpu": gpu, "compute_capability": local_compute_capability(), "tensorrt": version("tensorrt"),
+    meta = {"gpu": gpu, "compute_capability": local_compute_capability(),
+            "tensorrt": backend_named("tensorrt").version(),
             "model": source.name, "height": request.height, "width": request.width,
             "batch_size": request.batch_size, "steps": request.denoising_steps, "scheduler": request.scheduler,
             "guidance_scale": request.guidance_scale, "seed": request.seed, "prompt": request.prompt,
@@ -217,8 +215,6 @@ def ablate(model: ModelFlags, request: RequestFlags, ablation: AblationFlags, ou
 
 def write_results(results: Path, rows: list[dict], failed: dict, meta: dict) -> Path:
     """The ablation's JSON, markdown table and charts in `results`; the table is printed too."""
-    from core.atomic import atomic_write_bytes
-
     gpu, trt_version = meta["gpu"], meta["tensorrt"]
     name = f"ablation-{slug(gpu)}"
     comparisons = kernel_comparisons(rows)
@@ -243,8 +239,6 @@ def write_results(results: Path, rows: list[dict], failed: dict, meta: dict) -> 
 def update_plugins_auto(path: Path, rows: list[dict], meta: dict, json_path: Path, xl: bool = False) -> None:
     """Record the plugins that measured faster alone than none as this compute capability's `--plugins auto` (for
     SDXL models where the ablation ran one: `xl`)."""
-    from plugins.tuned import PLUGINS_AUTO, entry_key, write_entry
-
     if meta["compute_capability"] is None:
         say("no GPU here: the tuned defaults are left as they are")
         return

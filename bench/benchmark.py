@@ -36,12 +36,35 @@ from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 
+from bench.charts import gpu_chart
 from bench.common import ResultsFlags, log, measuring_parser, one_line, slug
-from bench.contenders import DEFAULT_CONTENDERS, EAGER, resolve_here, select_contenders, why_skip
-from bench.runner import Setup, Workload, compare_images, free_memory, load_image, run_contender, save_image
+from bench.contenders import DEFAULT_CONTENDERS, EAGER, resolve_here, select_contenders
+from bench.gpu_report import merge, read_report
+from bench.runner import (
+    Setup,
+    Workload,
+    compare_images,
+    free_memory,
+    load_image,
+    run_contender,
+    save_image,
+    why_skip,
+)
 from bench.tables import KINDS, benchmark_table
-from core.errors import UsageError
-from demo.settings import EngineFlags, ModelFlags, RequestFlags, at_least, changed, flag, option_name
+from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
+from core.errors import UsageError, at_least
+from demo.backends.registry import backend_named
+from demo.backends.tensorrt.options import MAX_OPTIMIZATION_LEVEL
+from demo.backends.torch.backend import TorchBackend
+from demo.cli.command import run_command
+from demo.cli.flags import EngineFlags, ModelFlags, add_flags, changed, flag, option_name, parse_flags
+from demo.cli.to_spec import request_from_flags, spec_from_flags
+from demo.request import TEXT_TO_IMAGE, Request, check_image_size
+from demo.runtime.loader import plan_pipeline, quiet
+from demo.runtime.report import device_name, library_versions, precision_name
+from demo.runtime.spec import reference_spec
+from models.plugin_set import local_compute_capability
+from plugins.tuned import TORCH_DEFAULTS, entry_key, write_entry
 
 PROG = "sd-benchmark"
 say = partial(log, PROG)
@@ -65,8 +88,6 @@ class BenchmarkFlags:
 
 
 def build_parser():
-    from demo.settings import add_flags
-
     p = measuring_parser(PROG, __doc__.splitlines()[0], BenchmarkFlags)
     add_flags(p, EngineFlags, "engines (as build-engines takes them)",
               description=", ".join(option_name(item) for item in fields(EngineFlags) if item.name in PER_CONTENDER)
@@ -75,24 +96,15 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import run_command
-    from demo.settings import parse_flags
-
-    def run(flags) -> int:
-        return benchmark(flags[ModelFlags], flags[RequestFlags], flags[BenchmarkFlags], flags[ResultsFlags],
-                         flags[EngineFlags])
-
-    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv)))
+    return run_command(PROG, lambda: benchmark(parse_flags(build_parser(), argv)))
 
 
 def check_flags(bench: BenchmarkFlags, output: ResultsFlags, engine: EngineFlags) -> None:
     """What can be checked before the model is resolved (which may generate a built-in one)."""
-    from demo.arguments import check_writable_directory, check_writable_file
-
-    at_least("--runs", bench.runs, 1)
-    at_least("--warmup-runs", bench.warmup_runs, 0)
-    if not 0 <= engine.optimization_level <= 5:
-        raise UsageError(f"--optimization-level must be 0..5, got {engine.optimization_level}")
+    at_least("runs", bench.runs, 1)
+    at_least("warmup_runs", bench.warmup_runs, 0)
+    if not 0 <= engine.optimization_level <= MAX_OPTIMIZATION_LEVEL:
+        raise UsageError(f"--optimization-level must be 0..{MAX_OPTIMIZATION_LEVEL}, got {engine.optimization_level}")
     ours = changed(engine, ignore=tuple(item.name for item in fields(EngineFlags) if item.name not in PER_CONTENDER))
     if ours:
         raise UsageError(f"{', '.join(ours)}: the benchmark sets this per contender; choose them with --contenders")
@@ -104,10 +116,8 @@ def check_flags(bench: BenchmarkFlags, output: ResultsFlags, engine: EngineFlags
         raise UsageError(f"--engines-from-ablation: no such directory: {bench.engines_from_ablation}")
 
 
-def workloads_of(request: RequestFlags, extra_shapes: bool, source) -> list[Workload]:
+def workloads_of(request: Request, extra_shapes: bool, source) -> list[Workload]:
     """The resolved request's size and batch, then (--extra-shapes) 1.5x the size, and batch 4."""
-    from demo.arguments import check_image_size
-
     workloads = [Workload(request.height, request.width, request.batch_size)]
     if extra_shapes:
         workloads += [Workload(request.height * 3 // 2 // 8 * 8, request.width * 3 // 2 // 8 * 8, 1),
@@ -118,8 +128,6 @@ def workloads_of(request: RequestFlags, extra_shapes: bool, source) -> list[Work
 
 
 def compute_capability(device) -> str | None:
-    from models.plugin_set import local_compute_capability
-
     return local_compute_capability() if device.type == "cuda" else None
 
 
@@ -155,8 +163,6 @@ class Results:
         self.write()
 
     def write(self) -> None:
-        from core.atomic import atomic_write_bytes
-
         data = dict(self.data)
         if not data["rows"]:
             del data["rows"]  # report-gpus takes a file without rows for no report and skips it
@@ -167,18 +173,13 @@ class Results:
 
     def chart(self) -> bytes:
         """report-gpus' stacked chart of the rows as it reads them from the JSON."""
-        from bench.charts import gpu_chart
-        from bench.gpu_report import merge, read_report
-
         return gpu_chart(merge(read_report(self.json_path, self.json_path.name), with_published=False))
 
 
 def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, key: str, json_path: Path) -> None:
     """Record the fastest torch-backend combination measured at `workload_name` as the torch defaults under `key`
     (plugins.tuned.entry_key: this compute capability, SDXL's apart) in the tuned-defaults file `path`."""
-    from plugins.tuned import TORCH_DEFAULTS, write_entry
-
-    rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == "torch"]
+    rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == TorchBackend.name]
     if not rows:
         say(f"no torch-backend row at {workload_name}: the torch defaults are left as they are")
         return
@@ -193,12 +194,10 @@ def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, key:
 
 def measure(setup: Setup, results: Results, contender, workload: Workload, first: Workload, images_dir: Path) -> None:
     """One contender at one workload, recorded as a row, a skip or a failure."""
-    import torch
-
     source, request = setup.source, setup.request
     name = workload.title(source.name, request.denoising_steps)
     entry = {"label": contender.label, "workload": name, "what": contender.what}
-    reason = why_skip(contender, setup.device)
+    reason = why_skip(setup, contender, workload, first)
     if reason:
         say(f"{contender.label} ({name}): skipped: {reason}")
         results.record("skipped", {**entry, "reason": reason})
@@ -221,10 +220,8 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
     row = {"device": results.data["gpu"], "label": contender.label, "model": source.name, "height": workload.height,
            "width": workload.width, "batch_size": workload.batch, "steps": request.denoising_steps,
            "scheduler": request.scheduler, "seed": request.seed,
-           "precision": "fp16" if setup.dtype == torch.float16 else "fp32", **entry, **row,
-           "backend": contender.backend,
-           "settings": (contender.settings.as_dict() if contender.settings is not None
-                        else {"plugins": list(contender.plugins), "cuda_graph": True}),
+           "precision": precision_name(setup.dtype), **entry, **row, "backend": contender.backend,
+           "settings": contender.settings_dict(),
            "psnr_vs_eager_db": psnr, "max_pixel_diff_vs_eager": difference, "image": str(image_path),
            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
     if contender.reference:  # e.g. INT8 engines against the fp16 ones: the image too
@@ -235,36 +232,26 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
         f"{row['unet_ms_per_call']:.2f} ms/step, PSNR vs eager {psnr if psnr is not None else '—'}")
 
 
-def benchmark(model: ModelFlags, request: RequestFlags, bench: BenchmarkFlags, output: ResultsFlags,
-              engine: EngineFlags) -> int:
-    from demo.backends import device_and_dtype
-    from demo.logs import configure_library_logging
-    from demo.pipeline import check_request, resolve_request
-    from demo.report import device_name, library_versions
-
+def benchmark(flags) -> int:
+    bench, output, engine = flags[BenchmarkFlags], flags[ResultsFlags], flags[EngineFlags]
     chosen = select_contenders(bench.contenders)
     check_flags(bench, output, engine)
-    source = model.resolve()
-    request = resolve_request(request, source)
-    check_request(request, source)
+    # The contenders' shared request, resolved and checked against the model on the reference backend.
+    reference = plan_pipeline(reference_spec(spec_from_flags(flags, modes=(TEXT_TO_IMAGE,))),
+                              request=request_from_flags(flags), log=quiet)
+    source, request, device, dtype = reference.source, reference.request, reference.device, reference.dtype
     workloads = workloads_of(request, bench.extra_shapes, source)
-    configure_library_logging(model.verbose)
-    device, dtype = device_and_dtype("torch")
     gpu = device_name(device)
     capability = compute_capability(device)
-    try:
-        from demo.trt_flavour import version
-
-        tensorrt = f"TensorRT {version('tensorrt')}"
-    except UsageError:
-        tensorrt = None
+    engines = backend_named("tensorrt")
+    tensorrt = None if engines.why_cannot_build() else f"TensorRT {engines.version()}"
     meta = {"gpu": gpu, "compute_capability": capability, "versions": library_versions(), "tensorrt": tensorrt,
             "model": source.name, "prompt": request.prompt, "negative_prompt": request.negative_prompt,
             "seed": request.seed, "scheduler": request.scheduler, "guidance_scale": request.guidance_scale,
             "runs": bench.runs, "warmup_runs": bench.warmup_runs,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
-    setup = Setup(source, device, dtype, request, engine, bench.runs, bench.warmup_runs, bench.engines_from_ablation,
-                  model.verbose, say)
+    setup = Setup(spec_from_flags(flags), source, device, dtype, request, engine, bench.runs, bench.warmup_runs,
+                  bench.engines_from_ablation, flags[ModelFlags].verbose, say)
     chosen = [resolve_here(c, device, source.is_xl) for c in chosen]
     results = Results(Path(output.results_dir), bench.fresh, gpu, meta)
     say(f"{len(chosen)} contender(s) x {len(workloads)} workload(s) on {gpu}: {', '.join(c.label for c in chosen)}; "
@@ -274,8 +261,6 @@ def benchmark(model: ModelFlags, request: RequestFlags, bench: BenchmarkFlags, o
         for contender in chosen:
             measure(setup, results, contender, workload, workloads[0], images_dir)
     if output.update_defaults:
-        from plugins.tuned import entry_key
-
         if capability is None:
             say("no GPU here: the torch defaults are left as they are")
         elif source.name == "tiny":

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.settings import flag
+from demo.cli.flags import ModelFlags, Parser, RequestFlags, add_flags, flag
 from plugins.tuned import TUNED_DEFAULTS_FILE
 
 STAGES = ("clip", "unet", "vae", "pipeline")
@@ -32,9 +32,6 @@ class ResultsFlags:
 def measuring_parser(prog: str, description: str, own: type):
     """A measuring command's parser: the model (sd1.5-arch by default), the shared request flags, the command's
     own flags (`own`, a flags dataclass) and where it writes."""
-    from demo.arguments import Parser
-    from demo.settings import ModelFlags, RequestFlags, add_flags
-
     parser = Parser(prog=prog, description=description)
     add_flags(parser, ModelFlags, model="sd1.5-arch")
     add_flags(parser, RequestFlags)

@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.errors import UsageError
+from demo.backends.torch.options import TorchOptions
+from demo.backends.torch.settings import TorchSettings, resolve_torch_settings
+from models.plugin_set import parse_plugin_set
 from plugins.contract import ATTENTION_KEYS, PLUGIN_KEYS
 
 EAGER = "diffusers-eager"  # the reference every image is compared with
@@ -19,18 +22,32 @@ TRT_INT8 = "tensorrt-int8"  # the same, with the UNet's engine --int8
 class Contender:
     label: str
     what: str
-    backend: str = "torch"  # or "tensorrt"
-    settings: object = None  # demo.torch_accel.TorchSettings, for the torch backend
+    backend: str = "torch"  # a pipeline spec's backend: torch, or tensorrt
+    settings: TorchSettings | None = None  # for the torch backend (None: they cannot be resolved here)
     plugins: tuple[str, ...] = ()  # for engines
     int8: bool = False  # engines: the UNet's built with --int8
     # Another contender this one is also compared with, image and UNet output (INT8 against its fp16 engines).
     reference: str | None = None
+    skip: str | None = None  # why it cannot run here, found while resolving it (resolve_here)
+
+    def spec_fields(self) -> dict:
+        """What the contender sets in a pipeline spec (demo.runtime.spec.PipelineSpec) besides the engines' folders:
+        its backend, plugins, and for the torch backend exactly its settings."""
+        if self.settings is None:
+            return {"backend": self.backend, "plugins": ",".join(self.plugins) or "none", "use_cuda_graph": True}
+        return {"backend": self.backend, "plugins": ",".join(self.settings.plugins) or "none",
+                "use_cuda_graph": self.settings.cuda_graph,
+                "torch": TorchOptions(channels_last=self.settings.channels_last, compile=self.settings.compile)}
+
+    def settings_dict(self) -> dict:
+        """The settings a results row records."""
+        if self.settings is not None:
+            return self.settings.as_dict()
+        return {"plugins": list(self.plugins), "cuda_graph": True}
 
 
 def contenders() -> dict[str, Contender]:
     """Every named contender. DEFAULT_CONTENDERS run unless --contenders says otherwise."""
-    from demo.torch_accel import TorchSettings
-
     every = tuple(sorted(PLUGIN_KEYS))
     ours = TorchSettings(every, channels_last=True, cuda_graph=True, compile="default")
     named = [
@@ -71,8 +88,6 @@ DEFAULT_CONTENDERS = (EAGER, "diffusers-compile", "ours", "ours-no-plugins", "ou
 def select_contenders(text: str | None) -> list[Contender]:
     """--contenders: a comma list of labels, `all`, or `ours+KEY+KEY` (ours with exactly those plugins;
     `ours+none` for none). diffusers-eager always runs first when chosen: every image is compared with it."""
-    from models.plugin_set import parse_plugin_set
-
     known = contenders()
     labels = [label.strip() for label in (text or ",".join(DEFAULT_CONTENDERS)).split(",") if label.strip()]
     if labels == ["all"]:
@@ -103,9 +118,6 @@ def resolve_here(contender: Contender, device, xl: bool = False) -> Contender:
     """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot
     run); tensorrt-auto with the plugins `--plugins auto` means here; for an SDXL model (`xl`) or an SD 1.x/2.x one;
     any other contender as it is."""
-    from demo.torch_accel import resolve_torch_settings
-    from models.plugin_set import parse_plugin_set
-
     if contender.label in (TRT_AUTO, TRT_INT8):
         plugins = parse_plugin_set("auto", xl=xl)
         return replace(contender, plugins=plugins, what=f"{contender.what}: {', '.join(plugins) or 'none'}")
@@ -114,25 +126,5 @@ def resolve_here(contender: Contender, device, xl: bool = False) -> Contender:
     try:
         settings, source = resolve_torch_settings(device=device, xl=xl)
     except UsageError as exc:
-        return replace(contender, what=f"{contender.what}: {exc}")
+        return replace(contender, what=f"{contender.what}: {exc}", skip=str(exc))
     return replace(contender, settings=settings, what=f"torch backend defaults here: {settings.describe()} ({source})")
-
-
-def why_skip(contender: Contender, device) -> str | None:
-    """Why a contender cannot run here (None: it can), decided before anything is loaded."""
-    from demo.torch_accel import check_torch_settings
-    from demo.trt_flavour import current_cc, why_cannot_run
-    from plugins import trt_plugins
-
-    if contender.backend == "torch":
-        if contender.settings is None:
-            return contender.what
-        try:
-            check_torch_settings(contender.settings, device)
-        except UsageError as exc:
-            return str(exc)
-        return None
-    reason = why_cannot_run(contender.backend, current_cc())
-    if reason is None and contender.plugins and trt_plugins.status() != "built":
-        reason = trt_plugins.status()
-    return reason

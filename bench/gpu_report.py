@@ -34,7 +34,8 @@ from bench.charts import gpu_chart
 from bench.common import STAGES, ms, workload_title
 from core.atomic import atomic_write_bytes
 from core.errors import UsageError
-from demo.settings import flag
+from demo.cli.command import run_command
+from demo.cli.flags import Parser, add_flags, flag, parse_flags
 
 PROG = "report-gpus"
 PUBLISHED_SOURCE = "published"
@@ -250,9 +251,6 @@ class ReportFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import Parser, run_command
-    from demo.settings import add_flags, parse_flags
-
     p = Parser(prog=PROG, description=__doc__.splitlines()[0])
     add_flags(p, ReportFlags, required=("inputs",))
     return run_command(PROG, lambda: report(parse_flags(p, argv)[ReportFlags]))

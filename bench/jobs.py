@@ -16,11 +16,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 import demo
 from bench.common import slug
 from core.errors import UsageError
+from demo.backends.registry import backend_named
+from demo.backends.tensorrt.options import EngineOptions
 from demo.cli.build_engines import BuildFlags
-from demo.settings import EngineFlags, ModelFlags, to_argv
+from demo.cli.flags import EngineFlags, ModelFlags, to_argv
+from demo.cli.to_spec import options_of
+from demo.request import TEXT_TO_IMAGE
+from demo.runtime.spec import PipelineSpec, StageOverride
+from models import STAGE_MODELS
+from models.plugin_passes import read_pass_report
 from plugins.contract import ATTENTION_KEYS as ATTENTION
 from plugins.contract import OURS
 
@@ -57,8 +66,8 @@ def config_jobs(configs, families: dict) -> dict[str, dict[str, Job]]:
 @dataclass(frozen=True)
 class BuildPlan:
     """What every engine of one ablation is built for, in its folder under `work`: the model, the request's
-    shape, and the builder settings. A job's build-engines command line and the run's engine settings both
-    come from engine_flags(job), so the run finds exactly the engines the build made."""
+    shape, and the builder settings. A job's build-engines command line and the run's spec both come from
+    engine_flags(job), so the run finds exactly the engines the build made."""
 
     model: str
     work: Path
@@ -87,15 +96,24 @@ class BuildPlan:
         return [*to_argv(ModelFlags(model=self.model)), *to_argv(self.build_flags(job)),
                 *to_argv(self.engine_flags(job))]
 
-    def settings(self, source, job: Job, use_cuda_graph: bool = False):
-        """The run's settings for a job's engines: the build's, with building off (an engine that is not
+    def config_spec(self, source, plugins: tuple[str, ...], convention: str, jobs: dict[str, Job] | None = None,
+                    use_cuda_graph: bool = False) -> PipelineSpec:
+        """The spec of a configuration with `plugins` (in `convention`) on its jobs' engines (`jobs`, else those the
+        probes in `work` give it): each stage from its own job's folder, with building off (an engine that is not
         there, or not for these settings, is an error, never a build on the GPU being timed)."""
-        from demo.arguments import engine_settings
-
-        build = self.build_flags(job)
-        settings = engine_settings(self.engine_flags(job), source, build.backend, build.batch_size, build.height,
-                                   build.width, guided=not build.no_guidance)
-        return replace(settings, build_missing=False, use_cuda_graph=use_cuda_graph)
+        if jobs is None:
+            families = probed_families(source, self.work, convention) if plugins else {}
+            jobs = {stage: job_for(stage, plugins, convention, families) for stage in BUILT_STAGES}
+        overrides = []
+        for stage, job in jobs.items():
+            flags = self.engine_flags(job)
+            overrides.append(StageOverride(stage, plugins=flags.plugins,
+                                           engine=replace(options_of(flags, EngineOptions), build_missing=False)))
+        build = self.build_flags(next(iter(jobs.values())))
+        return PipelineSpec(model=self.model, backend=build.backend, modes=(TEXT_TO_IMAGE,), stages=tuple(jobs),
+                            height=build.height, width=build.width, batch_size=build.batch_size,
+                            guided=not build.no_guidance, use_cuda_graph=use_cuda_graph,
+                            stage_overrides=tuple(overrides))
 
 
 def share_raw_export(source_dir: Path, target_dir: Path, stage: str) -> None:
@@ -118,10 +136,8 @@ def probe_dir(work: Path, stage: str, convention: str) -> Path:
 def export_and_probe(plan: BuildPlan, source, conventions: list[str], say: Callable[[str], None] = print) -> dict:
     """Export each stage's raw ONNX once, and run every pass on the text encoder and the VAE in each of
     `conventions` to learn which families they contain. Returns {(stage, convention): families}."""
-    from demo.backends import device_and_dtype
-    from models import STAGE_MODELS
-
-    device, dtype = device_and_dtype("tensorrt")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = backend_named("tensorrt").default_dtype(device)
     for stage in BUILT_STAGES:
         say(f"exporting {stage} ONNX ...")
         model = STAGE_MODELS[stage](source)
@@ -141,9 +157,6 @@ def export_and_probe(plan: BuildPlan, source, conventions: list[str], say: Calla
 def probed_families(source, work: Path, convention: str) -> dict:
     """{(stage, convention): families} from the probes export_and_probe left in `work`: the families the
     text encoder's and the VAE's passes replaced; the UNet is taken to have all of them."""
-    from models import STAGE_MODELS
-    from models.plugin_passes import read_pass_report
-
     families = {("unet", convention): set(ALL)}
     for stage in PROBED_STAGES:
         path = STAGE_MODELS[stage](source).optimized_onnx_path(probe_dir(work, stage, convention))
@@ -211,26 +224,3 @@ def build_all(plan: BuildPlan, jobs: list[Job], parallel_builds: int, build_gpus
             for optimized in (plan.work / job.folder / "onnx").glob("*.opt.onnx"):
                 optimized.unlink()
     return times, failed
-
-
-def create_config_stages(plan: BuildPlan, source, jobs: dict[str, Job], log=lambda *_: None,
-                         use_cuda_graph: bool = False) -> dict:
-    """A configuration's stages from its jobs' engines (BuildPlan.settings: never a build)."""
-    from demo.backends import create_stages, device_and_dtype
-    from models import STAGE_MODELS
-
-    device, dtype = device_and_dtype("tensorrt")
-    stages = {}
-    for stage, job in jobs.items():
-        stages.update(create_stages("tensorrt", [STAGE_MODELS[stage](source)], device, dtype,
-                                    plan.settings(source, job, use_cuda_graph), log=log))
-    return stages
-
-
-def ablation_engine_stages(plan: BuildPlan, source, plugins: tuple[str, ...], convention: str,
-                           use_cuda_graph: bool = False) -> dict:
-    """The stages of the configuration with `plugins` (in `convention`) from the engines an ablation built
-    with `plan` (the benchmark's --engines-from-ablation)."""
-    families = probed_families(source, plan.work, convention) if plugins else {}
-    jobs = {stage: job_for(stage, plugins, convention, families) for stage in BUILT_STAGES}
-    return create_config_stages(plan, source, jobs, use_cuda_graph=use_cuda_graph)

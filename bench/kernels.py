@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from demo.settings import flag
+from demo.cli.command import run_command
+from demo.cli.flags import Parser, add_flags, flag, parse_flags
 from plugins import torch_ops as ops
 from plugins.contract import ATTENTION_PATH_ENV
 
@@ -259,9 +260,6 @@ class KernelFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import Parser, run_command
-    from demo.settings import add_flags, parse_flags
-
     parser = Parser(prog="bench_plugins", description=__doc__.splitlines()[0])
     add_flags(parser, KernelFlags)
     return run_command("bench_plugins", lambda: bench(parse_flags(parser, argv)[KernelFlags]))

@@ -20,8 +20,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from demo.serve.client import ClientFlags
-from demo.settings import RequestFlags, flag, same_as
+from bench.charts import _png
+from core.atomic import write_new_set
+from core.errors import RunFailure, UsageError, at_least
+from demo.cli.client import ClientFlags
+from demo.cli.command import run_command
+from demo.cli.flags import Parser, RequestFlags, add_flags, flag, parse_flags, same_as
+from demo.serve.client import ServeError, connect, generate
 
 PROG = "loadtest"
 MAX_DURATION_S = 3600  # every run stops by itself
@@ -45,8 +50,6 @@ class LoadFlags:
 
 def parse_sizes(text: str | None) -> list[tuple[int, int] | None]:
     """--sizes as (height, width) pairs ([None]: the server's size); a UsageError where one is not HxW."""
-    from core.errors import UsageError
-
     if text is None:
         return [None]
     try:
@@ -80,8 +83,6 @@ def percentile(values: list[float], share: float) -> float | None:
 
 def run_load(flags: LoadFlags, client_flags: ClientFlags, say=print) -> list[Sample]:
     """Send the requests from flags.concurrency threads, each with its own connection; the samples, in order sent."""
-    from demo.serve.client import ServeError, connect, generate
-
     sizes = parse_sizes(flags.sizes)
     connect(client_flags.url, client_flags.protocol)[1].close()  # tritonclient missing: ServeError here, not per thread
     samples: list[Sample] = []
@@ -158,9 +159,7 @@ def table(report: dict) -> str:
 
 def chart(report: dict) -> bytes:
     """Latency of each request over the run, and how many requests ran at each batch size."""
-    from matplotlib.figure import Figure
-
-    from bench.charts import _png
+    from matplotlib.figure import Figure  # the bench extra's: without it, no chart (run says so)
 
     figure = Figure(figsize=(10, 4), dpi=110, layout="tight")
     over_time, batches = figure.subplots(1, 2, width_ratios=(3, 1))
@@ -183,15 +182,10 @@ def chart(report: dict) -> bytes:
 
 
 def run(flags) -> int:
-    from core.atomic import write_new_set
-    from core.errors import RunFailure
-    from demo.serve.client import ServeError
-    from demo.settings import at_least
-
     load, client_flags = flags[LoadFlags], flags[ClientFlags]
-    at_least("--concurrency", load.concurrency, 1)
-    at_least("--requests", load.requests, 1)
-    at_least("--duration", load.duration, 0.001)
+    at_least("concurrency", load.concurrency, 1)
+    at_least("requests", load.requests, 1)
+    at_least("duration", load.duration, 0.001)
     parse_sizes(load.sizes)
     name = load.name or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     started = time.monotonic()
@@ -214,9 +208,6 @@ def run(flags) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import Parser, run_command
-    from demo.settings import add_flags, parse_flags
-
     def body() -> int:
         parser = Parser(prog=PROG, description="Load-test sd-serve's txt2img model at one address.")
         add_flags(parser, ClientFlags)

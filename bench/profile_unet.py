@@ -23,8 +23,21 @@ from functools import partial
 from pathlib import Path
 
 from bench.common import ResultsFlags, log, slug
-from core.errors import UsageError
-from demo.settings import EngineFlags, ModelFlags, RequestFlags, TorchFlags, at_least, flag, same_as
+from core.atomic import atomic_write_bytes, check_writable_directory
+from core.errors import UsageError, at_least
+from demo.cli.command import run_command
+from demo.cli.flags import (
+    EngineFlags,
+    ModelFlags,
+    Parser,
+    RequestFlags,
+    TorchFlags,
+    add_flags,
+    flag,
+    parse_flags,
+    same_as,
+)
+from demo.cli.to_spec import spec_from_flags
 
 PROG = "profile_unet"
 say = partial(log, PROG)
@@ -128,50 +141,39 @@ class ProfileFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import Parser, run_command
-    from demo.settings import add_flags, parse_flags
-
     p = Parser(prog=PROG, description=__doc__.splitlines()[0])
     add_flags(p, ModelFlags, model="sd1.5-arch")
     add_flags(p, ProfileFlags)
     add_flags(p, TorchFlags, "PyTorch backend")
-
-    def run(flags) -> int:
-        return profile_unet(flags[ModelFlags], flags[ProfileFlags], flags[TorchFlags])
-
-    return run_command(PROG, lambda: run(parse_flags(p, argv)))
+    return run_command(PROG, lambda: profile_unet(parse_flags(p, argv)))
 
 
-def profile_unet(model: ModelFlags, options: ProfileFlags, torch_flags: TorchFlags) -> int:
+def profile_unet(flags) -> int:
+    # torch and the runtime load here: --help and the flags' own errors answer without them.
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from core.atomic import atomic_write_bytes
-    from demo.arguments import check_image_size, check_writable_directory
-    from demo.logs import configure_library_logging
-    from demo.stages import TorchStage
-    from demo.torch_accel import resolve_torch_settings
-    from models import STAGE_MODELS, stage_batch
+    from demo.runtime.loader import load_pipeline
+    from models import stage_batch
 
-    at_least("--steps", options.steps, 1)
-    at_least("--warmup-steps", options.warmup_steps, 0)
-    at_least("--batch-size", options.batch_size, 1)
+    options = flags[ProfileFlags]
+    at_least("steps", options.steps, 1)
+    at_least("warmup_steps", options.warmup_steps, 0)
+    at_least("batch_size", options.batch_size, 1)
     if not torch.cuda.is_available():
         raise UsageError("profile_unet profiles CUDA kernels and needs a CUDA GPU; none is visible")
     check_writable_directory("results directory", Path(options.results_dir))
     device = torch.device("cuda")
-    configure_library_logging(model.verbose)
-    source = model.resolve()
-    settings, reason = resolve_torch_settings(options.plugins, torch_flags.channels_last, options.use_cuda_graph,
-                                              torch_flags.compile, device, xl=source.is_xl)
-    height, width = options.height or source.native_image_size, options.width or source.native_image_size
-    check_image_size(source, height, width)
+    spec = spec_from_flags(flags, backend="torch", precision="fp16", plugins=options.plugins,
+                           use_cuda_graph=options.use_cuda_graph, stages=("unet",), height=options.height,
+                           width=options.width, batch_size=options.batch_size)
+    pipeline = load_pipeline(spec, device, progress=lambda line: print(line, flush=True))
+    plan, stage = pipeline.plan, pipeline.stages["unet"]
+    source, settings, reason = plan.source, plan.base.settings["unet"], plan.base.reason
+    height, width = plan.spec.height or source.native_image_size, plan.spec.width or source.native_image_size
     batch = stage_batch("unet", options.batch_size, guided=True)
     say(f"UNet of {source.name}, {width}x{height}, batch {batch}: {settings.describe()} ({reason})")
-    stage = TorchStage(STAGE_MODELS["unet"](source), device, torch.float16, settings)
-    if stage.substitution is not None:
-        print(stage.substitution.line("unet"), flush=True)
     feed = stage.model.sample_inputs(batch, height, width, device, torch.float16,
                                      torch.Generator().manual_seed(0))
     say(f"getting ready (compiling, capturing) and {options.warmup_steps} warm-up steps ...")

@@ -1,5 +1,5 @@
-"""Running one benchmark contender, or one ablation configuration: its stages loaded (engines built or found),
-made ready (compiled, captured), warmed up, timed run by run; memory, and images compared."""
+"""Running one benchmark contender, or one ablation configuration: its pipeline loaded from its spec (engines built or
+found), made ready (compiled, captured), warmed up, timed run by run; memory, and images compared."""
 
 from __future__ import annotations
 
@@ -12,10 +12,29 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+import torch
+from PIL import Image
+
 from bench.common import STAGES, slug, workload_title
 from bench.contenders import Contender, contenders, resolve_here
-from bench.jobs import BuildPlan, Job, ablation_engine_stages, create_config_stages
-from demo.settings import EngineFlags, RequestFlags
+from bench.jobs import BuildPlan, Job
+from core.artifacts import ArtifactError
+from core.atomic import atomic_write_bytes
+from core.errors import UsageError
+from demo.backends.tensorrt.options import EngineOptions
+from demo.backends.tensorrt.runtime import GENERATED, plugin_counts, time_by_kind
+from demo.cli.command import flag_name
+from demo.cli.flags import EngineFlags
+from demo.cli.to_spec import options_of
+from demo.pipelines import image_psnr, to_uint8
+from demo.request import TEXT_TO_IMAGE, Request
+from demo.runtime.loader import load_pipeline, plan_pipeline, quiet
+from demo.runtime.report import precision_name
+from demo.runtime.spec import PipelineSpec
+from models import stage_batch
+from models.plugin_passes import read_pass_report
+from models.quantize import read_int8_report
 from plugins.contract import OURS, PLUGIN_KEYS
 
 PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per engine set
@@ -40,10 +59,11 @@ class Workload:
 class Setup:
     """What every contender of one benchmark run shares."""
 
+    spec: PipelineSpec  # the model's, and the command's engine flags before each contender's own
     source: object  # models.source.ModelSource
     device: object  # torch.device
     dtype: object  # torch.dtype
-    request: RequestFlags  # resolved: size, scheduler and seed filled in
+    request: Request  # resolved: size, scheduler and seed filled in
     engine: EngineFlags  # the engines' flags, before each contender's own
     runs: int
     warmup_runs: int
@@ -51,7 +71,7 @@ class Setup:
     verbose: bool = False
     say: Callable[[str], None] = print
 
-    def request_at(self, workload: Workload) -> RequestFlags:
+    def request_at(self, workload: Workload) -> Request:
         return replace(self.request, height=workload.height, width=workload.width, batch_size=workload.batch)
 
     def images_dir(self, work: Path, gpu: str, workload: Workload) -> Path:
@@ -62,20 +82,16 @@ class Setup:
                        f"{slug(r.scheduler)}-cfg{r.guidance_scale:g}-seed{r.seed}-{prompt_digest(r)}")
 
 
-def prompt_digest(request: RequestFlags) -> str:
+def prompt_digest(request: Request) -> str:
     return hashlib.sha256(f"{request.prompt}\0{request.negative_prompt!r}".encode()).hexdigest()[:8]
 
 
 def sync(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def free_memory(device) -> None:
-    import torch
-
     gc.collect()
     if hasattr(torch, "_dynamo"):
         torch._dynamo.reset()  # compiled code and cudagraph trees of the last contender
@@ -104,54 +120,38 @@ def plugin_dir_suffix(plugins: tuple[str, ...]) -> str:
     return "-plugins" if set(plugins) == set(PLUGIN_KEYS) else "-plugins-" + "-".join(k.lower() for k in plugins)
 
 
-def _engine_row(stages: dict, engine_dir, **measured) -> dict:
-    return {**measured, "engine_device_memory_bytes": max(stage.engine.device_memory_size for stage in stages.values()),
-            "engine_dir": str(engine_dir)}
-
-
-def load_stages(setup: Setup, contender: Contender, workload: Workload, first: Workload) -> tuple[dict, dict]:
-    """The contender's stages, and what getting them took: load (and engine build) seconds."""
-    from demo.arguments import engine_settings
-    from demo.backends import create_stages
-    from models import STAGE_MODELS, text_to_image_stages
-
-    source, say = setup.source, setup.say
-    models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
-    quiet = print if setup.verbose else (lambda *_: None)
-    start = time.perf_counter()
-    if contender.backend == "torch":
-        stages = create_stages("torch", models, setup.device, setup.dtype, log=quiet, progress=say,
-                               torch_settings=contender.settings)
-        return stages, {"load_s": time.perf_counter() - start,
-                        "substitution": {name: s.substitution.as_dict() for name, s in stages.items()
-                                         if s.substitution is not None}}
+def contender_spec(setup: Setup, contender: Contender, workload: Workload, first: Workload) -> PipelineSpec:
+    """The contender's pipeline at `workload`: its torch settings exactly, or its engines (in their folders, or those
+    an ablation built: --engines-from-ablation)."""
+    spec = replace(setup.spec, **contender.spec_fields(), precision=precision_name(setup.dtype),
+                   modes=(TEXT_TO_IMAGE,), height=workload.height, width=workload.width, batch_size=workload.batch,
+                   guided=setup.request.guided)
+    if contender.settings is not None:  # the torch backend's
+        return spec
     if setup.engines_from_ablation:
-        plan = BuildPlan(source.name, Path(setup.engines_from_ablation), workload.height, workload.width,
+        plan = BuildPlan(spec.model, Path(setup.engines_from_ablation), workload.height, workload.width,
                          workload.batch, setup.request.guided, setup.engine.optimization_level,
                          setup.engine.disable_tactic_sources, setup.engine.enable_tactic_sources)
-        say(f"{contender.label}: engines from the ablation in {plan.work}")
-        stages = ablation_engine_stages(plan, source, contender.plugins, OURS, use_cuda_graph=True)
-        return stages, _engine_row(stages, plan.work, load_s=time.perf_counter() - start, build_s=None,
-                                   engines_reused=True)
+        return plan.config_spec(setup.source, contender.plugins, OURS, use_cuda_graph=True)
     flags = contender_engine_flags(setup.engine, contender, workload, first)
-    settings = engine_settings(flags, source, contender.backend, workload.batch, workload.height, workload.width,
-                               guided=setup.request.guided)
-    say(f"{contender.label}: engines in {flags.engine_dir} (ONNX in {flags.onnx_dir})")
-    stages = create_stages(contender.backend, models, setup.device, setup.dtype, settings, log=quiet, progress=say)
-    stats = settings.stats
-    built = any(stat["onnx_bytes"] is not None for stat in stats.values())
-    return stages, _engine_row(
-        stages, flags.engine_dir, load_s=time.perf_counter() - start,
-        build_s=sum((stat["onnx_s"] or 0.0) + stat["engine_s"] for stat in stats.values()) if built else None,
-        engines_reused=not built, engine_bytes=sum(stat["engine_bytes"] for stat in stats.values()),
-        **(int8_layers(stages["unet"], Path(flags.onnx_dir)) if contender.int8 else {}))
+    return replace(spec, engine=options_of(flags, EngineOptions), plugins=flags.plugins,
+                   use_cuda_graph=flags.use_cuda_graph)
+
+
+def why_skip(setup: Setup, contender: Contender, workload: Workload, first: Workload) -> str | None:
+    """Why a contender cannot run here (None: it can), decided before anything is loaded."""
+    if contender.skip:
+        return contender.skip
+    try:
+        plan_pipeline(contender_spec(setup, contender, workload, first), setup.device, log=quiet, progress=quiet)
+    except UsageError as exc:
+        return exc.render(flag_name)
+    return None
 
 
 def int8_layers(unet, onnx_dir: Path) -> dict:
     """How many layers the INT8 UNet's ONNX quantized, and how many of the engine's layers TensorRT runs on int8
     inputs (fewer: some Q/DQ pairs were not fused into int8 kernels); None where the ONNX's report is gone."""
-    from models.quantize import read_int8_report
-
     try:
         quantized = sum(read_int8_report(unet.model.optimized_onnx_path(onnx_dir, int8=True))["quantized"].values())
     except FileNotFoundError:
@@ -161,60 +161,56 @@ def int8_layers(unet, onnx_dir: Path) -> dict:
 
 def run_contender(setup: Setup, contender: Contender, workload: Workload, first: Workload) -> tuple[dict, object]:
     """One contender at one workload: (the row's measurements, the image of its last run)."""
-    import torch
-
-    from demo.pipeline import GenerationRequest, make_pipeline, to_uint8
-    from models import stage_batch
-
     device, say = setup.device, setup.say
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         free_before = torch.cuda.mem_get_info(device)[0]
-    stages, row = load_stages(setup, contender, workload, first)
+    spec = contender_spec(setup, contender, workload, first)
+    if contender.settings is None and setup.engines_from_ablation:
+        say(f"{contender.label}: engines from the ablation in {setup.engines_from_ablation}")
+    elif contender.settings is None:
+        say(f"{contender.label}: engines in {spec.engine.engine_dir} (ONNX in {spec.engine.onnx_dir})")
+    start = time.perf_counter()
+    pipeline = load_pipeline(spec, device, log=print if setup.verbose else quiet, progress=say)
+    row = {"load_s": time.perf_counter() - start}
     try:
         request = setup.request_at(workload)
-        pipeline = make_pipeline(setup.source, stages, request.scheduler, device, setup.dtype)
         say(f"{contender.label}: getting ready (compiling, capturing) ...")
         start = time.perf_counter()
-        for name, stage in stages.items():
+        for name, stage in pipeline.stages.items():
             stage.prepare(stage_batch(name, workload.batch, request.guided), workload.height, workload.width)
         sync(device)
         row["ready_s"] = time.perf_counter() - start
-        if contender.backend == "torch":
-            settings = contender.settings
-            first_calls = sum(s.prepare_seconds["first_calls"] for s in stages.values())
-            row["compile_s"] = first_calls if settings.compile != "none" else None
-            captures = sum(s.prepare_seconds["capture"] for s in stages.values())
-            row["capture_s"] = captures if settings.cuda_graph else None
-        else:
+        row.update(pipeline.stats())
+        if pipeline.backend.capabilities.artifacts:  # engines capture their graphs while getting ready
             row["capture_s"] = row["ready_s"]
-        images, timings = pipeline.timed_runs(GenerationRequest.from_flags(request), setup.warmup_runs, setup.runs,
+            row["engine_dir"] = str(setup.engines_from_ablation or spec.engine.engine_dir)
+            if contender.int8:
+                row.update(int8_layers(pipeline.stages["unet"], Path(spec.engine.onnx_dir)))
+        images, timings = pipeline.timed_runs(request, setup.warmup_runs, setup.runs,
                                               say=lambda line: say(f"{contender.label}: {line}"))
-        row["unet_calls"] = pipeline.unet_calls(request.denoising_steps)
+        row["unet_calls"] = pipeline.unet_calls(request)
         row["latency_ms"] = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
         row["latency_ms_runs"] = timings
         row["unet_ms_per_call"] = row["latency_ms"]["unet"] / row["unet_calls"]
-        if contender.backend != "torch":
-            row["unet_ms_by_kind"], row["unet_slowest_layers"] = unet_profile(stages["unet"].engine)
+        if pipeline.backend.capabilities.layer_timings:
+            row["unet_ms_by_kind"], row["unet_slowest_layers"] = unet_profile(pipeline.stages["unet"].engine)
         if contender.reference:
-            row["unet_error_vs_reference"] = unet_error_vs_reference(setup, contender, workload, first, stages["unet"])
+            row["unet_error_vs_reference"] = unet_error_vs_reference(setup, contender, workload, first,
+                                                                     pipeline.stages["unet"])
         if cuda:
             row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
             row["device_used_bytes"] = free_before - torch.cuda.mem_get_info(device)[0]
         return row, to_uint8(images)
     finally:
-        for stage in stages.values():
-            if hasattr(stage, "close"):  # engines: contexts, graphs, streams
-                stage.close()
+        pipeline.close()
 
 
 def unet_profile(engine) -> tuple[dict[str, float], dict[str, list[dict]]]:
     """Where a UNet engine's time goes, from TensorRT's per-layer profiler over PROFILED_UNET_CALLS calls on the
     inputs bound last: milliseconds per call summed per layer kind (Engine.layer_kinds), and each kind's slowest
     layers (so that the reformats, say, are named)."""
-    from demo.engine_runtime import GENERATED, time_by_kind
-
     kinds = engine.layer_kinds()
     layer_ms = engine.layer_times(PROFILED_UNET_CALLS)
     slowest: dict[str, list[dict]] = {}
@@ -230,29 +226,21 @@ def unet_error_vs_reference(setup: Setup, contender: Contender, workload: Worklo
     """The UNet's output against the reference contender's UNet engine (built beside it, not rebuilt here) on the
     same random inputs: largest absolute difference and relative L2 error; None where that engine is not built.
     The other stages' engines are the reference's own files (an INT8 contender quantizes only the UNet)."""
-    import torch
-
-    from core.artifacts import ArtifactError
-    from demo.arguments import engine_settings
-    from demo.backends import create_stages
-    from models import stage_batch
-
     reference = resolve_here(contenders()[contender.reference], setup.device, setup.source.is_xl)
-    flags = contender_engine_flags(setup.engine, reference, workload, first)
-    settings = replace(engine_settings(flags, setup.source, reference.backend, workload.batch, workload.height,
-                                       workload.width, guided=setup.request.guided), build_missing=False)
+    spec = contender_spec(setup, reference, workload, first)
+    spec = replace(spec, stages=("unet",), engine=replace(spec.engine, build_missing=False))
     try:
-        other = create_stages(reference.backend, [unet.model], setup.device, setup.dtype, settings,
-                              log=lambda *_: None, progress=setup.say)["unet"]
+        other = load_pipeline(spec, setup.device, log=quiet, progress=setup.say)
     except ArtifactError as exc:
         setup.say(f"{contender.label}: no UNet error against {reference.label}: {exc}")
         return None
     try:
         batch = stage_batch("unet", workload.batch, setup.request.guided)
-        other.prepare(batch, workload.height, workload.width)
+        stage = other.stages["unet"]
+        stage.prepare(batch, workload.height, workload.width)
         feed = unet.model.sample_inputs(batch, workload.height, workload.width, setup.device, setup.dtype,
                                         torch.Generator().manual_seed(0))
-        expected = other(feed)["latent"].float().clone()
+        expected = stage(feed)["latent"].float().clone()
         got = unet(feed)["latent"].float()
         return {"reference": reference.label, "max_abs": float((got - expected).abs().max()),
                 "rel_l2": float((got - expected).norm() / expected.norm())}
@@ -260,35 +248,24 @@ def unet_error_vs_reference(setup: Setup, contender: Contender, workload: Worklo
         other.close()
 
 
-def run_config(plan: BuildPlan, source, request: RequestFlags, runs: int, label: str, plugins: tuple[str, ...],
+def run_config(plan: BuildPlan, source, request: Request, runs: int, label: str, plugins: tuple[str, ...],
                convention: str, jobs: dict[str, Job]) -> dict:
     """One ablation configuration on its jobs' engines: medians of `runs` timed runs after warm-up, the
     UNet's time per layer kind (TensorRT's per-layer profiler), and each engine's plugin layers against what
     the ONNX passes reported replacing; "image" is the last run's first image."""
-    import torch
-
-    from demo.backends import device_and_dtype
-    from demo.engine_runtime import plugin_counts
-    from demo.pipeline import GenerationRequest, make_pipeline, to_uint8
-    from models.plugin_passes import read_pass_report
-
-    device, dtype = device_and_dtype("tensorrt")
-    stages = create_config_stages(plan, source, jobs)
-    pipeline = make_pipeline(source, stages, request.scheduler, device, dtype)
-    images, timings = pipeline.timed_runs(GenerationRequest.from_flags(request), ABLATION_WARMUP_RUNS, runs)
-    unet_calls = pipeline.unet_calls(request.denoising_steps)
-    kinds = {stage: stages[stage].engine.layer_kinds() for stage in jobs}
-    unet_ms_by_kind, unet_slowest_layers = unet_profile(stages["unet"].engine)  # on the last step's inputs
-    layers = {}
-    for stage, job in jobs.items():
-        found = plugin_counts(kinds[stage])
-        report = read_pass_report(stages[stage].model.optimized_onnx_path(plan.work / job.folder / "onnx"))
-        reported = {k: v["replaced"] for k, v in report.items() if v["replaced"]}
-        layers[stage] = {"engine": dict(found), "passes": reported, "match": dict(found) == reported}
-    for stage in stages.values():
-        stage.close()
-    del stages, pipeline
-    torch.cuda.empty_cache()
+    with load_pipeline(plan.config_spec(source, plugins, convention, jobs=jobs), log=quiet, progress=print) \
+            as pipeline:
+        stages = pipeline.stages
+        images, timings = pipeline.timed_runs(request, ABLATION_WARMUP_RUNS, runs)
+        unet_calls = pipeline.unet_calls(request)
+        kinds = {stage: stages[stage].engine.layer_kinds() for stage in jobs}
+        unet_ms_by_kind, unet_slowest_layers = unet_profile(stages["unet"].engine)  # on the last step's inputs
+        layers = {}
+        for stage, job in jobs.items():
+            found = plugin_counts(kinds[stage])
+            report = read_pass_report(stages[stage].model.optimized_onnx_path(plan.work / job.folder / "onnx"))
+            reported = {k: v["replaced"] for k, v in report.items() if v["replaced"]}
+            layers[stage] = {"engine": dict(found), "passes": reported, "match": dict(found) == reported}
     return {
         "label": label, "plugins": list(plugins), "convention": convention,
         "engines": {stage: job.folder for stage, job in jobs.items()},
@@ -304,10 +281,6 @@ def run_config(plan: BuildPlan, source, request: RequestFlags, runs: int, label:
 def compare_images(image, reference) -> tuple[float | None, int | None]:
     """`image` against `reference`: PSNR in dB (None where identical, or without a reference) and the largest
     pixel difference (0-255; None without a reference)."""
-    import numpy as np
-
-    from demo.pipeline import image_psnr
-
     if reference is None:
         return None, None
     psnr = image_psnr(image, reference)
@@ -316,17 +289,10 @@ def compare_images(image, reference) -> tuple[float | None, int | None]:
 
 
 def save_image(path: Path, pixels) -> None:
-    from PIL import Image
-
-    from core.atomic import atomic_write_bytes
-
     buffer = io.BytesIO()
     Image.fromarray(pixels.reshape(-1, *pixels.shape[2:]) if pixels.ndim == 4 else pixels).save(buffer, format="PNG")
     atomic_write_bytes(path, buffer.getvalue())
 
 
 def load_image(path: Path):
-    import numpy as np
-    from PIL import Image
-
     return np.asarray(Image.open(path)) if path.is_file() else None

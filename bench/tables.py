@@ -6,6 +6,7 @@ from bench.common import ms, workload_title
 from bench.contenders import EAGER
 from bench.jobs import ALL
 from bench.runner import PROFILED_UNET_CALLS
+from demo.backends.tensorrt.runtime import TENSORRT_KINDS
 
 # A benchmark results file's lists: measured rows, then entries with a reason why there is no row.
 KINDS = ("rows", "skipped", "failed", "discarded")
@@ -113,8 +114,6 @@ def ablation_table(rows: list[dict], gpu: str, trt_version: str) -> str:
 
 def layer_kind_table(rows: list[dict], first_column: str) -> str:
     """The UNet engine's time per call by layer kind, a row per measured engine set (rows with "unet_ms_by_kind")."""
-    from demo.engine_runtime import TENSORRT_KINDS
-
     kinds = [*ALL, *TENSORRT_KINDS]
     lines = [f"UNet time per call by layer kind (ms; TensorRT's per-layer profiler, mean of {PROFILED_UNET_CALLS} "
              "calls on the last step's inputs; the profiler's events between layers add to the total):", "",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from core.atomic import atomic_write_bytes, file_lock, remove_dead_staging
+from core.errors import RunFailure
 
 # Called as hook(artifact, point) at two points of every cached_build: "building" (lock held, staging folder
 # made, nothing built yet) and "done" (returning, the artifact built or reused and its lock released unless the
@@ -31,7 +32,7 @@ from core.atomic import atomic_write_bytes, file_lock, remove_dead_staging
 checkpoint_hooks: list[Callable[[Path, str], None]] = []
 
 
-class ArtifactError(RuntimeError):
+class ArtifactError(RunFailure):
     """An artifact that should be built is not (a build of it failed or was killed)."""
 
 

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from core.errors import UsageError
+
 
 def _staging_prefix(final: Path) -> str:
     """Staging paths carry their writer's host and pid. No lock guards them (any process may write `final`),
@@ -62,6 +64,26 @@ def writable_reason(directory: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"'{existing}' is not writable"
     return None
+
+
+def check_writable_directory(what: str, directory: Path) -> None:
+    """A directory a run will write into: a one-line UsageError now, not a traceback after the work."""
+    reason = writable_reason(directory)
+    if reason:
+        raise UsageError(f"{what} '{directory}' cannot be written: {reason}")
+
+
+def check_writable_file(what: str, file: Path) -> None:
+    """A file a run reads if present and replaces atomically (so its directory must be writable too)."""
+    reason = None
+    if file.exists() or file.is_symlink():
+        if not file.is_file():
+            reason = "it is not a regular file"
+        elif not os.access(file, os.R_OK):
+            reason = "it is not readable"
+    reason = reason or writable_reason(file.parent)
+    if reason:
+        raise UsageError(f"{what} '{file}' cannot be written: {reason}")
 
 
 def _umask() -> int:

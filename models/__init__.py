@@ -1,5 +1,6 @@
 """Per-stage model classes sharing one interface (see models.base.StageModel)."""
 
+from core.errors import UsageError
 from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
 from models.unet import UNetModel
@@ -34,3 +35,18 @@ def stage_batch(stage: str, images: int, guided: bool) -> int:
     if stage in SINGLE_IMAGE_STAGES:
         return 1
     return images * 2 if guided and stage in GUIDED_STAGES else images
+
+
+def check_stage_names(names) -> None:
+    """A UsageError for stage names that are none of STAGE_MODELS (or for an empty list of them)."""
+    unknown = [name for name in names if name not in STAGE_MODELS]
+    if unknown or not names:
+        raise UsageError(f"unknown stage(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(STAGE_MODELS)}")
+
+
+def check_model_stages(source, names) -> None:
+    """A UsageError for a stage whose component the model has not."""
+    for name in names:
+        component = STAGE_MODELS[name].component
+        if component not in source.components:
+            raise UsageError(f"stage {name} needs component '{component}', which model '{source.name}' does not have")

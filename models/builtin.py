@@ -17,6 +17,7 @@ from typing import Callable
 
 from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
 from core.errors import UsageError
+from models.validate import check_weight_file
 
 # Bump when the generated files change, so cached directories (and artifacts keyed by them) are rebuilt.
 BUILTIN_FORMAT_VERSION = 2  # 2: a manifest of the generated files
@@ -344,8 +345,6 @@ def write_manifest(directory: Path) -> None:
 
 def manifest_damage(directory: Path) -> str | None:
     """Why a built-in model's folder is not what its generation wrote (None: it is whole)."""
-    from models.validate import check_weight_file
-
     try:
         files = json.loads((directory / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):

@@ -99,20 +99,6 @@ def _refuse(path, message: str):
     raise UsageError(f"LoRA {path}: {message}")
 
 
-def parse_lora_spec(text: str) -> tuple[str, float]:
-    """--lora's PATH[:SCALE] as (path, scale); no number after the last colon: all of it is the path, at scale 1."""
-    path, colon, tail = text.rpartition(":")
-    try:
-        scale = float(tail) if colon else None
-    except ValueError:
-        scale = None
-    if scale is None:
-        return text, 1.0
-    if not math.isfinite(scale):
-        raise UsageError(f"--lora {text}: the scale must be a finite number, got {tail}")
-    return path, scale
-
-
 def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import SafetensorError, safe_open
 

@@ -134,7 +134,7 @@ def optimize_onnx_file(src: Path, dst: Path, stage: str, log: Callable[[str], No
     if checked is not None:
         checked.write(dst)
     log(optimizer.report())
-    if int8_report is not None:  # its refit is refused up front (demo.arguments), so no warning here
+    if int8_report is not None:  # its refit is refused up front (demo.backends.tensorrt.settings), so no warning here
         log(f"[optimize] {stage}: {describe(int8_report)}")
     elif checked is not None and checked.problem:
         log(f"[optimize] {stage}: warning: LoRA refit of its engines will not work: {checked.problem}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.errors import UsageError
+from core.errors import UsageError, field
 from plugins.contract import PLUGIN_KEYS
 from plugins.tuned import PLUGINS_AUTO, TUNED_DEFAULTS_FILE, find_entry
 
@@ -36,8 +36,8 @@ def parse_plugin_set(text: str, compute_capability: str | None = None,
     names = [name for name in text.split(",") if name]
     unknown = [name for name in names if name not in PLUGIN_KEYS]
     if unknown or not names:
-        raise UsageError(f"unknown plugin(s) {', '.join(unknown) or '(none)'} in --plugins '{text}'; use none, all, "
-                         f"auto or a comma list of {', '.join(PLUGIN_KEYS)}")
+        raise UsageError(f"unknown plugin(s) {', '.join(unknown) or '(none)'} in {field('plugins')} '{text}'; use "
+                         f"none, all, auto or a comma list of {', '.join(PLUGIN_KEYS)}")
     return tuple(sorted(set(names)))
 
 

@@ -1,6 +1,6 @@
 """The refit core: an optimized ONNX's initializers as a set of LoRA deltas changes them, computed from the ONNX's own
-(base) values and the initializers' provenance (models.provenance); no TensorRT here (demo.refit hands the values to
-an engine).
+(base) values and the initializers' provenance (models.provenance); no TensorRT here (demo.backends.tensorrt.refit
+hands the values to an engine).
 
     refit = RefitWeights(provenance, lambda names: read_initializers(onnx_path, names))
     weights = refit.plan(deltas)           # initializer name -> its values under `deltas` (parameter -> fp32 delta)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.errors import UsageError
+from core.errors import UsageError, field
 from models.builtin import BUILTIN_MODELS, builtin_model_dir
 from models.validate import (
     COMPONENTS,
@@ -158,11 +158,11 @@ def _vae_folder(spec: str, source: ModelSource) -> Path:
     if (folder / "vae" / COMPONENTS["vae"][0]).is_file():
         folder = folder / "vae"
     if not (folder / COMPONENTS["vae"][0]).is_file():
-        raise UsageError(f"--vae {spec}: not a VAE folder (no {COMPONENTS['vae'][0]} in it or in its vae/)")
+        raise UsageError(f"{field('vae')} {spec}: not a VAE folder (no {COMPONENTS['vae'][0]} in it or in its vae/)")
     config = validate_component(folder, "vae")
     channels = source.latent_channels
     if config.get("latent_channels") != channels:
-        raise UsageError(f"--vae {spec}: its latents have {config.get('latent_channels')} channels, model "
+        raise UsageError(f"{field('vae')} {spec}: its latents have {config.get('latent_channels')} channels, model "
                          f"'{source.name}''s UNet takes {channels}")
     return folder.resolve()
 

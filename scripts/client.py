@@ -1,6 +1,6 @@
 """Ask sd-serve for an image (tritonclient, HTTP or gRPC) and write it as a PNG.
 
-See demo/serve/client.py and docs/serving.md.
+See demo/cli/client.py and docs/serving.md.
 """
 
 import sys
@@ -8,6 +8,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the checkout's root, when not installed
-    from demo.serve.client import main
+    from demo.cli.client import main
 
     sys.exit(main())

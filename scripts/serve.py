@@ -1,6 +1,6 @@
 """Serve text-to-image through Triton Inference Server (PyTriton): one pipeline per GPU, dynamic batching.
 
-See demo/serve/server.py (console command sd-serve) and docs/serving.md.
+See demo/cli/serve.py (console command sd-serve), demo/serve/ and docs/serving.md.
 """
 
 import sys
@@ -8,6 +8,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the checkout's root, when not installed
-    from demo.serve.server import main
+    from demo.cli.serve import main
 
     sys.exit(main())

@@ -44,7 +44,7 @@ def _isolated_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny():
-    from demo.logs import configure_library_logging
+    from demo.runtime.logs import configure_library_logging
     from models.source import resolve_model
 
     configure_library_logging(verbose=False)
@@ -55,10 +55,17 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_stages(tiny):
     """The tiny model's text-to-image stages with the torch backend on the CPU (loaded once)."""
-    import torch
+    from tests.parity import torch_stages
 
-    from demo.backends import create_stages
-    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+    return torch_stages(tiny)
 
-    models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
-    return create_stages("torch", models, torch.device("cpu"), torch.float32)
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """A test that every argument is checked before anything loads: loading a pipeline fails it."""
+    from demo.runtime.loader import PipelinePlan
+
+    def load(*_, **__):
+        raise AssertionError("a model was loaded before every argument was checked")
+
+    monkeypatch.setattr(PipelinePlan, "load", load)

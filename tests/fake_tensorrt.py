@@ -1,7 +1,7 @@
 """A stand-in for the `tensorrt` module that runs on a CPU, for testing the engine layer end to end.
 
-It speaks the Python API of TensorRT 8.6 or 10.x (chosen by version) closely enough for demo/engine.py
-and demo/engine_runtime.py: the builder parses the ONNX file and serializes an "engine" that names it;
+It speaks the Python API of TensorRT 8.6 or 10.x (chosen by version) closely enough for demo/backends/tensorrt/
+(build.py, runtime.py, refit.py): the builder parses the ONNX file and serializes an "engine" that names it;
 the execution context reads its inputs from, and writes its outputs to, the raw addresses it was given,
 computing them with ONNX Runtime on that ONNX; and each run scribbles over the device memory it was
 handed, as TensorRT's scratch use does. Wrong bindings, freed memory, aliased buffers and unchecked
@@ -488,15 +488,17 @@ class Runtime:
 
 
 def install(monkeypatch, version: str) -> types.ModuleType:
-    """Make a stand-in of this version the `tensorrt` module for the test, building "for this GPU" as on a compute
-    capability 9.0 one; returns the module."""
+    """Make a stand-in of this version the `tensorrt` module for the test, building "for this GPU", and choosing it
+    to run stages (on the CPU: demo.runtime.loader.load_pipeline(spec, "cpu")), as on a compute capability 9.0 one;
+    returns the module."""
     import sys
 
     import torch._dynamo  # noqa: F401 (imported first: it looks up the tensorrt module's spec, which a stand-in lacks)
 
     module = make_module(version)
     monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (9, 0))
+    monkeypatch.setattr("demo.backends.tensorrt.build.current_cc", lambda: (9, 0))
+    monkeypatch.setattr("demo.backends.registry.current_cc", lambda: (9, 0))
     return module
 
 

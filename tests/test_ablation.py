@@ -99,8 +99,9 @@ def test_the_run_finds_exactly_the_engines_the_build_jobs_made(tiny, tmp_path, m
     (e.g. dynamic where the build was static) fails here."""
     from dataclasses import replace
 
-    from bench.jobs import BuildPlan, config_jobs, create_config_stages
+    from bench.jobs import BuildPlan, config_jobs
     from demo.cli.build_engines import main as build_engines
+    from demo.runtime.loader import load_pipeline
     from tests import fake_tensorrt
 
     fake_tensorrt.install(monkeypatch, "8.6.0")
@@ -112,28 +113,32 @@ def test_the_run_finds_exactly_the_engines_the_build_jobs_made(tiny, tmp_path, m
     def no_build(*_, **__):
         raise AssertionError("the run tried to build an engine the jobs had built")
 
-    monkeypatch.setattr("demo.engine.build_engine_file", no_build)
-    stages = create_config_stages(plan, tiny, jobs)
-    assert set(stages) == {"clip", "unet", "vae"}
-    # sd-benchmark --engines-from-ablation: the same engines, for the contender with no plugins
-    from bench.jobs import ablation_engine_stages
+    monkeypatch.setattr("demo.backends.tensorrt.build.build_engine_file", no_build)
 
-    assert set(ablation_engine_stages(plan, tiny, (), OURS, use_cuda_graph=True)) == {"clip", "unet", "vae"}
+    def stages(spec):
+        with load_pipeline(spec, "cpu", progress=lambda *_: None) as pipeline:
+            return set(pipeline.stages)
+
+    assert stages(plan.config_spec(tiny, (), OURS, jobs)) == {"clip", "unet", "vae"}
+    # sd-benchmark --engines-from-ablation: the same engines, for the contender with no plugins
+    assert stages(plan.config_spec(tiny, (), OURS, use_cuda_graph=True)) == {"clip", "unet", "vae"}
     # Other build settings than the ablation's: an error naming what differs, not a build
     from core.artifacts import ArtifactError
 
     with pytest.raises(ArtifactError, match="optimization_level changed.*building is off"):
-        create_config_stages(replace(plan, optimization_level=2), tiny, jobs)
+        stages(replace(plan, optimization_level=2).config_spec(tiny, (), OURS, jobs))
     with pytest.raises(UsageError, match="no ablation probe of clip"):  # plugins, but no probes there
-        ablation_engine_stages(plan, tiny, ("LayerNorm",), OURS)
+        plan.config_spec(tiny, ("LayerNorm",), OURS)
 
 
 def test_a_jobs_command_line_parses_back_into_the_flags_the_run_uses(tmp_path):
     """build-engines parses a job's arguments into exactly the EngineFlags (and request shape) that
-    BuildPlan.settings gives the run: build and run agree by construction."""
+    BuildPlan.config_spec gives the run: build and run agree by construction."""
+    from dataclasses import replace
+
     from bench.jobs import ALL, BuildPlan, Job
-    from demo.cli.build_engines import BuildFlags, make_parser
-    from demo.settings import EngineFlags, ModelFlags, parse_flags
+    from demo.cli.build_engines import BuildFlags, build_spec, make_parser
+    from demo.cli.flags import EngineFlags, ModelFlags, parse_flags
 
     plans = [BuildPlan("tiny", tmp_path / "work", 64, 48),
              BuildPlan("sd1.5-arch", tmp_path / "other", 512, 768, batch_size=2, guided=False, optimization_level=5,
@@ -151,6 +156,12 @@ def test_a_jobs_command_line_parses_back_into_the_flags_the_run_uses(tmp_path):
                                                                                  plan.disable_tactic_sources)
             assert (build.backend, build.stages, build.height, build.width, build.batch_size, build.no_guidance) == (
                 "tensorrt", job.stage, plan.height, plan.width, plan.batch_size, not plan.guided)
+            # The spec build-engines builds, and the run's, agree on the stage's engine (building aside)
+            built, run = build_spec(flags), plan.config_spec(None, job.plugins, job.convention, {job.stage: job})
+            (override,) = run.stage_overrides
+            assert override.engine == replace(built.engine, build_missing=False) and override.plugins == built.plugins
+            assert (run.height, run.width, run.batch_size, run.guided) == (built.height, built.width,
+                                                                            built.batch_size, built.guided)
 
 
 def test_builds_spread_over_the_gpus_given_the_fewest_builds_first(tmp_path, monkeypatch):
@@ -214,9 +225,9 @@ def test_runs_keep_the_table_order_and_nothing_built_is_an_error_that_writes_not
     argv = ["--model", str(tiny.path), "--work-dir", str(tmp_path / "work"), "--results-dir", str(results),
             "--configs", "+Seq2Spatial,none,+fMHA/fMHCA", "--build-only"]
     assert ablation.main(argv) == 0 and ran == []
-    monkeypatch.setattr("demo.trt_flavour.version", lambda _: "8.6.0")
+    monkeypatch.setattr("demo.backends.tensorrt.backend.version", lambda _: "8.6.0")
     monkeypatch.setattr("torch.cuda.get_device_name", lambda *_: "Test GPU")
-    monkeypatch.setattr("models.plugin_set.local_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(ablation, "local_compute_capability", lambda: "9.0")
     defaults = tmp_path / "tuned.json"
     write_entry(PLUGINS_AUTO, "8.0", {"plugins": ["GroupNorm"]}, defaults)
     before = defaults.read_bytes()

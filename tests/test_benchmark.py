@@ -16,9 +16,9 @@ from bench.common import slug
 from bench.contenders import DEFAULT_CONTENDERS, EAGER, contenders, resolve_here, select_contenders
 from bench.runner import Workload, contender_engine_flags
 from core.errors import UsageError
-from demo.report import device_name
-from demo.settings import EngineFlags
-from demo.torch_accel import TorchSettings, resolve_torch_settings
+from demo.backends.torch.settings import TorchSettings, resolve_torch_settings
+from demo.cli.flags import EngineFlags
+from demo.runtime.report import device_name
 from models.plugin_set import parse_plugin_set
 from plugins import torch_ops
 from plugins.contract import PLUGIN_KEYS
@@ -145,7 +145,7 @@ def test_a_run_cut_short_leaves_the_rows_so_far(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(benchmark, "run_contender", interrupted)
     status, _, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,diffusers-channels-last")
-    assert status == 130 and capsys.readouterr().err == "sd-benchmark: interrupted\n"  # demo.arguments.run_command
+    assert status == 130 and capsys.readouterr().err == "sd-benchmark: interrupted\n"  # demo.cli.command.run_command
     data = json.loads((tmp_path / "results" / f"{STEM}.json").read_text())
     assert [r["label"] for r in data["rows"]] == [EAGER]
     assert "| diffusers-eager |" in (tmp_path / "results" / f"{STEM}.md").read_text()
@@ -234,7 +234,7 @@ def test_defaults_table_takes_the_fastest_torch_row_and_the_backend_reads_it(tmp
     assert entries["9.0"]["label"] == "ours+GroupNorm" and entries["9.0"]["pipeline_ms"] == 700.0
     assert entries["9.0"]["gpu"] == "NVIDIA H100 80GB HBM3"
     assert "benchmark-nvidia-h100-80gb-hbm3.json" in entries["9.0"]["source"]
-    monkeypatch.setattr("models.plugin_set.local_compute_capability", lambda: "9.0")
+    monkeypatch.setattr("demo.backends.torch.settings.local_compute_capability", lambda: "9.0")
     monkeypatch.setattr(torch_ops, "_STATUS", "available")
     settings, source = resolve_torch_settings(device=torch.device("cuda"), table=table)
     assert settings == TorchSettings(("GroupNorm",), True, True, "max-autotune-no-cudagraphs")
@@ -283,8 +283,7 @@ def test_int8_engines_are_compared_with_their_fp16_ones(tmp_path, monkeypatch):
     int8): the INT8 row carries its image and UNet output against the fp16 engines', and the table shows them."""
     from tests import fake_tensorrt
 
-    fake_tensorrt.install(monkeypatch, "8.6.0")
-    monkeypatch.setattr("demo.trt_flavour.current_cc", lambda: (9, 0))  # contenders run only where TensorRT can
+    fake_tensorrt.install(monkeypatch, "8.6.0")  # runs "on" a compute capability 9.0 GPU: engines run here
     monkeypatch.chdir(tmp_path)  # the engines' default folders
     status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,tensorrt-auto,tensorrt-int8",
                                 "--optimization-level", "0")

@@ -107,7 +107,7 @@ def test_an_engine_missing_where_nothing_may_build_it_is_one_line_and_exit_1(cap
     """What a run with building off (the ablation's runs, benchmark --engines-from-ablation) meets when an
     engine is gone or was built with other settings: the cache's reason in one line, no traceback."""
     from core.artifacts import ArtifactError
-    from demo.arguments import run_command
+    from demo.cli.command import run_command
 
     def body():
         raise ArtifactError(REASON)
@@ -139,7 +139,7 @@ def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
     def too_big(*_, **__):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB\nmore detail")
 
-    monkeypatch.setattr("demo.pipeline.Text2ImagePipeline.__call__", too_big)
+    monkeypatch.setattr("demo.pipelines.Text2ImagePipeline.__call__", too_big)
     assert main(["a prompt", "--output-dir", str(tmp_path / "out"), "--denoising-steps", "2"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "demo-diffusion: error: out of memory (CUDA out of memory. Tried to allocate 40.00 GiB); try a smaller "
@@ -147,20 +147,16 @@ def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_batch_that_cannot_fit_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+def test_a_batch_that_cannot_fit_is_refused_before_loading(tmp_path, capsys, monkeypatch, no_loading):
     """The memory floor (weights + the VAE's last activations) against what is free: one line with both, exit 2."""
     from demo.cli.generate import main
 
-    def load_stages(*_, **__):
-        raise AssertionError("a model was loaded for a batch that cannot fit")
-
-    monkeypatch.setattr("demo.backends.create_stages", load_stages)
     assert main(["a prompt", "--output-dir", str(tmp_path), "--batch-size", "100000", "--height", "128",
                  "--width", "128"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("demo-diffusion: error: batch 100000 at 128x128 needs at least ") and "GiB is free" in line
 
-    monkeypatch.setattr("demo.memory.free_bytes", lambda device: 2**20)  # 1 MiB: not even tiny's weights
+    monkeypatch.setattr("demo.runtime.memory.free_bytes", lambda device: 2**20)  # 1 MiB: not even tiny's weights
     assert main(["a prompt", "--output-dir", str(tmp_path)]) == 2
     assert "0.0 GiB is free" in capsys.readouterr().err
 
@@ -169,7 +165,7 @@ def test_the_memory_floor_counts_weights_in_the_run_precision(tiny):
     import torch
     from safetensors.torch import load_file
 
-    from demo.memory import activation_floor, weight_bytes
+    from demo.runtime.memory import activation_floor, weight_bytes
 
     parameters = sum(tensor.numel() for name in ("text_encoder", "unet", "vae")
                      for tensor in load_file(next((tiny.path / name).glob("*.safetensors"))).values())

@@ -301,7 +301,7 @@ def test_write_entry_keeps_the_other_section_and_entries(tmp_path):
 
 
 def test_an_sdxl_model_takes_its_own_entry_and_else_the_compute_capabilitys(tmp_path):
-    from demo.torch_accel import defaults_entry
+    from demo.backends.torch.settings import defaults_entry
     from models.plugin_set import parse_plugin_set
 
     path = tmp_path / "tuned.json"

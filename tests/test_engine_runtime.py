@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from core.errors import UsageError
-from demo.engine import (
+from demo.backends.base import Stage
+from demo.backends.tensorrt.build import (
     BuildOptions,
     BuildProgress,
     EngineBuildError,
@@ -24,7 +25,8 @@ from demo.engine import (
     build_engine_file,
     prepare_stage_engines,
 )
-from demo.engine_runtime import (
+from demo.backends.tensorrt.flavour import TensorRTAPI
+from demo.backends.tensorrt.runtime import (
     CONCAT_COPY,
     GENERATED,
     INT8,
@@ -36,9 +38,8 @@ from demo.engine_runtime import (
     plugin_counts,
     time_by_kind,
 )
-from demo.pipeline import GenerationRequest, Text2ImagePipeline
-from demo.report import StageTimer
-from demo.trt_flavour import TensorRTAPI
+from demo.pipelines import StageTimer, Text2ImagePipeline
+from demo.request import Request
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES, stage_batch
 from tests import fake_tensorrt
 
@@ -61,16 +62,21 @@ def onnx_dir(tiny, tmp_path_factory):
     return root
 
 
-def build(tiny, onnx_dir, tmp_path, guided=True, batch=1, static=True):
+def engine_settings(onnx_dir, tmp_path, tiny, guided=True, batch=1, static=True) -> EngineSettings:
     profile = ImageProfile.for_request(tiny, batch, HEIGHT, WIDTH, static_batch=static, dynamic_shape=False)
-    settings = EngineSettings(onnx_dir, tmp_path / "engine", profile, BuildOptions("tensorrt", 0), guided=guided)
+    return EngineSettings(onnx_dir, tmp_path / "engine", profile, BuildOptions("tensorrt", 0), guided=guided)
+
+
+def build(tiny, onnx_dir, tmp_path, **kwargs):
     models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
+    settings = engine_settings(onnx_dir, tmp_path, tiny, **kwargs)
     return models, prepare_stage_engines(models, settings, CPU, torch.float32, QUIET, QUIET)
 
 
 def engine_stages(trt, tiny, onnx_dir, tmp_path, **kwargs):
     models, engines = build(tiny, onnx_dir, tmp_path, **kwargs)
-    return create_engine_stages(models, engines, TensorRTAPI("tensorrt"), torch.float32, False, CPU, QUIET)
+    settings = engine_settings(onnx_dir, tmp_path, tiny, **kwargs)
+    return create_engine_stages(models, engines, TensorRTAPI("tensorrt"), torch.float32, settings, CPU, QUIET)
 
 
 @pytest.mark.parametrize("scheduler, guidance", [("PNDM", 1.0), ("DDIM", 7.5)])
@@ -79,7 +85,7 @@ def test_pipeline_on_engines_matches_the_torch_pipeline(trt, tiny, tiny_stages, 
     # PNDM keeps past model outputs; unguided, each is the UNet's output as returned: had the engine
     # handed out its output buffer, every history entry would be the latest one.
     stages = engine_stages(trt, tiny, onnx_dir, tmp_path, guided=guidance > 1)
-    request = GenerationRequest(["a red car"], [""], HEIGHT, WIDTH, steps=6, guidance_scale=guidance, seed=3)
+    request = Request("a red car", "", height=HEIGHT, width=WIDTH, denoising_steps=6, guidance_scale=guidance, seed=3)
     images = {}
     for backend, used in (("engine", stages), ("torch", tiny_stages)):
         pipeline = Text2ImagePipeline(tiny, used, scheduler, CPU, torch.float32)
@@ -206,7 +212,7 @@ def test_run_before_prepare_and_unbound_memory_are_errors(trt, tiny, onnx_dir, t
 def test_corrupt_engine_file_is_a_clear_error(trt, tiny, onnx_dir, tmp_path):
     _, engines = build(tiny, onnx_dir, tmp_path)
     engines["vae"].write_bytes(b"garbage")
-    with pytest.raises(EngineMismatchError, match="could not deserialize .*--force-engine-build"):
+    with pytest.raises(EngineMismatchError, match="could not deserialize .*force_engine_build"):
         Engine(TensorRTAPI("tensorrt"), engines["vae"], "vae", CPU, False)
 
 
@@ -304,8 +310,6 @@ def test_a_timing_cache_is_written_and_one_from_another_device_is_left_alone(trt
 
 def test_latents_and_scheduler_stay_fp32_with_fp16_stages(tiny, monkeypatch):
     """fp16 engines see fp16 inputs, but the latents the scheduler steps are fp32, as in diffusers."""
-    from demo.stages import Stage
-
     seen = []
 
     class HalfStage(Stage):
@@ -322,7 +326,8 @@ def test_latents_and_scheduler_stay_fp32_with_fp16_stages(tiny, monkeypatch):
     original = pipeline.scheduler.step
     monkeypatch.setattr(pipeline.scheduler, "step", lambda out, t, sample, **kw: stepped.append(
         (out.dtype, sample.dtype)) or original(out, t, sample, **kw))
-    pipeline(GenerationRequest(["a cat"], [""], HEIGHT, WIDTH, steps=3, guidance_scale=7.5, seed=1), StageTimer(CPU))
+    pipeline(Request("a cat", "", height=HEIGHT, width=WIDTH, denoising_steps=3, guidance_scale=7.5, seed=1),
+             StageTimer(CPU))
     assert stepped == [(torch.float32, torch.float32)] * 3
     unet_inputs = [dtypes for name, dtypes in seen if name == "unet"]
     assert unet_inputs == [{"sample": torch.float16, "timestep": torch.float32,

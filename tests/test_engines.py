@@ -14,8 +14,9 @@ pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
 
 from core.artifacts import read_manifest  # noqa: E402
 from core.errors import UsageError  # noqa: E402
-from demo.backends import select_backend  # noqa: E402
-from demo.engine import (  # noqa: E402
+from demo.backends.base import Workload  # noqa: E402
+from demo.backends.registry import select_backend  # noqa: E402
+from demo.backends.tensorrt.build import (  # noqa: E402
     BuildOptions,
     EngineBuildError,
     EngineSettings,
@@ -25,7 +26,9 @@ from demo.engine import (  # noqa: E402
     prepare_engine,
     prepare_stage_engines,
 )
-from demo.trt_flavour import TensorRTAPI  # noqa: E402
+from demo.backends.tensorrt.flavour import TensorRTAPI  # noqa: E402
+from demo.backends.tensorrt.options import EngineOptions  # noqa: E402
+from demo.backends.tensorrt.settings import engine_settings  # noqa: E402
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES  # noqa: E402
 
 TARGETS = ((8, 0), (8, 6), (8, 9))
@@ -62,13 +65,14 @@ def test_engines_built_on_a_cpu_are_reused_on_a_gpu_they_target(built, monkeypat
         exported.append(args)
         raise LookupError("export asked for")
 
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (8, 6))  # now "on" an RTX 30 / A10
+    monkeypatch.setattr("demo.backends.tensorrt.build.current_cc", lambda: (8, 6))  # now "on" an RTX 30 / A10
     monkeypatch.setattr("models.base.StageModel.prepare_onnx", export)
     gpu_settings = EngineSettings(settings.onnx_dir, settings.engine_dir, settings.profile,
                                   BuildOptions("tensorrt-rtx", optimization_level=0))
     prepare_stage_engines(models, gpu_settings, "cpu", torch.float16, log.append, QUIET)
     assert log == [f"[cache] {m.name}.engine: up to date" for m in models] and exported == []
-    monkeypatch.setattr("demo.engine.current_cc", lambda: (7, 5))  # a T4: not among the targets, so rebuilt
+    # a T4: not among the targets, so rebuilt
+    monkeypatch.setattr("demo.backends.tensorrt.build.current_cc", lambda: (7, 5))
     with pytest.raises(LookupError, match="export asked for"):
         prepare_stage_engines(models[:1], gpu_settings, "cpu", torch.float16, log.append, QUIET)
     assert "stale (target_cc changed)" in log[-1] and len(exported) == 1
@@ -137,12 +141,12 @@ def test_backend_errors_and_auto_choice(monkeypatch):
     with pytest.raises(UsageError, match="tensorrt is not installed .*pip install tensorrt"):
         select_backend("tensorrt", cc=(8, 6))
     with pytest.raises(UsageError, match=r"tensorrt-rtx cannot run on this GPU \(compute capability 9.0\); "
-                                         r"use --backend tensorrt or --backend torch"):
+                                         r"use backend tensorrt or backend torch"):
         select_backend("tensorrt-rtx", cc=(9, 0))
     backend, reason = select_backend("auto", cc=(9, 0))
-    assert backend == "torch" and "compute capability 9.0" in reason and "pip install tensorrt" in reason
-    assert select_backend("auto", cc=(8, 6))[0] == "tensorrt-rtx"
-    assert select_backend("tensorrt-rtx", cc=(8, 9))[0] == "tensorrt-rtx"
+    assert backend.name == "torch" and "compute capability 9.0" in reason and "pip install tensorrt" in reason
+    assert select_backend("auto", cc=(8, 6))[0].name == "tensorrt-rtx"
+    assert select_backend("tensorrt-rtx", cc=(8, 9))[0].name == "tensorrt-rtx"
 
 
 def test_build_engines_script_on_a_model_directory(tiny, tmp_path, capsys):
@@ -190,18 +194,11 @@ def test_build_engines_usage_errors(args, message, tmp_path, capsys, monkeypatch
 
 def test_cuda_graphs_get_the_static_engines_they_need(tiny, tmp_path, capsys):
     """--use-cuda-graph without --build-static-batch builds engines for exactly the request, and says so."""
-    import dataclasses
-
-    from demo.arguments import engine_settings
-    from demo.settings import EngineFlags
-
-    flags = EngineFlags(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), use_cuda_graph=True,
-                        target_cc="8.6", plugins="none")
-    settings = engine_settings(flags, tiny, "tensorrt-rtx", 2, 64, 64, guided=True)
+    options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), target_cc="8.6")
+    settings = engine_settings(options, tiny, "tensorrt-rtx", Workload(2, 64, 64), "none", True)
     assert settings.profile.static and settings.profile.batch == (2, 2, 2) and settings.use_cuda_graph
     assert "engines built for exactly batch 2" in capsys.readouterr().err
-    plain = engine_settings(dataclasses.replace(flags, use_cuda_graph=None), tiny, "tensorrt-rtx", 2, 64, 64,
-                            guided=True)
+    plain = engine_settings(options, tiny, "tensorrt-rtx", Workload(2, 64, 64), "none", None)
     assert not plain.profile.static and not plain.use_cuda_graph and capsys.readouterr().err == ""
 
 
@@ -213,13 +210,9 @@ def test_cuda_graphs_get_the_static_engines_they_need(tiny, tmp_path, capsys):
 ])
 def test_cuda_graphs_are_on_by_default_where_the_engines_are_static(tiny, tmp_path, static_batch, dynamic_shape,
                                                                      given, expected):
-    from demo.arguments import engine_settings
-    from demo.settings import EngineFlags
-
-    flags = EngineFlags(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), target_cc="8.6",
-                        plugins="none", build_static_batch=static_batch, build_dynamic_shape=dynamic_shape,
-                        use_cuda_graph=given)
-    settings = engine_settings(flags, tiny, "tensorrt-rtx", 1, 64, 64, guided=True)
+    options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), target_cc="8.6",
+                            build_static_batch=static_batch, build_dynamic_shape=dynamic_shape)
+    settings = engine_settings(options, tiny, "tensorrt-rtx", Workload(1, 64, 64), "none", given)
     assert settings.use_cuda_graph is expected
 
 
@@ -228,13 +221,10 @@ def test_cuda_graphs_are_on_by_default_where_the_engines_are_static(tiny, tmp_pa
     ("CUBLAS9", None, "has no tactic source CUBLAS9"),
 ])
 def test_tactic_source_flags_are_checked_before_any_export(tiny, tmp_path, enable, disable, message):
-    from demo.arguments import engine_settings
-    from demo.settings import EngineFlags
-
-    flags = EngineFlags(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), target_cc="8.6",
-                        plugins="none", enable_tactic_sources=enable, disable_tactic_sources=disable)
+    options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"), target_cc="8.6",
+                            enable_tactic_sources=enable, disable_tactic_sources=disable)
     with pytest.raises(UsageError, match=message):
-        engine_settings(flags, tiny, "tensorrt-rtx", 1, 64, 64, guided=True)
+        engine_settings(options, tiny, "tensorrt-rtx", Workload(1, 64, 64), "none", None)
     assert not (tmp_path / "onnx").exists() or not any((tmp_path / "onnx").iterdir())
 
 

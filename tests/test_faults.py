@@ -120,13 +120,9 @@ DEMO_ERRORS = [
 
 
 @pytest.mark.parametrize("args, message", DEMO_ERRORS, ids=[" ".join(a) for a, _ in DEMO_ERRORS])
-def test_demo_usage_errors_create_nothing(args, message, tmp_path, a_file, tiny, capsys, monkeypatch):
+def test_demo_usage_errors_create_nothing(args, message, tmp_path, a_file, tiny, capsys, no_loading):
     from demo.cli.generate import main
 
-    def load_stages(*_, **__):
-        raise AssertionError("a model was loaded before every argument was checked")
-
-    monkeypatch.setattr("demo.backends.create_stages", load_stages)
     out = tmp_path / "out"
     args = [a.format(file=a_file) for a in args]
     status = main(["a prompt", "--output-dir", str(out), "--denoising-steps", "2", *args])

@@ -11,23 +11,27 @@ import pytest
 import torch
 from PIL import Image
 
-from demo.pipeline import (
-    IMAGE_TO_IMAGE,
-    INPAINTING,
-    GenerationRequest,
+from demo.backends.base import Stage
+from demo.backends.registry import REFERENCE
+from demo.backends.tensorrt.options import EngineOptions
+from demo.backends.torch.settings import FALLBACK
+from demo.pipelines import (
     Image2ImagePipeline,
     InpaintPipeline,
     SDXLImage2ImagePipeline,
     SDXLInpaintPipeline,
+    StageTimer,
     make_pipeline,
     to_uint8,
 )
-from demo.report import StageTimer
+from demo.request import IMAGE_TO_IMAGE, INPAINTING, Request
+from demo.runtime.loader import load_pipeline
+from demo.runtime.spec import PipelineSpec
 from models import STAGE_MODELS, image_to_image_stages, stage_batch
 from models.source import resolve_model
-from tests.parity import CPU, check_parity
+from tests.parity import CPU, check_parity, torch_stages
 
-PROMPTS = ["a photo of an astronaut riding a horse", "a red car"]
+PROMPTS = ("a photo of an astronaut riding a horse", "a red car")
 HEIGHT, WIDTH = 64, 48  # a non-square request; tiny's native size is 64
 
 
@@ -49,9 +53,9 @@ MASK = a_mask(HEIGHT, WIDTH)
 
 
 def request(mode: str, strength: float, image=IMAGE, mask=MASK, negatives=None, guidance=7.0, **kwargs):
-    args = dict(height=HEIGHT, width=WIDTH, steps=5, guidance_scale=guidance, seed=3)
-    return GenerationRequest(PROMPTS, negatives, **{**args, **kwargs}, image=image,
-                             mask=mask if mode == INPAINTING else None, strength=strength)
+    args = dict(height=HEIGHT, width=WIDTH, denoising_steps=5, guidance_scale=guidance, seed=3)
+    return Request(PROMPTS, negatives, **{**args, **kwargs}, image=image, mask=mask if mode == INPAINTING else None,
+                   strength=strength)
 
 
 _STAGES = {}
@@ -59,12 +63,9 @@ _STAGES = {}
 
 def stages(name: str):
     """A model's image-to-image stages with the torch backend on the CPU (loaded once per model)."""
-    from demo.backends import create_stages
-
     if name not in _STAGES:
         source = resolve_model(name)
-        models = [STAGE_MODELS[stage](source) for stage in image_to_image_stages(source)]
-        _STAGES[name] = source, create_stages("torch", models, CPU, torch.float32)
+        _STAGES[name] = source, torch_stages(source, image_to_image_stages(source))
     return _STAGES[name]
 
 
@@ -72,7 +73,7 @@ def stages(name: str):
 def test_image_to_image_matches_diffusers(scheduler, strength):
     source, used = stages("tiny")
     assert isinstance(make_pipeline(source, used, scheduler, CPU, torch.float32, IMAGE_TO_IMAGE), Image2ImagePipeline)
-    check_parity(source, used, scheduler, request(IMAGE_TO_IMAGE, strength, negatives=["blurry", ""]))
+    check_parity(source, used, scheduler, request(IMAGE_TO_IMAGE, strength, negatives=("blurry", "")))
 
 
 @pytest.mark.parametrize("model, scheduler, strength", [("tiny-xl", "Euler", 0.7), ("tiny-xl", "DPM++2M", 0.5),
@@ -96,7 +97,7 @@ def test_inpainting_matches_diffusers(model, scheduler, strength):
     assert source.inpainting == (model == "tiny-inpaint")
     assert isinstance(make_pipeline(source, used, scheduler, CPU, torch.float32, INPAINTING), InpaintPipeline)
     # An input image of another size (same proportions) is resized to the request's, as diffusers resizes it.
-    check_parity(source, used, scheduler, request(INPAINTING, strength, image=LARGER, negatives=["", "blurry"]))
+    check_parity(source, used, scheduler, request(INPAINTING, strength, image=LARGER, negatives=("", "blurry")))
 
 
 @pytest.mark.parametrize("model, scheduler, strength", [("tiny-xl-inpaint", "Euler", 0.8), ("tiny-xl", "EulerA", 0.6)])
@@ -107,7 +108,7 @@ def test_sdxl_inpainting_matches_diffusers(model, scheduler, strength):
     check_parity(source, used, scheduler, request(INPAINTING, strength, guidance=1.0))  # unguided: no doubled mask
 
 
-def run_pipeline(model: str, scheduler: str, req: GenerationRequest) -> np.ndarray:
+def run_pipeline(model: str, scheduler: str, req: Request) -> np.ndarray:
     source, used = stages(model)
     return to_uint8(make_pipeline(source, used, scheduler, CPU, torch.float32, req.mode)(req, StageTimer(CPU)))
 
@@ -135,9 +136,6 @@ def test_timesteps_follow_the_strength():
 def test_the_vae_encoder_is_a_stage_that_honours_force_upcast():
     """The input image is encoded once (batch 1), in fp32 where an SDXL VAE config says force_upcast; the pipeline
     hands it the stage's dtype, whatever the others run in."""
-    from demo.backends import create_stages
-    from demo.stages import Stage
-
     tiny, tiny_xl = resolve_model("tiny"), resolve_model("tiny-xl")
     assert image_to_image_stages(tiny) == ("clip", "unet", "vae", "vae_encoder")
     assert image_to_image_stages(tiny_xl) == ("clip", "clip2", "unet", "vae", "vae_encoder")
@@ -145,7 +143,8 @@ def test_the_vae_encoder_is_a_stage_that_honours_force_upcast():
     encoder = STAGE_MODELS["vae_encoder"]
     assert encoder(tiny_xl).stage_dtype(torch.float16) == torch.float32
     assert encoder(tiny).stage_dtype(torch.float16) == torch.float16  # SD's pipelines ignore force_upcast
-    assert create_stages("torch", [encoder(tiny_xl)], CPU, torch.float16)["vae_encoder"].dtype == torch.float32
+    upcast = REFERENCE.create_stages([encoder(tiny_xl)], lambda _: FALLBACK, CPU, torch.float16, print, print)
+    assert upcast["vae_encoder"].dtype == torch.float32
 
     for source, expected in ((tiny_xl, torch.float32), (tiny, torch.float16)):
         seen = []
@@ -175,28 +174,24 @@ def trt(monkeypatch):
     fake_tensorrt.install(monkeypatch, "10.8.0")
 
 
-def engine_stages(source, onnx_dir, engine_dir):
-    from demo.engine import BuildOptions, EngineSettings, ImageProfile, prepare_stage_engines
-    from demo.engine_runtime import create_engine_stages
-    from demo.trt_flavour import TensorRTAPI
-
-    quiet = lambda *_: None  # noqa: E731
-    profile = ImageProfile.for_request(source, 2, HEIGHT, WIDTH, static_batch=True, dynamic_shape=False)
-    settings = EngineSettings(onnx_dir, engine_dir, profile, BuildOptions("tensorrt", 0))
-    models = [STAGE_MODELS[name](source) for name in image_to_image_stages(source)]
-    engines = prepare_stage_engines(models, settings, CPU, torch.float32, quiet, quiet)
-    return create_engine_stages(models, engines, TensorRTAPI("tensorrt"), torch.float32, False, CPU, quiet)
+def engine_pipeline(model, mode, folder):
+    """The model's pipeline for `mode` on engines (the stand-in TensorRT), built for the test's request."""
+    spec = PipelineSpec(model=model, backend="tensorrt", precision="fp32", plugins="none", modes=(mode,),
+                        height=HEIGHT, width=WIDTH, batch_size=2, scheduler="DDIM",
+                        engine=EngineOptions(onnx_dir=str(folder / "onnx"), engine_dir=str(folder / "engine"),
+                                             build_static_batch=True, optimization_level=0))
+    return load_pipeline(spec, CPU, progress=lambda *_: None)
 
 
 @pytest.mark.parametrize("model, mode", [("tiny", IMAGE_TO_IMAGE), ("tiny-inpaint", INPAINTING)])
 def test_engines_give_the_torch_backends_image(trt, model, mode, tmp_path):
     source, used = stages(model)
-    on_engines = engine_stages(source, tmp_path / "onnx", tmp_path / "engine")
-    assert on_engines["vae_encoder"].engine.profile("images")[2] == (1, 3, HEIGHT, WIDTH)  # one image, any batch
-    req = request(mode, 0.7, guidance=7.5)
-    images = {name: make_pipeline(source, chosen, "DDIM", CPU, torch.float32, mode)(req, StageTimer(CPU))
-              for name, chosen in (("engine", on_engines), ("torch", used))}
-    assert abs(images["engine"] - images["torch"]).max() < 1e-3 and to_uint8(images["torch"]).std() > 5
+    with engine_pipeline(model, mode, tmp_path) as on_engines:
+        assert on_engines.stages["vae_encoder"].engine.profile("images")[2] == (1, 3, HEIGHT, WIDTH)  # one image
+        req = on_engines.request(request(mode, 0.7, guidance=7.5, scheduler="DDIM"))
+        engine_images = on_engines.run([req])
+    torch_images = make_pipeline(source, used, "DDIM", CPU, torch.float32, mode)(req, StageTimer(CPU))
+    assert abs(engine_images - torch_images).max() < 1e-3 and to_uint8(torch_images).std() > 5
 
 
 # ---- demo-diffusion ------------------------------------------------------------------------------------------------
@@ -251,16 +246,12 @@ def test_demo_renders_from_an_input_image(args, mode, unet_calls, files, tmp_pat
     (["--model", "tiny-xl", "--refiner", "tiny-xl-refiner", "--input-image", "IMAGE"],
      "--refiner refines SDXL text-to-image, not image-to-image"),
 ])
-def test_bad_image_inputs_are_one_line_before_loading(args, message, files, tmp_path, capsys, monkeypatch):
+def test_bad_image_inputs_are_one_line_before_loading(args, message, files, tmp_path, capsys, no_loading):
     from demo.cli.generate import main
-
-    def load_stages(*_, **__):
-        raise AssertionError("a model was loaded before every argument was checked")
 
     for model in ("tiny", "tiny-inpaint", "tiny-xl", "tiny-xl-refiner"):  # generated before, not said in the run
         resolve_model(model)
     capsys.readouterr()
-    monkeypatch.setattr("demo.backends.create_stages", load_stages)
     names = {"NOWHERE": str(tmp_path / "missing.png"), "TEXT": str(files["text"]), "IMAGE": str(files["image"]),
              "MASK": str(files["mask"]), "WIDE": str(files["wide"]), "BIG": str(files["big"])}
     message = message.replace("NOWHERE", names["NOWHERE"])

@@ -17,12 +17,15 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from demo.calibrate import DEFAULT_PROMPTS, int8_request, read_calibration_prompts
-from demo.engine import BuildOptions, EngineSettings, ImageProfile, prepare_stage_engines
-from demo.engine_runtime import create_engine_stages
-from demo.pipeline import GenerationRequest, Text2ImagePipeline, image_psnr, to_uint8
-from demo.report import StageTimer
-from demo.trt_flavour import TensorRTAPI
+from demo.backends.registry import REGISTRY
+from demo.backends.tensorrt.build import BuildOptions, EngineSettings, ImageProfile, prepare_stage_engines
+from demo.backends.tensorrt.flavour import TensorRTAPI
+from demo.backends.tensorrt.int8 import DEFAULT_PROMPTS, int8_request, read_calibration_prompts
+from demo.backends.tensorrt.runtime import create_engine_stages
+from demo.pipelines import StageTimer, Text2ImagePipeline, image_psnr, to_uint8
+from demo.request import Request
+from demo.runtime.loader import activation_recorder
+from demo.runtime.spec import PipelineSpec
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
 from models.provenance import Provenance
 from models.quantize import (
@@ -41,8 +44,14 @@ SIZE, STEPS, SCHEDULER, GUIDANCE = 64, 4, "DDIM", 7.5
 PROMPTS = ("a red car in the rain", "a bowl of fruit")
 
 
+def recorder(model: str):
+    """What calibrates engines of `model` here: its torch pipeline on the CPU (demo.runtime.calibrate)."""
+    return activation_recorder(PipelineSpec(model=model), CPU)
+
+
 def calibration_request(tiny, onnx_dir, prompts=PROMPTS, progress=QUIET, log=QUIET):
-    return int8_request(tiny, prompts, STEPS, SCHEDULER, GUIDANCE, SIZE, SIZE, onnx_dir, progress, log)
+    return int8_request(tiny, prompts, STEPS, SCHEDULER, GUIDANCE, SIZE, SIZE, onnx_dir, recorder("tiny"), progress,
+                        log)
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +170,9 @@ def test_pipeline_on_int8_engines_draws_the_torch_image(trt, tiny, tiny_stages, 
     assert ("INT8" in trt.last_build["config_flags"]) != TensorRTAPI("tensorrt").strongly_typed
     engines = prepare_stage_engines(models, settings, CPU, torch.float32, QUIET, QUIET)
     assert engines["unet"].name == "unet.int8.engine" and engines["vae"].name == "vae.engine"
-    stages = create_engine_stages(models, engines, TensorRTAPI("tensorrt"), torch.float32, False, CPU, QUIET)
-    generation = GenerationRequest(["a lighthouse at dusk"], None, SIZE, SIZE, STEPS, GUIDANCE, seed=5)
+    stages = create_engine_stages(models, engines, TensorRTAPI("tensorrt"), torch.float32, settings, CPU, QUIET)
+    generation = Request("a lighthouse at dusk", None, height=SIZE, width=SIZE, denoising_steps=STEPS,
+                         guidance_scale=GUIDANCE, seed=5)
     images = {name: to_uint8(Text2ImagePipeline(tiny, used, SCHEDULER, CPU, torch.float32)(generation,
                                                                                            StageTimer(CPU)))
               for name, used in (("int8", stages), ("torch", tiny_stages))}
@@ -230,7 +240,7 @@ def test_sdxl_calibrates_through_its_own_pipeline_and_quantizes(tmp_path):
 
     xl = resolve_model("tiny-xl")
     unet = STAGE_MODELS["unet"](xl)
-    request = int8_request(xl, PROMPTS, 3, "Euler", GUIDANCE, SIZE, SIZE, tmp_path, QUIET, QUIET)
+    request = int8_request(xl, PROMPTS, 3, "Euler", GUIDANCE, SIZE, SIZE, tmp_path, recorder("tiny-xl"), QUIET, QUIET)
     plain = unet.prepare_onnx(tmp_path, "cpu", torch.float32, log=QUIET)
     quantized = unet.prepare_onnx(tmp_path, "cpu", torch.float32, log=QUIET, int8=request)
     report = read_int8_report(quantized)
@@ -242,10 +252,9 @@ def test_sdxl_calibrates_through_its_own_pipeline_and_quantizes(tmp_path):
 
 
 def test_the_report_names_the_int8_unet(tiny, tmp_path):
-    from demo.cli.generate import engine_options
-
     profile = ImageProfile.for_request(tiny, 1, SIZE, SIZE, static_batch=True, dynamic_shape=False)
     settings = EngineSettings(tmp_path, tmp_path, profile, BuildOptions("tensorrt", 0), use_cuda_graph=True)
-    assert engine_options(settings) == ["CUDA graphs"]
+    engines = REGISTRY["tensorrt"]
+    assert engines.describe(settings).options == ("CUDA graphs",)
     settings.int8 = calibration_request(tiny, tmp_path)
-    assert engine_options(settings) == ["CUDA graphs", "INT8 UNet"]
+    assert engines.describe(settings).options == ("CUDA graphs", "INT8 UNet")

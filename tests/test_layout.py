@@ -1,5 +1,7 @@
-"""The project's shape, as issue 17 fixed it: an installable package with console commands, thin entry points,
-one plugin contract, no code reading results/, and a README that covers every flag and links every doc page."""
+"""The project's shape: an installable package with console commands, thin entry points, one plugin contract, no code
+reading results/, a README that covers every flag and links every doc page; and the layering (issue 38): no import
+cycle, each layer importing only those below it, project imports at module top except where a face defers the
+runtime (and so torch) until its command runs."""
 
 import ast
 import re
@@ -17,6 +19,11 @@ PACKAGES = ("core", "plugins", "models", "demo", "bench")
 # the fault tests' runner.
 COMMAND_FILES = sorted([ROOT / "demo" / "demo_diffusion.py", *(ROOT / "scripts").glob("*.py")])
 ENTRY_POINTS = [*COMMAND_FILES, ROOT / "tests" / "paused.py"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def package_modules() -> list[Path]:
@@ -115,8 +122,8 @@ def test_readme_is_short_and_starts_with_the_quickstart():
 def test_readme_flag_table_has_every_demo_flag():
     import dataclasses
 
+    from demo.cli.flags import option_name
     from demo.cli.generate import build_parser
-    from demo.settings import option_name
 
     fields = [item for group in build_parser().flag_groups for item in dataclasses.fields(group)]
     options = [option_name(item) for item in fields if not item.metadata["positional"]]
@@ -139,3 +146,121 @@ def test_ruff_finds_nothing():
     result = subprocess.run([str(ruff), "check", "--output-format", "concise", "."], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+# ---- layering ---------------------------------------------------------------------------------------------------
+
+def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
+    """The project modules `path` imports (those in `known`, or the package a name is imported from), with whether
+    the import runs at module level; imports under `if TYPE_CHECKING:` are left out (they never run)."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+               and "TYPE_CHECKING" in ast.unparse(block.test) for node in ast.walk(block)}
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level or node.module is None:
+                continue
+            targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                       for alias in node.names]
+        found += [(target, id(node) in top_level) for target in targets if target in known]
+    return found
+
+
+def import_graph(module_level_only: bool = False) -> dict[str, set[str]]:
+    paths = {module_name(path): path for path in package_modules()}
+    known = set(paths)
+    return {name: {target for target, top in imports(path, known) if top or not module_level_only}
+            for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycle_anywhere_in_the_packages():
+    """Not at module level, nor through the imports a function makes when it runs."""
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+# Each layer and what it must never import (deferred imports included): the request, the pipelines and the backends
+# know nothing of the runtime or its faces; the runtime nothing of its faces; the server nothing of the CLI.
+FORBIDDEN = {
+    "core": ("plugins", "models", "demo", "bench"),
+    "plugins": ("models", "demo", "bench"),
+    "models": ("demo", "bench"),
+    "demo.request": ("demo.pipelines", "demo.backends", "demo.runtime", "demo.cli", "demo.serve", "bench"),
+    "demo.schedulers": ("demo.pipelines", "demo.backends", "demo.runtime", "demo.cli", "demo.serve", "bench"),
+    "demo.pipelines": ("demo.runtime", "demo.cli", "demo.serve", "bench"),
+    "demo.backends": ("demo.pipelines", "demo.runtime", "demo.cli", "demo.serve", "bench"),
+    "demo.runtime": ("demo.cli", "demo.serve", "bench"),
+    "demo.serve": ("demo.cli", "bench"),
+    "demo.cli": ("bench",),
+}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    def within(name: str, prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    return [f"{module} imports {target}" for module, targets in sorted(graph.items()) for target in sorted(targets)
+            for layer, forbidden in FORBIDDEN.items() if within(module, layer)
+            for other in forbidden if within(target, other)]
+
+
+def test_each_layer_imports_only_those_below_it():
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_layering_test_fails_when_a_forbidden_import_is_added():
+    graph = import_graph()
+    graph["demo.pipelines.text_to_image"] = {*graph["demo.pipelines.text_to_image"], "demo.runtime.loader"}
+    graph["demo.runtime.loader"] = {*graph["demo.runtime.loader"], "demo.cli.flags"}
+    graph["demo.serve.server"] = {*graph["demo.serve.server"], "demo.cli.to_spec"}
+    assert layer_violations(graph) == ["demo.pipelines.text_to_image imports demo.runtime.loader",
+                                       "demo.runtime.loader imports demo.cli.flags",
+                                       "demo.serve.server imports demo.cli.to_spec"]
+    graph["demo.request"] = {*graph["demo.request"], "demo.pipelines.batch"}  # batch imports demo.request
+    assert find_cycle(graph) is not None
+
+
+# Where a project import may wait until a function runs: the faces defer the runtime (and so torch) until their
+# command runs, so that --help and the flags' own errors answer without it; plugins' package reports on its torch ops
+# without importing them; demo's package exports the Python API on first use.
+DEFERRING = ("demo.cli", "bench", "plugins", "demo.demo_diffusion")
+
+
+def test_project_imports_are_at_module_top_except_where_a_face_defers_the_runtime():
+    known = {module_name(path) for path in package_modules()}
+    deferred = [f"{module_name(path)} imports {target} in a function" for path in package_modules()
+                for target, top in imports(path, known) if not top
+                and not any(module_name(path) == face or module_name(path).startswith(face + ".")
+                            for face in DEFERRING)]
+    assert deferred == []

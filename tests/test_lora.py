@@ -10,13 +10,15 @@ import safetensors.torch
 import torch
 
 from core.errors import UsageError
-from demo.backends import create_stages
-from demo.pipeline import GenerationRequest, make_pipeline, to_uint8
-from demo.report import StageTimer
-from models import STAGE_MODELS, text_to_image_stages
-from models.lora import lora_deltas, lora_targets, model_targets, parse_lora_spec, read_lora
+from demo.backends.registry import REFERENCE
+from demo.backends.torch.settings import TorchSettings
+from demo.cli.to_spec import parse_lora_spec
+from demo.pipelines import StageTimer, Text2ImagePipeline, make_pipeline, to_uint8
+from demo.request import Request
+from models import STAGE_MODELS
+from models.lora import lora_deltas, lora_targets, model_targets, read_lora
 from models.source import resolve_model
-from tests.parity import CPU, diffusers_images
+from tests.parity import CPU, diffusers_images, torch_stages
 
 RANK, SCALE = 4, 0.7
 SD_UNET = [  # attention projections, a feed-forward, 1x1 and 3x3 convolutions, a time projection
@@ -55,16 +57,15 @@ class Model:
 
     def __init__(self, name: str, scheduler: str):
         self.source = resolve_model(name)
-        self.stages = create_stages("torch", [STAGE_MODELS[n](self.source) for n in text_to_image_stages(self.source)],
-                                    CPU, torch.float32)
+        self.stages = torch_stages(self.source)
         self.pipeline = make_pipeline(self.source, self.stages, scheduler, CPU, torch.float32)
         self.scheduler = scheduler
         self.modules = {s.model.component: s.model.component_module(s.module) for s in self.stages.values()
                         if s.model.name != "vae"}
         self.targets = {component: lora_targets(module) for component, module in self.modules.items()}
         self.base = self.weights()
-        self.request = GenerationRequest(["a photo of an astronaut riding a horse"], None, height=32, width=32,
-                                         steps=3, guidance_scale=6.0, seed=0)
+        self.request = Request("a photo of an astronaut riding a horse", None, height=32, width=32,
+                               denoising_steps=3, guidance_scale=6.0, seed=0)
         self.base_image = self.image()
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -315,14 +316,12 @@ def test_the_deltas_are_keyed_by_module_path_and_pure(sd, tmp_path):
 def test_fusing_reaches_compiled_code_and_our_packed_attention(sd, tmp_path):
     """Weights change in place: a torch.compile'd module (aot_eager here) sees them, and fMHA's packed QKV copy is
     made again."""
-    from demo.pipeline import Text2ImagePipeline
-    from demo.torch_accel import TorchSettings
     from tests.plugin_references import cpu_kernels
 
     lora = write_lora(tmp_path / "lora.safetensors", sd, "peft", seed=11, components=["unet"])
     unet = STAGE_MODELS["unet"](sd.source)
-    stages = create_stages("torch", [unet], CPU, torch.float32, torch_settings=TorchSettings(plugins=("fMHA",)),
-                           progress=lambda _: None)
+    stages = REFERENCE.create_stages([unet], lambda _: TorchSettings(plugins=("fMHA",)), CPU, torch.float32,
+                                     lambda _: None, lambda _: None)
     stages["unet"]._forward = torch.compile(stages["unet"].module, backend="aot_eager", dynamic=False)
     inputs = unet.sample_inputs(2, 32, 32, generator=torch.Generator().manual_seed(0))
     pipeline = Text2ImagePipeline(sd.source, stages, "DDIM", CPU, torch.float32)
@@ -410,39 +409,35 @@ def test_demo_takes_repeated_lora_flags(sd, tmp_path):
 
 @pytest.mark.parametrize("case", ["not safetensors", "no LoRA", "LoCon mid", "another model",
                                   "another model's component", "missing"])
-def test_demo_refuses_bad_lora_files_in_one_line_before_the_model_loads(case, tmp_path, capsys, monkeypatch):
+def test_demo_refuses_bad_lora_files_in_one_line_before_the_model_loads(case, tmp_path, capsys, no_loading):
     from demo.cli.generate import main
 
     path, message = bad_files(tmp_path)[case]
-    monkeypatch.setattr("demo.backends.create_stages", no_loading)
     assert main(["a castle", "--model", "tiny", "--lora", str(path), "--output-dir", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("demo-diffusion: error: LoRA ") and message in lines[-1]
     assert not (tmp_path / "out").exists()
 
 
-def no_loading(*_, **__):
-    raise AssertionError("a model was loaded before every argument was checked")
-
-
 @pytest.mark.parametrize("spec, message", [("{good}:nan", "the scale must be a finite number"),
                                            ("{good}", "LoRA on TensorRT engines needs engines built "
                                                       "refittable: add --build-enable-refit")])
-def test_demo_lora_usage_errors_come_before_any_model_loads(sd, tmp_path, capsys, monkeypatch, spec, message):
+def test_demo_lora_usage_errors_come_before_any_model_loads(sd, tmp_path, capsys, monkeypatch, no_loading, spec,
+                                                            message):
+    from demo.backends.registry import REGISTRY
     from demo.cli.generate import main
 
     good = write_lora(tmp_path / "good.safetensors", sd, "peft", seed=16)
-    monkeypatch.setattr("demo.backends.create_stages", no_loading)
     if "refit" in message:
-        monkeypatch.setattr("demo.backends.select_backend", lambda *_: ("tensorrt", "a test"))
+        monkeypatch.setattr("demo.runtime.loader.select_backend", lambda *_, **__: (REGISTRY["tensorrt"], "a test"))
     assert main(["a castle", "--lora", spec.format(good=good), "--output-dir", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("demo-diffusion: error: ") and message in lines[-1]
 
 
 def test_the_lora_flag_repeats_and_round_trips():
-    from demo.cli.generate import LoraFlags, build_parser
-    from demo.settings import parse_flags, to_argv
+    from demo.cli.flags import LoraFlags, parse_flags, to_argv
+    from demo.cli.generate import build_parser
 
     flags = parse_flags(build_parser(), ["a castle", "--lora", "a.safetensors", "--lora", "b.safetensors:0.5"])
     assert flags[LoraFlags].lora == ("a.safetensors", "b.safetensors:0.5")

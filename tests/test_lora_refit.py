@@ -23,15 +23,19 @@ import torch
 from onnx import numpy_helper
 
 from core.errors import UsageError
-from demo.backends import create_stages
-from demo.pipeline import GenerationRequest, make_pipeline
-from demo.report import StageTimer
+from demo.backends.tensorrt.build import built_from, built_from_path
+from demo.backends.tensorrt.options import EngineOptions
+from demo.pipelines import StageTimer, make_pipeline
+from demo.request import Request
+from demo.runtime.loader import load_pipeline
+from demo.runtime.spec import PipelineSpec
 from models import STAGE_MODELS, text_to_image_stages
 from models.lora import LoraFusion, lora_deltas, model_targets, read_lora
 from models.provenance import Provenance, ProvenanceError, check_provenance
 from models.refit import RefitWeights, read_initializers
 from models.source import resolve_model
 from plugins.contract import PLUGIN_KEYS
+from tests.parity import torch_stages
 
 ALL = tuple(sorted(PLUGIN_KEYS))
 QUIET = lambda *_: None  # noqa: E731
@@ -247,25 +251,34 @@ def trt(monkeypatch):
     return fake_tensorrt.install(monkeypatch, "8.6.0")
 
 
-def engine_pipeline(source, folder, refit: bool):
-    from demo.engine import BuildOptions, EngineSettings, ImageProfile
+def engine_spec(folder, refit: bool, device: str = "cpu", **engine) -> PipelineSpec:
+    """tiny's text-to-image on engines at the test's size, in fp32 on the CPU (the stand-in TensorRT) or fp16."""
+    options = EngineOptions(onnx_dir=str(folder / "onnx"), engine_dir=str(folder / "engine"), build_static_batch=True,
+                            optimization_level=0, build_enable_refit=refit, **engine)
+    return PipelineSpec(model="tiny", backend="tensorrt", precision="fp32" if device == "cpu" else "fp16",
+                        plugins="none", modes=("text-to-image",), height=HEIGHT, width=WIDTH, scheduler="DDIM",
+                        engine=options)
 
-    profile = ImageProfile.for_request(source, 1, HEIGHT, WIDTH, static_batch=True, dynamic_shape=False)
-    settings = EngineSettings(folder / "onnx", folder / "engine", profile, BuildOptions("tensorrt", 0, refit=refit))
-    models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
-    stages = create_stages("tensorrt", models, CPU, torch.float32, settings, log=QUIET, progress=QUIET)
-    return make_pipeline(source, stages, "DDIM", CPU, torch.float32), settings
+
+def engine_pipeline(folder, refit: bool):
+    return load_pipeline(engine_spec(folder, refit), CPU, progress=QUIET)
+
+
+REQUEST = Request("a castle", None, height=HEIGHT, width=WIDTH, denoising_steps=3, guidance_scale=6.0, seed=0,
+                  scheduler="DDIM")
 
 
 def image(pipeline):
-    request = GenerationRequest(["a castle"], None, HEIGHT, WIDTH, steps=3, guidance_scale=6.0, seed=0)
-    return pipeline(request, StageTimer(CPU))
+    """The request's image on a loaded pipeline (demo.runtime.loaded.Pipeline) or a family pipeline."""
+    if hasattr(pipeline, "run"):
+        return pipeline.run([REQUEST])
+    return pipeline(REQUEST, StageTimer(CPU))
 
 
 def test_refitted_engines_draw_the_fused_torch_image_and_go_back_exactly(trt, tmp_path):
     source = resolve_model("tiny")
     loras = loras_for(source, tmp_path)
-    pipeline, settings = engine_pipeline(source, tmp_path, refit=True)
+    pipeline = engine_pipeline(tmp_path, refit=True)
     base_image = image(pipeline)
     refit_ms = pipeline.set_loras(loras)
     assert refit_ms is not None and refit_ms > 0
@@ -274,7 +287,7 @@ def test_refitted_engines_draw_the_fused_torch_image_and_go_back_exactly(trt, tm
     # MatMul's anonymous transposed constant; the stand-in cannot load plugins, so no packed QKV here, which (a)
     # checks), then the biases TensorRT fused with them, which it asks for (the stand-in: an Add's or a Conv's).
     unet = pipeline.stages["unet"].engine.engine
-    onnx_path = STAGE_MODELS["unet"](source).optimized_onnx_path(settings.onnx_dir)
+    onnx_path = STAGE_MODELS["unet"](source).optimized_onnx_path(tmp_path / "onnx")
     planned = RefitWeights(Provenance.read(onnx_path), lambda names: read_initializers(onnx_path, names)).plan(
         stage_deltas(loras, source, "unet"))
     given = unet.refits[-1]
@@ -284,9 +297,7 @@ def test_refitted_engines_draw_the_fused_torch_image_and_go_back_exactly(trt, tm
     for name, value in planned.items():
         assert np.array_equal(unet.weights[name], value), name
 
-    torch_models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
-    reference = make_pipeline(source, create_stages("torch", torch_models, CPU, torch.float32), "DDIM", CPU,
-                              torch.float32)
+    reference = make_pipeline(source, torch_stages(source), "DDIM", CPU, torch.float32)
     reference.set_loras(loras)
     fused_image = image(reference)
     assert np.abs(image(pipeline) - fused_image).max() < 1e-3
@@ -300,34 +311,32 @@ def test_refitted_engines_draw_the_fused_torch_image_and_go_back_exactly(trt, tm
 
 
 def test_a_refit_refuses_an_onnx_exported_again_since_the_engine_was_built(trt, tmp_path):
-    from demo.engine import built_from, built_from_path
-
     source = resolve_model("tiny")
     loras = loras_for(source, tmp_path)
-    pipeline, _ = engine_pipeline(source, tmp_path, refit=True)
+    pipeline = engine_pipeline(tmp_path, refit=True)
     engine = pipeline.stages["unet"].engine.path
     recorded = built_from(engine)
     built_from_path(engine).write_text(json.dumps({name: {**entry, "sha256": "0" * 64}
                                                    for name, entry in recorded.items()}))
-    with pytest.raises(UsageError, match="not the ONNX its engine was built from .* --force-engine-build"):
+    with pytest.raises(UsageError, match="not the ONNX its engine was built from .* force_engine_build"):
         pipeline.set_loras(loras)
     assert not any(stage.engine.engine.refits for stage in pipeline.stages.values())  # no engine changed
 
 
 def test_engines_built_without_refit_refuse_loras_in_one_line(trt, tmp_path, capsys, monkeypatch):
     from demo.cli.generate import main
+    from demo.runtime.loader import PipelinePlan
 
     source = resolve_model("tiny")
     loras = loras_for(source, tmp_path)
-    pipeline, _ = engine_pipeline(source, tmp_path, refit=False)
-    with pytest.raises(UsageError, match="--build-enable-refit"):
+    pipeline = engine_pipeline(tmp_path, refit=False)
+    with pytest.raises(UsageError, match="add build_enable_refit"):  # the Python API names the spec's fields
         pipeline.set_loras(loras)
 
     def no_loading(*_, **__):
         raise AssertionError("a model was loaded before every argument was checked")
 
-    monkeypatch.setattr("demo.backends.current_cc", lambda: (9, 0))
-    monkeypatch.setattr("demo.backends.create_stages", no_loading)
+    monkeypatch.setattr(PipelinePlan, "load", no_loading)
     out = tmp_path / "out"
     assert main(["a castle", "--backend", "tensorrt", "--lora", str(tmp_path / "peft.safetensors"),
                  "--output-dir", str(out)]) == 2
@@ -339,7 +348,6 @@ def test_engines_built_without_refit_refuse_loras_in_one_line(trt, tmp_path, cap
 def test_demo_refits_engines_and_reports_the_time(trt, tmp_path, monkeypatch):
     from demo.cli.generate import main
 
-    monkeypatch.setattr("demo.backends.current_cc", lambda: (9, 0))
     loras = loras_for(resolve_model("tiny"), tmp_path)
     out = tmp_path / "out"
     common = ["a castle", "--backend", "tensorrt", "--build-enable-refit", "--height", "32", "--width", "32",
@@ -350,7 +358,7 @@ def test_demo_refits_engines_and_reports_the_time(trt, tmp_path, monkeypatch):
     assert report["loras"] == [{"path": loras[0][0].path, "scale": 0.7}] and report["lora_refit_ms"] > 0
 
 
-# ---- on a GPU with TensorRT (the H100/H200 box: TensorRT 8.6) ------------------------------------------------------
+# ---- on a GPU with TensorRT (8.6 and later) ---------------------------------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.tensorrt
@@ -358,26 +366,23 @@ def test_demo_refits_engines_and_reports_the_time(trt, tmp_path, monkeypatch):
 def test_real_engines_refit_to_the_lora_and_back_to_a_fresh_engines_outputs(use_cuda_graph, tmp_path):
     """Refittable tiny engines (fp16): after a LoRA the UNet computes what the fused torch UNet does (fp16
     tolerance), and after set_loras([]) exactly what a fresh, never refitted engine of the same file does."""
-    from demo.engine import BuildOptions, EngineSettings, ImageProfile
-    from demo.trt_flavour import why_cannot_run
+    from dataclasses import replace
+
+    from demo.backends.tensorrt.flavour import why_cannot_run
 
     reason = why_cannot_run("tensorrt", torch.cuda.get_device_capability())
     if reason:
         pytest.skip(reason)
     cuda = torch.device("cuda")
-    source = resolve_model("tiny")
-    loras = loras_for(source, tmp_path)
-    profile = ImageProfile.for_request(source, 1, HEIGHT, WIDTH, static_batch=True, dynamic_shape=False)
-    options = BuildOptions("tensorrt", 0, disabled_tactic_sources=("CUDNN",), refit=True)  # the box's cuDNN: a stub
-    settings = EngineSettings(tmp_path / "onnx", tmp_path / "engine", profile, options, use_cuda_graph=use_cuda_graph)
-    models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
+    loras = loras_for(resolve_model("tiny"), tmp_path)
+    # cuDNN 8 may be missing or a stub where TensorRT 8.6 runs: its tactics are left out.
+    spec = replace(engine_spec(tmp_path, True, "cuda", disable_tactic_sources="CUDNN"), use_cuda_graph=use_cuda_graph)
 
     def engines():
-        return create_stages("tensorrt", models, cuda, torch.float16, settings, log=QUIET, progress=QUIET)
+        return load_pipeline(spec, cuda, progress=QUIET)
 
-    stages = engines()
-    pipeline = make_pipeline(source, stages, "DDIM", cuda, torch.float16)
-    unet = stages["unet"]
+    pipeline = engines()
+    unet = pipeline.stages["unet"]
     unet.prepare(2, HEIGHT, WIDTH)
     feed = unet.model.sample_inputs(2, HEIGHT, WIDTH, cuda, torch.float16, torch.Generator().manual_seed(3))
     base = unet(feed)["latent"].float()
@@ -393,6 +398,6 @@ def test_real_engines_refit_to_the_lora_and_back_to_a_fresh_engines_outputs(use_
     assert (base - expected).abs().max() > 4 * (refitted - expected).abs().max()  # the LoRA shows beyond fp16
     pipeline.set_loras([])
     back = unet(feed)["latent"]
-    fresh = engines()["unet"]
+    fresh = engines().stages["unet"]
     fresh.prepare(2, HEIGHT, WIDTH)
     assert torch.equal(back, fresh(feed)["latent"])

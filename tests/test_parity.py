@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from demo.pipeline import GenerationRequest, Text2ImagePipeline, to_uint8
-from demo.report import StageTimer
+from demo.pipelines import StageTimer, Text2ImagePipeline, to_uint8
+from demo.pipelines.images import device_pixels, postprocess
+from demo.request import Request
 from models.source import resolve_model
-from tests.parity import CPU, check_parity
+from tests.parity import CPU, check_parity, torch_stages
 
-PROMPTS = ["a photo of an astronaut riding a horse", "a red car"]
-NEGATIVE = ["blurry", ""]
+PROMPTS = ("a photo of an astronaut riding a horse", "a red car")
+NEGATIVE = ("blurry", "")
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +32,21 @@ def v_prediction_dir(tiny, tmp_path_factory):
 @pytest.mark.parametrize("scheduler", ["DDIM", "EulerA", "DPM++2M", "PNDM"])
 def test_matches_diffusers(tiny, tiny_stages, scheduler):
     # seed 0 is a valid seed; a non-square, non-native size checks the latent shape arithmetic.
-    request = GenerationRequest(PROMPTS, NEGATIVE, height=48, width=80, steps=6, guidance_scale=7.5, seed=0)
+    request = Request(PROMPTS, NEGATIVE, height=48, width=80, denoising_steps=6, guidance_scale=7.5, seed=0)
     check_parity(tiny, tiny_stages, scheduler, request)
 
 
 def test_matches_diffusers_v_prediction_without_guidance(v_prediction_dir, tiny_stages):
     source = resolve_model(str(v_prediction_dir))
     assert source.prediction_type == "v_prediction"
-    request = GenerationRequest(PROMPTS[:1], NEGATIVE[:1], height=64, width=64, steps=5, guidance_scale=1.0, seed=3)
+    request = Request(PROMPTS[0], NEGATIVE[0], height=64, width=64, denoising_steps=5, guidance_scale=1.0, seed=3)
     check_parity(source, tiny_stages, "Euler", request)
 
 
 def test_seed_changes_image(tiny, tiny_stages):
     pipeline = Text2ImagePipeline(tiny, tiny_stages, "DDIM", torch.device("cpu"), torch.float32)
     timer = StageTimer(torch.device("cpu"))
-    images = [to_uint8(pipeline(GenerationRequest(PROMPTS[:1], [""], 64, 64, 3, 7.5, seed), timer))
+    images = [to_uint8(pipeline(Request(PROMPTS[0], "", height=64, width=64, denoising_steps=3, seed=seed), timer))
               for seed in (0, 1, 0)]
     assert not np.array_equal(images[0], images[1])
     assert np.array_equal(images[0], images[2])
@@ -68,15 +69,12 @@ def other_vae(tiny, tmp_path_factory):
 def test_another_vae_decodes_as_diffusers_does_with_it(tiny, other_vae):
     from diffusers import AutoencoderKL
 
-    from demo.backends import create_stages
-    from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
-
     source = resolve_model("tiny", vae=str(other_vae))
     assert source.vae == other_vae / "vae" and source.fingerprint != tiny.fingerprint  # engines are keyed by it
-    stages = create_stages("torch", [STAGE_MODELS[n](source) for n in TEXT_TO_IMAGE_STAGES], CPU, torch.float32)
-    request = GenerationRequest(PROMPTS[:1], NEGATIVE[:1], height=64, width=64, steps=3, guidance_scale=7.5, seed=1)
-    ours = check_parity(source, stages, "DDIM", request, vae=AutoencoderKL.from_pretrained(other_vae / "vae"))
-    own_stages = create_stages("torch", [STAGE_MODELS[n](tiny) for n in TEXT_TO_IMAGE_STAGES], CPU, torch.float32)
+    request = Request(PROMPTS[0], NEGATIVE[0], height=64, width=64, denoising_steps=3, guidance_scale=7.5, seed=1)
+    ours = check_parity(source, torch_stages(source), "DDIM", request,
+                        vae=AutoencoderKL.from_pretrained(other_vae / "vae"))
+    own_stages = torch_stages(tiny)
     own = to_uint8(Text2ImagePipeline(tiny, own_stages, "DDIM", CPU, torch.float32)(request, StageTimer(CPU)))
     assert np.abs(own.astype(int) - ours.astype(int)).max() > 10  # the other VAE was used
 
@@ -99,8 +97,6 @@ def test_a_bad_vae_folder_is_one_line(make, message, tiny, tmp_path):
 def test_pixels_made_on_the_device_are_the_clis_bit_for_bit(device, dtype):
     """sd-serve's 8-bit images (device_pixels) against the CLI's (to_uint8 of postprocess, on the CPU), on fresh
     random decoder outputs beyond [-1, 1] and on values whose pixel lies half way between two (rounding's edge)."""
-    from demo.pipeline import device_pixels, postprocess
-
     decoded = torch.randn(2, 3, 40, 48, generator=torch.Generator().manual_seed(7)) * 1.2
     halves = (torch.arange(255, dtype=torch.float32) + 0.5) / 255 * 2 - 1  # (x / 2 + 0.5) * 255 near k + 0.5
     decoded[0, 0, 0, :48] = halves[:48]

@@ -8,7 +8,7 @@ from PIL import Image
 
 from bench.charts import STAGE_COLOURS
 from bench.gpu_report import main
-from demo.report import LatencyReport
+from demo.runtime.report import LatencyReport
 
 SD15_512 = "sd1.5-arch, 512x512, batch 1, 50 steps"
 PUBLISHED_DEVICES = {"L40", "A10", "A30", "T4", "A100"}

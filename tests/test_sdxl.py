@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from demo.pipeline import SCHEDULERS, GenerationRequest, SDXLPipeline, make_pipeline, to_uint8
-from demo.report import StageTimer
+from demo.backends.tensorrt import build as engine
+from demo.backends.torch.settings import TorchSettings
+from demo.pipelines import ExpertsPipeline, SDXLPipeline, StageTimer, make_pipeline, to_uint8
+from demo.request import Request
+from demo.schedulers import SCHEDULERS
 from models import STAGE_MODELS, text_to_image_stages
 from models.source import resolve_model
-from tests.parity import CPU, check_parity
+from tests.parity import CPU, check_parity, torch_stages
 
-PROMPTS = ["a photo of an astronaut riding a horse", "a red car"]
+PROMPTS = ("a photo of an astronaut riding a horse", "a red car")
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +28,7 @@ def tiny_xl():
 
 @pytest.fixture(scope="module")
 def xl_stages(tiny_xl):
-    from demo.backends import create_stages
-
-    models = [STAGE_MODELS[name](tiny_xl) for name in text_to_image_stages(tiny_xl)]
-    return create_stages("torch", models, CPU, torch.float32)
+    return torch_stages(tiny_xl)
 
 
 @pytest.fixture(scope="module")
@@ -77,24 +77,24 @@ def test_matches_diffusers_sdxl(tiny_xl, xl_stages, scheduler):
     """No negative prompt (None): zero embeddings, as the config's force_zeros_for_empty_prompt says. A non-square,
     non-native size checks the time ids and the latent arithmetic."""
     assert isinstance(make_pipeline(tiny_xl, xl_stages, scheduler, CPU, torch.float32), SDXLPipeline)
-    request = GenerationRequest(PROMPTS, None, height=48, width=80, steps=5, guidance_scale=6.0, seed=0)
+    request = Request(PROMPTS, None, height=48, width=80, denoising_steps=5, guidance_scale=6.0, seed=0)
     check_parity(tiny_xl, xl_stages, scheduler, request)
 
 
 def test_an_explicit_empty_negative_prompt_is_encoded_not_zeroed(tiny_xl, xl_stages):
-    base = dict(height=64, width=64, steps=4, guidance_scale=6.0, seed=7)
-    empty = check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], [""], **base))
-    zeros = check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], None, **base))
+    base = dict(height=64, width=64, denoising_steps=4, guidance_scale=6.0, seed=7)
+    empty = check_parity(tiny_xl, xl_stages, "Euler", Request(PROMPTS[0], "", **base))
+    zeros = check_parity(tiny_xl, xl_stages, "Euler", Request(PROMPTS[0], None, **base))
     assert not np.array_equal(empty, zeros)
-    check_parity(tiny_xl, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], ["blurry"], **base))
+    check_parity(tiny_xl, xl_stages, "Euler", Request(PROMPTS[0], "blurry", **base))
 
 
 def test_without_zeros_in_the_config_no_negative_prompt_is_the_empty_one(no_zeros_dir, xl_stages):
     source = resolve_model(str(no_zeros_dir))
-    base = dict(height=64, width=64, steps=3, guidance_scale=5.0, seed=2)
-    unset = check_parity(source, xl_stages, "Euler", GenerationRequest(PROMPTS[:1], None, **base))
+    base = dict(height=64, width=64, denoising_steps=3, guidance_scale=5.0, seed=2)
+    unset = check_parity(source, xl_stages, "Euler", Request(PROMPTS[0], None, **base))
     empty = to_uint8(make_pipeline(source, xl_stages, "Euler", CPU, torch.float32)(
-        GenerationRequest(PROMPTS[:1], [""], **base), StageTimer(CPU)))
+        Request(PROMPTS[0], "", **base), StageTimer(CPU)))
     assert np.array_equal(unset, empty)
 
 
@@ -124,12 +124,8 @@ def test_the_refiner_has_its_second_encoder_and_aesthetic_time_ids(tiny_refiner)
 @pytest.mark.parametrize("scheduler, fraction", [("Euler", 0.8), ("DDIM", 0.6), ("EulerA", 0.7)])
 def test_base_then_refiner_matches_diffusers_ensemble_of_experts(tiny_xl, xl_stages, tiny_refiner, scheduler,
                                                                   fraction):
-    from demo.backends import create_stages
-    from demo.pipeline import ExpertsPipeline
-
-    refiner_stages = create_stages("torch", [STAGE_MODELS[n](tiny_refiner) for n in text_to_image_stages(tiny_refiner)],
-                                   CPU, torch.float32)
-    request = GenerationRequest(PROMPTS, None, height=64, width=48, steps=6, guidance_scale=6.0, seed=3)
+    refiner_stages = torch_stages(tiny_refiner)
+    request = Request(PROMPTS, None, height=64, width=48, denoising_steps=6, guidance_scale=6.0, seed=3)
     pipeline = ExpertsPipeline(make_pipeline(tiny_xl, xl_stages, scheduler, CPU, torch.float32),
                                make_pipeline(tiny_refiner, refiner_stages, scheduler, CPU, torch.float32), fraction)
     ours = pipeline(request, StageTimer(CPU))
@@ -141,8 +137,8 @@ def test_base_then_refiner_matches_diffusers_ensemble_of_experts(tiny_xl, xl_sta
         ref.set_progress_bar_config(disable=True)
     generator = torch.Generator("cpu").manual_seed(3)
     common = dict(num_inference_steps=6, guidance_scale=6.0, generator=generator)
-    latents = base(PROMPTS, height=64, width=48, denoising_end=fraction, output_type="latent", **common).images
-    theirs = refiner(PROMPTS, image=latents, denoising_start=fraction, output_type="np", **common).images
+    latents = base(list(PROMPTS), height=64, width=48, denoising_end=fraction, output_type="latent", **common).images
+    theirs = refiner(list(PROMPTS), image=latents, denoising_start=fraction, output_type="np", **common).images
     assert ours.shape == theirs.shape == (2, 64, 48, 3)
     # Compared before rounding to 8 bits: the refiner's aesthetic scores move the tiny model's pixels by less.
     assert np.abs(ours - theirs).max() <= 1e-4
@@ -167,13 +163,9 @@ def test_demo_renders_with_the_refiner(tmp_path):
      "--high-noise-frac must be between 0 and 1"),
     (["--model", "tiny-xl", "--refiner", "tiny"], "--refiner tiny is not an SDXL model"),
 ])
-def test_refiner_usage_errors(args, message, tmp_path, capsys, monkeypatch):
+def test_refiner_usage_errors(args, message, tmp_path, capsys, no_loading):
     from demo.cli.generate import main
 
-    def load_stages(*_, **__):
-        raise AssertionError("a model was loaded before every argument was checked")
-
-    monkeypatch.setattr("demo.backends.create_stages", load_stages)
     assert main(["a prompt", "--output-dir", str(tmp_path / "out"), *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("demo-diffusion: error: ") and message in lines[-1]
@@ -183,12 +175,11 @@ def test_refiner_usage_errors(args, message, tmp_path, capsys, monkeypatch):
 def test_an_upcast_vae_keeps_its_modules_when_the_others_take_our_kernels(tiny_xl, capsys):
     """SDXL's VAE runs in fp32 (force_upcast) under an fp16 pipeline; our kernels take fp16, so it is left out of
     the substitution (found on an H200: group_norm refused its fp32 tensors)."""
-    from demo.backends import create_stages
-    from demo.torch_accel import TorchSettings
+    from demo.backends.registry import REFERENCE
 
     settings = TorchSettings(plugins=("GroupNorm",))
-    stages = create_stages("torch", [STAGE_MODELS["unet"](tiny_xl), STAGE_MODELS["vae"](tiny_xl)], CPU,
-                           torch.float16, progress=print, torch_settings=settings)
+    stages = REFERENCE.create_stages([STAGE_MODELS["unet"](tiny_xl), STAGE_MODELS["vae"](tiny_xl)], lambda _: settings,
+                                     CPU, torch.float16, log=print, progress=print)
     assert stages["vae"].dtype == torch.float32 and stages["vae"].substitution is None
     assert stages["unet"].dtype == torch.float16 and stages["unet"].substitution.replaced["GroupNorm"] > 0
     assert "[plugins] vae: none (it runs in float32, our kernels in float16)" in capsys.readouterr().out
@@ -197,8 +188,6 @@ def test_an_upcast_vae_keeps_its_modules_when_the_others_take_our_kernels(tiny_x
 def test_an_upcast_vae_engine_is_built_without_our_plugins(tiny_xl, tmp_path, monkeypatch):
     """The same for engines: TensorRT refused our fp16-only GroupNorm in SDXL's fp32 VAE (an H200, TensorRT 8.6:
     "could not find any supported formats"), so that stage's ONNX gets no plugin passes and its engine key says so."""
-    from demo import engine
-
     built = {}
 
     def prepare_engine(model, onnx_key, make_onnx, *args, **kwargs):

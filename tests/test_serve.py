@@ -30,14 +30,20 @@ needs_pytriton = pytest.mark.skipif(NO_PYTRITON, reason="needs PyTriton and trit
 SIZE, STEPS = 64, 4
 
 
+def plan_for(**spec):
+    """What a server of `tiny` (torch backend, the CPU) checks requests with, and fills in what they leave out."""
+    from demo.runtime.loader import plan_pipeline
+    from demo.runtime.spec import PipelineSpec
+
+    return plan_pipeline(PipelineSpec(**{"model": "tiny", "backend": "torch", **spec}), "cpu")
+
+
 def text_request(tiny, **values):
     """A parsed text-to-image request."""
-    from demo.pipeline import resolve_request
-    from demo.serve.schema import Request
-    from demo.settings import RequestFlags
+    from demo.request import Request
 
-    return Request(resolve_request(RequestFlags(**{"denoising_steps": STEPS, "height": SIZE, "width": SIZE, **values}),
-                                   tiny))
+    return Request(**{"prompt": "a castle", "denoising_steps": STEPS, "height": SIZE, "width": SIZE,
+                      **values}).resolved(tiny)
 
 
 def inputs(**values) -> dict:
@@ -72,59 +78,54 @@ def a_mask(height: int, width: int) -> np.ndarray:
 ])
 def test_a_request_is_checked_as_the_cli_checks_its_flags_naming_the_input(tiny, values, message):
     from demo.serve.schema import RequestRejected, parse_request
-    from demo.settings import RequestFlags
 
     with pytest.raises(RequestRejected, match="^" + re.escape(message)):
-        parse_request(inputs(**{"prompt": "a castle", **values}), tiny, RequestFlags())
+        parse_request(inputs(**{"prompt": "a castle", **values}), plan_for())
 
 
 def test_a_request_leaves_out_what_the_server_or_model_fills_in(tiny):
     from demo.serve.schema import RequestRejected, parse_request
-    from demo.settings import RequestFlags
 
-    flags = parse_request(inputs(prompt="a castle", seed=2**64 - 1), tiny,
-                          RequestFlags(height=48, scheduler="Euler")).flags
-    assert (flags.height, flags.width, flags.scheduler, flags.seed) == (48, 64, "Euler", 2**64 - 1)
-    assert (flags.batch_size, flags.denoising_steps, flags.guidance_scale, flags.negative_prompt) == (1, 50, 7.5, None)
-    assert parse_request(inputs(prompt="a"), tiny, RequestFlags()).flags.seed is not None  # a random one
+    request = parse_request(inputs(prompt="a castle", seed=2**64 - 1), plan_for(height=48, scheduler="Euler"))
+    assert (request.height, request.width, request.scheduler, request.seed) == (48, 64, "Euler", 2**64 - 1)
+    assert (request.batch_size, request.denoising_steps, request.guidance_scale, request.negative_prompt) == (
+        1, 50, 7.5, None)
+    assert parse_request(inputs(prompt="a"), plan_for()).seed is not None  # a random one
     with pytest.raises(RequestRejected, match=r"^seed: one value per request \(shape \[1, 1\]\), got shape \[2, 1\]"):
-        parse_request({**inputs(prompt="a"), "seed": np.array([[1], [2]], np.uint64)}, tiny, RequestFlags())
+        parse_request({**inputs(prompt="a"), "seed": np.array([[1], [2]], np.uint64)}, plan_for())
 
 
-def test_engines_serve_their_size_and_guided_requests_only(tiny):
-    from types import SimpleNamespace
-
-    from demo.engine import ImageProfile
+def test_engines_serve_their_size_and_guided_requests_only(tiny, monkeypatch):
+    from demo.backends.tensorrt.options import EngineOptions
     from demo.serve.schema import RequestRejected, parse_request
-    from demo.serve.server import engine_limits
-    from demo.settings import RequestFlags
+    from tests import fake_tensorrt
 
-    check = engine_limits(SimpleNamespace(profile=ImageProfile.for_request(tiny, 4, 64, 64, False, False)), tiny)
-    assert parse_request(inputs(prompt="a", height=64), tiny, RequestFlags(), check).flags.height == 64
-    with pytest.raises(RequestRejected, match=r"^height 128: the served engines take 64 \(engines built with"):
-        parse_request(inputs(prompt="a", height=128), tiny, RequestFlags(), check)
-    with pytest.raises(RequestRejected, match=r"^guidance_scale 1.0: the served engines run guided batches only"):
-        parse_request(inputs(prompt="a", guidance_scale=1.0), tiny, RequestFlags(), check)
+    fake_tensorrt.install(monkeypatch, "8.6.0")
+    plan = plan_for(backend="tensorrt", plugins="none", height=64, width=64, batch_size=1, max_batch_size=4,
+                    engine=EngineOptions(optimization_level=0))
+    assert parse_request(inputs(prompt="a", height=64), plan).height == 64
+    with pytest.raises(RequestRejected, match=r"^height 128: the engines take 64 \(engines built with "
+                                              r"build_dynamic_shape take any size\)"):
+        parse_request(inputs(prompt="a", height=128), plan)
+    with pytest.raises(RequestRejected, match=r"^guidance_scale 1.0: the engines were built for guided batches only"):
+        parse_request(inputs(prompt="a", guidance_scale=1.0), plan)
 
 
 def test_an_image_request_is_sized_and_checked_as_the_cli_checks_input_images(tiny):
-    from demo.pipeline import IMAGE_TO_IMAGE, INPAINTING
+    from demo.request import IMAGE_TO_IMAGE, INPAINTING
     from demo.serve.schema import RequestRejected, parse_request
-    from demo.settings import RequestFlags
 
     image, mask = random_pixels(60, 70), a_mask(60, 70)
-    defaults = RequestFlags(height=SIZE, width=SIZE)  # the server's: for text-to-image only
-    parsed = parse_request(inputs(prompt="a", image=image), tiny, defaults, mode=IMAGE_TO_IMAGE)
-    assert (parsed.flags.height, parsed.flags.width, parsed.strength, parsed.mask) == (56, 64, 0.8, None)
+    plan = plan_for(height=SIZE, width=SIZE)  # the server's size: for text-to-image only
+    parsed = parse_request(inputs(prompt="a", image=image), plan, mode=IMAGE_TO_IMAGE)
+    assert (parsed.height, parsed.width, parsed.strength, parsed.mask) == (56, 64, 0.8, None)
     assert np.array_equal(np.asarray(parsed.image), image)
-    parsed = parse_request(inputs(prompt="a", image=image, mask=mask, height=32, strength=0.5), tiny, defaults,
-                           mode=INPAINTING)
-    assert (parsed.flags.height, parsed.flags.width, parsed.strength, parsed.mask.mode) == (32, 64, 0.5, "L")
+    parsed = parse_request(inputs(prompt="a", image=image, mask=mask, height=32, strength=0.5), plan, mode=INPAINTING)
+    assert (parsed.height, parsed.width, parsed.strength, parsed.mask.mode) == (32, 64, 0.5, "L")
 
     def refused(message: str, mode: str = INPAINTING, **values) -> None:
         with pytest.raises(RequestRejected, match="^" + re.escape(message)):
-            parse_request(inputs(**{"prompt": "a", "image": image, "mask": mask, **values}), tiny, defaults,
-                          mode=mode)
+            parse_request(inputs(**{"prompt": "a", "image": image, "mask": mask, **values}), plan, mode=mode)
 
     refused("strength must be more than 0 and at most 1, got 0.0", strength=0.0)
     refused("strength 0.1 leaves none of the 4 denoising steps to run; raise strength or steps", strength=0.1,
@@ -139,13 +140,12 @@ def test_an_image_request_is_sized_and_checked_as_the_cli_checks_input_images(ti
 
 
 def test_image_requests_each_run_alone(tiny):
-    from demo.pipeline import IMAGE_TO_IMAGE
+    from demo.request import IMAGE_TO_IMAGE
     from demo.serve.batching import Generated, run_requests
     from demo.serve.schema import parse_request
-    from demo.settings import RequestFlags
 
     same = inputs(prompt="a", image=random_pixels(SIZE, SIZE), seed=1, steps=STEPS)
-    parsed = [parse_request(same, tiny, RequestFlags(), mode=IMAGE_TO_IMAGE) for _ in range(3)]
+    parsed = [parse_request(same, plan_for(), mode=IMAGE_TO_IMAGE) for _ in range(3)]
     outcomes = run_requests(parsed, lambda requests: Generated(np.zeros((len(requests), 8, 8, 3), np.uint8), 1.0))
     assert [o.batch_size for o in outcomes] == [1, 1, 1]  # one input image per pipeline call
 
@@ -157,8 +157,8 @@ def test_requests_batch_only_with_their_like_and_a_failing_one_fails_alone(tiny)
     calls = []
 
     def generate(requests):
-        calls.append([r.flags.prompt for r in requests])
-        if any(r.flags.prompt == "boom" for r in requests):
+        calls.append([r.prompt for r in requests])
+        if any(r.prompt == "boom" for r in requests):
             raise RuntimeError("CUDA out of memory\nmore detail")
         return Generated(np.zeros((len(requests), 8, 8, 3), np.uint8), 1.0)
 
@@ -179,16 +179,13 @@ def test_requests_batch_only_with_their_like_and_a_failing_one_fails_alone(tiny)
     assert [o.batch_size for o in outcomes] == [1, 0, 1]
 
 
-def test_a_batch_draws_each_image_from_its_own_seed(tiny, tiny_stages):
+def test_a_batch_draws_each_image_from_its_own_seed(tiny):
     """A batch with different seeds and a stochastic scheduler (its noise drawn per step) gives each request the
     image it gets alone."""
-    import torch
-
-    from demo.pipeline import TEXT_TO_IMAGE, make_pipeline, make_scheduler
+    from demo.request import TEXT_TO_IMAGE
     from demo.serve.batching import ServedPipeline
 
-    pipeline = make_pipeline(tiny, tiny_stages, "EulerA", torch.device("cpu"), torch.float32)
-    served = ServedPipeline({TEXT_TO_IMAGE: pipeline}, torch.device("cpu"), lambda name: make_scheduler(name, tiny))
+    served = ServedPipeline(plan_for(modes=(TEXT_TO_IMAGE,)).load())
     requests = [text_request(tiny, prompt=f"a photo {seed}", seed=seed, scheduler="EulerA") for seed in (3, 1, 2)]
     generated = served(requests)
     batched = generated.images
@@ -219,7 +216,7 @@ def free_ports(count: int) -> list[int]:
 def test_sd_serve_refuses_bad_flags_in_one_line(args, message, capsys):
     import torch
 
-    from demo.serve.server import main
+    from demo.cli.serve import main
 
     if args[0] == "--gpus" and torch.cuda.is_available():
         pytest.skip("a GPU is here")
@@ -230,7 +227,7 @@ def test_sd_serve_refuses_bad_flags_in_one_line(args, message, capsys):
 
 
 def test_sd_serve_refuses_a_port_taken(capsys):
-    from demo.serve.server import main
+    from demo.cli.serve import main
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -409,9 +406,9 @@ def test_img2img_and_inpaint_answer_with_the_clis_images_each_run_alone(server, 
     --input-image [--mask-image], sized as it sizes them (the image's own size, rounded down to a multiple of 8),
     and each in a pipeline call of its own."""
     image, mask = random_pixels(60, 68), a_mask(60, 68)
-    answers = together([lambda: server.generate(prompt="a castle", seed=5, input_image=image, strength=0.6),
-                        lambda: server.generate(prompt="a castle", seed=5, input_image=image),
-                        lambda: server.generate(prompt="a tree", seed=6, input_image=image, mask_image=mask,
+    answers = together([lambda: server.generate(prompt="a castle", seed=5, image=image, strength=0.6),
+                        lambda: server.generate(prompt="a castle", seed=5, image=image),
+                        lambda: server.generate(prompt="a tree", seed=6, image=image, mask=mask,
                                                 scheduler="EulerA")])
     assert [batch for _, batch in answers] == [1, 1, 1]
     assert answers[0][0].shape == (56, 64, 3)
@@ -423,8 +420,8 @@ def test_img2img_and_inpaint_answer_with_the_clis_images_each_run_alone(server, 
 
 @needs_pytriton
 def test_sd_serve_starts_with_pytriton_installed_outside_site_packages(tmp_path):
-    """As on the GPU box, where the serve wheels go in with `pip install --target` onto PYTHONPATH: PyTriton then
-    looks for its bundled libraries in the wrong folder, and tritonserver could not load libcudart (2026-11-26)."""
+    """Where the serve wheels go in with `pip install --target` onto PYTHONPATH: PyTriton then looks for its bundled
+    libraries in the wrong folder, and tritonserver could not load libcudart (2026-11-26)."""
     import pytriton
 
     installed = Path(pytriton.__file__).parent.parent
@@ -451,8 +448,7 @@ STAND_IN_TENSORRT = """
 import pytest
 from tests import fake_tensorrt
 patch = pytest.MonkeyPatch()  # never undone: the process is the test's server
-fake_tensorrt.install(patch, "8.6.0")
-patch.setattr("demo.backends.current_cc", lambda: (9, 0))  # engines "for this GPU", as on an H100
+fake_tensorrt.install(patch, "8.6.0")  # engines "for this GPU", and run here, as on an H100
 """
 
 
@@ -478,7 +474,7 @@ def test_engines_behind_the_server_answer_with_the_clis_images_on_engines(tmp_pa
         served.wait_ready()
         seeds = [4, 9, 2]
         answers = together([lambda seed=seed: served.generate(prompt=f"a boat {seed}", seed=seed) for seed in seeds])
-        with pytest.raises(ServeError, match=r"^height 32: the served engines take 64"):
+        with pytest.raises(ServeError, match=r"^height 32: the engines take 64"):
             served.generate(prompt="a", seed=1, height=32)
     finally:
         served.stop()
@@ -486,7 +482,6 @@ def test_engines_behind_the_server_answer_with_the_clis_images_on_engines(tmp_pa
     assert "Warning" not in served.text()  # the export's, in the pipeline's process: quiet unless --verbose, as the CLI
     assert [batch for _, batch in answers] == [3] * 3
     fake_tensorrt.install(monkeypatch, "8.6.0")
-    monkeypatch.setattr("demo.backends.current_cc", lambda: (9, 0))
     monkeypatch.chdir(tmp_path)  # the server's folders, as it named them (the stand-in's engines name their ONNX)
     built = {path: path.stat().st_mtime_ns for path in Path("engine").glob("*.engine")}
     for seed, (image, _) in zip(seeds, answers):
@@ -502,8 +497,8 @@ def test_engines_behind_the_server_answer_with_the_clis_images_on_engines(tmp_pa
 
 
 def test_sd_serve_refuses_a_python_whose_isolated_self_lacks_the_proxys_modules(tmp_path):
-    """Triton's Python-backend stub ignores PYTHONPATH: numpy and zmq found only there made every model fail to load
-    on the GPU box (2026-11-26). An interpreter without its site-packages stands in for that one."""
+    """Triton's Python-backend stub ignores PYTHONPATH: numpy and zmq found only there (`pip install --target`) made
+    every model fail to load (2026-11-26). An interpreter without its site-packages stands in for that one."""
     from core.errors import UsageError
     from demo.serve.server import check_python_backend
 
@@ -537,12 +532,12 @@ def test_an_inpainting_model_serves_inpaint_only_with_the_clis_images(inpaint_se
 
     image, mask = random_pixels(SIZE, SIZE, seed=1), a_mask(SIZE, SIZE)
     for seed, strength in ((9, 0.75), (10, None)):  # a noised input image; from noise (the UNet sees it masked)
-        answer, batch = inpaint_server.generate(prompt="a castle", seed=seed, input_image=image, mask_image=mask,
+        answer, batch = inpaint_server.generate(prompt="a castle", seed=seed, image=image, mask=mask,
                                                 strength=strength)
         expected = cli_image(tmp_path, "a castle", seed, "tiny-inpaint", image, mask,
                              ("--strength", str(strength)) if strength else ())
         assert batch == 1 and differs(answer, expected) <= 2, strength
-    for values in ({}, {"input_image": image}):
+    for values in ({}, {"image": image}):
         with pytest.raises(ServeError, match="unknown model|not found"):
             inpaint_server.generate(prompt="a", seed=1, **values)
 

@@ -1,15 +1,22 @@
-"""Typed settings (demo.settings): flags declared once on frozen dataclasses, parsed by one function."""
+"""The commands' flags (demo.cli.flags): declared once on frozen dataclasses, parsed by one function, with the
+library's defaults; and turned into a PipelineSpec and a Request in one place (demo.cli.to_spec)."""
 
 import dataclasses
 
 import pytest
 
 from core.errors import UsageError
-from demo.arguments import Parser
-from demo.settings import (
-    DEFAULT_PROMPT,
+from demo.backends.tensorrt.options import EngineOptions
+from demo.backends.torch.options import TorchOptions
+from demo.cli.flags import (
+    SHARED_ENGINE_FLAGS,
+    DemoFlags,
     EngineFlags,
+    ImageFlags,
+    LoraFlags,
     ModelFlags,
+    Parser,
+    RefinerFlags,
     RequestFlags,
     TorchFlags,
     add_flags,
@@ -19,6 +26,9 @@ from demo.settings import (
     same_as,
     to_argv,
 )
+from demo.cli.to_spec import request_from_flags, spec_from_flags
+from demo.request import DEFAULT_PROMPT, Request
+from demo.runtime.spec import PipelineSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +97,49 @@ def test_same_as_declares_the_same_flag_and_bad_values_are_usage_errors():
         parse_flags(p, ["f", "--level", "two"])
     onnx = next(a for a in p._actions if a.dest == "onnx_dir")
     assert onnx.help == dataclasses.fields(EngineFlags)[0].metadata["help"]
+
+
+# Fields another group sets (the request's images come from files: ImageFlags), or no command does.
+SET_ELSEWHERE = {EngineOptions: {"build_missing"}, Request: {"image", "mask", "strength"}}
+
+
+@pytest.mark.parametrize("group, library, shared", [
+    (EngineFlags, EngineOptions, SHARED_ENGINE_FLAGS), (TorchFlags, TorchOptions, ()),
+    (RequestFlags, Request, ()), (ModelFlags, PipelineSpec, ()),
+])
+def test_flag_groups_take_the_librarys_fields_and_defaults(group, library, shared):
+    """A group of flags sets its library type's fields, with the library's defaults (the prompt aside: the library
+    asks for one), so that a default is defined once and no flag silently sets nothing."""
+    flags = {item.name: item.default for item in dataclasses.fields(group)}
+    fields = {item.name: item.default for item in dataclasses.fields(library)}
+    if library is PipelineSpec:  # a spec is set by several groups; this one sets three of its fields
+        fields = {name: fields[name] for name in flags}
+    spec_fields = {item.name: item.default for item in dataclasses.fields(PipelineSpec)}
+    assert set(flags) == set(fields) - SET_ELSEWHERE.get(library, set()) | set(shared)
+    for name, default in flags.items():
+        expected = spec_fields[name] if name in shared else fields[name]
+        if name != "prompt":
+            assert default == expected, name
+
+
+def test_a_command_line_becomes_one_spec_and_one_request(tmp_path):
+    from PIL import Image
+
+    Image.new("RGBA", (48, 64)).save(tmp_path / "image.png")
+    Image.new("L", (48, 64)).save(tmp_path / "mask.png")
+    p = parser(ModelFlags, RequestFlags, ImageFlags, DemoFlags, LoraFlags, RefinerFlags, EngineFlags, TorchFlags)
+    flags = parse_flags(p, ["a cat", "--model", "tiny-xl", "--backend", "torch", "--lora", "a.safetensors:0.5",
+                            "--lora", "b.safetensors", "--refiner", "tiny-xl-refiner", "--high-noise-frac", "0.6",
+                            "--optimization-level", "1", "--plugins", "none", "--no-use-cuda-graph", "--compile",
+                            "none", "--seed", "3", "--input-image", str(tmp_path / "image.png"), "--mask-image",
+                            str(tmp_path / "mask.png"), "--strength", "0.5"])
+    spec = spec_from_flags(flags, batch_size=2)
+    assert spec == PipelineSpec(model="tiny-xl", backend="torch", plugins="none", use_cuda_graph=False,
+                                engine=EngineOptions(optimization_level=1), torch=TorchOptions(compile="none"),
+                                loras=(("a.safetensors", 0.5), ("b.safetensors", 1.0)), refiner="tiny-xl-refiner",
+                                high_noise_frac=0.6, batch_size=2)
+    request = request_from_flags(flags)
+    assert request.prompt == "a cat" and request.seed == 3 and request.strength == 0.5
+    assert request.image.mode == "RGB" and request.mask.size == (48, 64) and request.mode == "inpainting"
+    with pytest.raises(UsageError, match="no such file"):
+        request_from_flags(parse_flags(p, ["a cat", "--input-image", str(tmp_path / "none.png")]))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from core.errors import UsageError
-from demo.torch_accel import (
+from demo.backends.torch.settings import (
     COMPILE_MODES,
     FALLBACK,
     TorchSettings,
@@ -219,12 +219,12 @@ def test_substituted_unet_compiles_into_one_graph(tiny):
 def test_torch_stage_with_plugins_runs_the_pipeline(tiny):
     """The whole tiny pipeline through TorchStage with every family substituted (its wiring: which part of
     each stage module, the reference kernels standing in for the GPU), against the plain stages."""
-    from demo.pipeline import GenerationRequest, Text2ImagePipeline, image_psnr, to_uint8
-    from demo.report import StageTimer
-    from demo.stages import TorchStage
+    from demo.backends.torch.stage import TorchStage
+    from demo.pipelines import StageTimer, Text2ImagePipeline, image_psnr, to_uint8
+    from demo.request import Request
     from models import TEXT_TO_IMAGE_STAGES
 
-    request = GenerationRequest(["a red car"], [""], 48, 64, 3, 7.5, seed=4)
+    request = Request("a red car", "", height=48, width=64, denoising_steps=3, guidance_scale=7.5, seed=4)
     images = {}
     for label, settings in (("plain", FALLBACK), ("plugins", TorchSettings(plugins=tuple(sorted(PLUGIN_KEYS))))):
         stages = {name: TorchStage(STAGE_MODELS[name](tiny), CPU, torch.float32, settings)
@@ -251,7 +251,7 @@ def _table(tmp_path, entries) -> str:
 @pytest.fixture
 def on_a_gpu(monkeypatch):
     """Settings resolved as on an sm_90 GPU with the plugin library available."""
-    monkeypatch.setattr("models.plugin_set.local_compute_capability", lambda: "9.0")
+    monkeypatch.setattr("demo.backends.torch.settings.local_compute_capability", lambda: "9.0")
     monkeypatch.setattr(torch_ops, "_STATUS", "available")
     return torch.device("cuda")
 
@@ -281,7 +281,8 @@ def test_auto_leaves_out_plugins_that_cannot_run_but_explicit_ones_fail(tmp_path
     monkeypatch.setattr(torch_ops, "_STATUS", "plugin library not built: build/libsdplugins.so is missing")
     settings, source = resolve_torch_settings(device=on_a_gpu, table=table)
     assert settings.plugins == () and settings.channels_last and "plugins left out (plugin library not built" in source
-    with pytest.raises(UsageError, match="--plugins GroupNorm: plugin library not built"):
+    # the field as the Python API names it
+    with pytest.raises(UsageError, match="plugins GroupNorm: plugin library not built"):
         resolve_torch_settings("GroupNorm", device=on_a_gpu, table=table)
 
 
@@ -293,11 +294,11 @@ def test_a_bad_table_entry_is_a_usage_error(tmp_path, on_a_gpu, entry):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (TorchSettings(compile="default"), "--compile default needs a CUDA GPU"),
-    (TorchSettings(cuda_graph=True), "--use-cuda-graph needs a CUDA GPU"),
-    (TorchSettings(plugins=("fMHA",)), "--plugins fMHA needs a CUDA GPU"),
+    (TorchSettings(compile="default"), "^compile default needs a CUDA GPU"),  # the fields, as the API names them
+    (TorchSettings(cuda_graph=True), "^use_cuda_graph needs a CUDA GPU"),
+    (TorchSettings(plugins=("fMHA",)), "^plugins fMHA needs a CUDA GPU"),
     (TorchSettings(cuda_graph=True, compile="max-autotune-no-cudagraphs"),
-     "and --compile max-autotune-no-cudagraphs need"),
+     "and compile max-autotune-no-cudagraphs need"),
 ])
 def test_what_needs_a_gpu_is_refused_on_a_cpu(settings, message):
     with pytest.raises(UsageError, match=message):
@@ -308,7 +309,7 @@ def test_what_needs_a_gpu_is_refused_on_a_cpu(settings, message):
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_two_cuda_graph_mechanisms_at_once_are_refused(on_a_gpu, mode):
     assert mode in COMPILE_MODES
-    with pytest.raises(UsageError, match=f"--compile {mode} captures CUDA graphs itself"):
+    with pytest.raises(UsageError, match=f"compile {mode} captures CUDA graphs itself"):
         check_torch_settings(TorchSettings(cuda_graph=True, compile=mode), on_a_gpu)
 
 
@@ -319,13 +320,9 @@ def test_two_cuda_graph_mechanisms_at_once_are_refused(on_a_gpu, mode):
     (["--compile", "fastest"], "unknown --compile mode 'fastest'"),
     (["--plugins", "fMHA,GEGLU"], "unknown plugin(s) GEGLU"),
 ])
-def test_demo_refuses_before_loading_anything(args, message, tmp_path, tiny, capsys, monkeypatch):
+def test_demo_refuses_before_loading_anything(args, message, tmp_path, tiny, capsys, no_loading):
     from demo.cli.generate import main
 
-    def load_stages(*_, **__):
-        raise AssertionError("a model was loaded before every argument was checked")
-
-    monkeypatch.setattr("demo.backends.create_stages", load_stages)
     out = tmp_path / "out"
     status = main(["a prompt", "--backend", "torch", "--output-dir", str(out), "--denoising-steps", "2", *args])
     lines = capsys.readouterr().err.strip().splitlines()
@@ -354,7 +351,7 @@ def test_demo_channels_last_on_the_cpu(tmp_path, tiny):
 def test_torch_stage_gets_ready_once_per_shape(tiny, monkeypatch):
     """torch.compile's mode reaches it, and `prepare` (which the pipeline calls before every run) makes the
     first, compiling call once per input shape, outside any timed run (torch.compile stood in for here)."""
-    from demo.stages import TorchStage
+    from demo.backends.torch.stage import TorchStage
 
     modes, shapes = [], []
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from demo.pipeline import GenerationRequest, Text2ImagePipeline, image_psnr, to_uint8
-from demo.report import StageTimer
-from demo.stages import TorchStage
-from demo.torch_accel import FALLBACK, TorchSettings, computed_part
+from demo.backends.torch.settings import FALLBACK, TorchSettings, computed_part
+from demo.backends.torch.stage import TorchStage
+from demo.pipelines import StageTimer, Text2ImagePipeline, image_psnr, to_uint8
+from demo.request import Request
 from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
 from plugins import torch_ops
 from plugins.contract import PLUGIN_KEYS
@@ -69,7 +69,8 @@ def test_group_norm_on_channels_last_memory(tiny):
     assert rel_error(actual, expected) < STAGE_BOUND
 
 
-REQUEST = GenerationRequest(["a red car", "a castle on a hill"], ["", "blurry"], 64, 64, 8, 7.5, seed=5)
+REQUEST = Request(("a red car", "a castle on a hill"), ("", "blurry"), height=64, width=64, denoising_steps=8,
+                  guidance_scale=7.5, seed=5)
 CONFIGS = {
     "plugins": TorchSettings(ALL),
     "channels-last": TorchSettings(channels_last=True),

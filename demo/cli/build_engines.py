@@ -15,19 +15,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.settings import EngineFlags, ModelFlags, at_least, flag
+from core.atomic import atomic_write_bytes, check_writable_file
+from demo.cli.command import run_command
+from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags
+from demo.cli.to_spec import spec_from_flags
+from demo.runtime.spec import PRECISIONS, PipelineSpec
 
 PROG = "build-engines"
+SPEC = PipelineSpec()
+# The flags whose field in the spec is named otherwise.
+FLAG_NAMES = {"precision": "--onnx-precision", "guided": "--no-guidance"}
 
 
 def _flavours_help() -> str:
-    from demo.trt_flavour import FLAVOURS
+    from demo.backends.tensorrt.flavour import FLAVOURS  # loads torch: called when the parser is built
 
     return f"TensorRT flavour: {', '.join(FLAVOURS)} (default: %(default)s)"
 
 
 def _stages_help() -> str:
-    from models import STAGE_MODELS
+    from models import STAGE_MODELS  # loads torch: called when the parser is built
 
     return f"comma-separated subset of {', '.join(STAGE_MODELS)} (default: the model's text-to-image stages)"
 
@@ -36,22 +43,19 @@ def _stages_help() -> str:
 class BuildFlags:
     backend: str = flag(_flavours_help, "tensorrt-rtx")
     stages: str | None = flag(_stages_help)
-    batch_size: int = flag("images per run the engines are tuned for (default: %(default)s)", 1)
+    batch_size: int = flag("images per run the engines are tuned for (default: %(default)s)", SPEC.batch_size)
     max_batch_size: int | None = flag("most images per run the engines take (default: --batch-size, and at least 4 "
                                       "unless --build-static-batch); sd-serve's engines: its --max-batch-size, with "
-                                      "its --opt-batch-size as --batch-size")
-    height: int | None = flag("image height (default: model's native)")
-    width: int | None = flag("image width (default: model's native)")
-    no_guidance: bool = flag("CLIP and UNet engines for unguided batches", False)
-    onnx_precision: str = flag("ONNX (and so engine) precision (default auto: fp16, what demo-diffusion runs)", "auto",
-                               choices=("auto", "fp16", "fp32"))
+                                      "its --opt-batch-size as --batch-size", SPEC.max_batch_size)
+    height: int | None = flag("image height (default: model's native)", SPEC.height)
+    width: int | None = flag("image width (default: model's native)", SPEC.width)
+    no_guidance: bool = flag("CLIP and UNet engines for unguided batches", not SPEC.guided)
+    onnx_precision: str = flag("ONNX (and so engine) precision (default auto: fp16, what demo-diffusion runs)",
+                               SPEC.precision, choices=PRECISIONS)
     report: str | None = flag("write the per-stage table as JSON here too")
 
 
-def make_parser():
-    from demo.arguments import Parser
-    from demo.settings import add_flags
-
+def make_parser() -> Parser:
     p = Parser(prog=PROG, description=__doc__.splitlines()[0])
     add_flags(p, ModelFlags)
     add_flags(p, BuildFlags)
@@ -60,57 +64,52 @@ def make_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import run_command
-    from demo.settings import parse_flags
+    return run_command(PROG, lambda: build(parse_flags(make_parser(), argv)), FLAG_NAMES)
 
-    return run_command(PROG, lambda: build(parse_flags(make_parser(), argv)))
+
+def build_spec(flags) -> PipelineSpec:
+    """The spec of the engines these flags build."""
+    build = flags[BuildFlags]
+    stages = None if build.stages is None else tuple(name for name in build.stages.split(",") if name)
+    return spec_from_flags(flags, backend=build.backend, stages=stages, batch_size=build.batch_size,
+                           max_batch_size=build.max_batch_size, height=build.height, width=build.width,
+                           guided=not build.no_guidance, precision=build.onnx_precision)
 
 
 def build(flags) -> int:
-    import torch
+    # The runtime loads torch: --help and the flags' own errors answer without it.
+    from demo.backends.tensorrt.flavour import flavour
+    from demo.runtime.loader import plan_pipeline
+    from demo.runtime.report import precision_name
 
-    from core.atomic import atomic_write_bytes
-    from demo.arguments import check_image_size, check_writable_file, engine_settings, parse_stages, stages_of
-    from demo.backends import device_and_dtype
-    from demo.engine import prepare_stage_engines, stage_int8
-    from demo.logs import configure_library_logging
-    from demo.trt_flavour import import_flavour
-    from models import STAGE_MODELS
-
-    model, build_flags, engine = flags[ModelFlags], flags[BuildFlags], flags[EngineFlags]
-    stages = parse_stages(build_flags.stages) if build_flags.stages else None
-    at_least("--batch-size", build_flags.batch_size, 1)
+    build_flags = flags[BuildFlags]
+    flavour(build_flags.backend)  # a TensorRT flavour: what builds engines
     if build_flags.report:
         check_writable_file("report file", Path(build_flags.report))
-    import_flavour(build_flags.backend)  # clear error if the flavour is missing
-    configure_library_logging(model.verbose)
-    source = model.resolve()
-    height, width = build_flags.height or source.native_image_size, build_flags.width or source.native_image_size
-    check_image_size(source, height, width)
-    settings = engine_settings(engine, source, build_flags.backend, build_flags.batch_size, height, width,
-                               guided=not build_flags.no_guidance, max_batch=build_flags.max_batch_size)
-    device, dtype = device_and_dtype(build_flags.backend, build_flags.onnx_precision)
-    precision = "fp16" if dtype == torch.float16 else "fp32"
+    plan = plan_pipeline(build_spec(flags), runs=False, progress=print)
     start = time.perf_counter()
-    log = print if model.verbose else (lambda *_: None)
-    models = [STAGE_MODELS[name](source) for name in stages_of(source, stages)]
-    quantized = [model.name for model in models if stage_int8(settings, model) is not None]
+    stats = plan.build()
+    settings = [plan.base.settings_of(model) for model in plan.base.models]
+    quantized = [model.name for model, stage in zip(plan.base.models, settings)
+                 if stage.int8 is not None and model.takes_int8]
+    precision = precision_name(plan.dtype)
     if quantized:
         precision += f", int8 {', '.join(quantized)}"
-    prepare_stage_engines(models, settings, device, dtype, log=log)
-    targets = ",".join(f"{a}.{b}" for a, b in settings.options.resolved_targets())
-    print(f"\n{build_flags.backend} engines for {source.name}, {precision}, targets {targets}, "
-          f"batch {settings.profile.batch}, height {settings.profile.height}, width {settings.profile.width}")
+    first = settings[0]
+    targets = ",".join(f"{a}.{b}" for a, b in first.options.resolved_targets())
+    print(f"\n{plan.backend.name} engines for {plan.source.name}, {precision}, targets {targets}, "
+          f"batch {first.profile.batch}, height {first.profile.height}, width {first.profile.width}")
     print(f"{'stage':<12} {'ONNX MiB':>9} {'export+opt s':>13} {'build s':>8} {'engine MiB':>11}")
-    for name, stat in settings.stats.items():
+    for name, stat in stats.items():
         onnx = ("cached engine: no ONNX needed" if stat["onnx_bytes"] is None
                 else f"{stat['onnx_bytes'] / 2**20:9.1f} {stat['onnx_s']:13.1f}")
         print(f"{name:<12} {onnx:>23} {stat['engine_s']:8.1f} {stat['engine_bytes'] / 2**20:11.1f}")
-    print(f"total {time.perf_counter() - start:.1f} s; engines in {settings.engine_dir}")
+    print(f"total {time.perf_counter() - start:.1f} s; engines in {first.engine_dir}")
     if build_flags.report:
-        atomic_write_bytes(Path(build_flags.report), json.dumps({"model": source.name, "flavour": build_flags.backend,
-                                                          "precision": precision, "targets": targets,
-                                                          "stages": settings.stats}, indent=1).encode())
+        atomic_write_bytes(Path(build_flags.report), json.dumps({"model": plan.source.name,
+                                                                "flavour": plan.backend.name, "precision": precision,
+                                                                "targets": targets, "stages": stats},
+                                                               indent=1).encode())
     return 0
 
 

@@ -5,18 +5,23 @@ whole pipeline with the same seed and scheduler.
 
 Per stage: max |engine - torch| (and the torch output's largest magnitude, for scale) on fresh random
 inputs. Pipeline: PSNR and max pixel difference (0-255) between the two images. Engines come from the
-same cache as demo_diffusion's, so a run after demo_diffusion builds nothing.
+same cache as demo-diffusion's, so a run after demo-diffusion builds nothing. The torch side is the
+reference: the model's own modules as they are, in the engines' precision.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.errors import UsageError
-from demo.settings import EngineFlags, ModelFlags, RequestFlags, flag
+from core.atomic import atomic_write_bytes
+from core.errors import UsageError, field
+from demo.cli.command import run_command
+from demo.cli.flags import EngineFlags, ModelFlags, Parser, RequestFlags, add_flags, flag, parse_flags
+from demo.cli.to_spec import request_from_flags, spec_from_flags
+from demo.request import TEXT_TO_IMAGE
 
 PROG = "compare-backends"
 
@@ -28,9 +33,6 @@ class CompareFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import Parser, run_command
-    from demo.settings import add_flags, parse_flags
-
     p = Parser(prog=PROG, description=__doc__.splitlines()[0])
     add_flags(p, ModelFlags)
     add_flags(p, RequestFlags)
@@ -40,68 +42,53 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(flags) -> int:
+    # The runtime loads torch: --help and the flags' own errors answer without it.
     import numpy as np
     import torch
 
-    from core.atomic import atomic_write_bytes
-    from demo.arguments import engine_settings
-    from demo.backends import create_stages, device_and_dtype, select_backend
-    from demo.logs import configure_library_logging
-    from demo.pipeline import (
-        GenerationRequest,
-        check_request,
-        image_psnr,
-        make_pipeline,
-        resolve_request,
-        to_uint8,
-    )
-    from demo.report import StageTimer
-    from models import STAGE_MODELS, stage_batch, text_to_image_stages
+    from demo.backends.registry import REFERENCE
+    from demo.pipelines import image_psnr, to_uint8
+    from demo.runtime.loader import plan_pipeline
+    from demo.runtime.report import precision_name
+    from demo.runtime.spec import reference_spec
+    from models import stage_batch
 
     compare_flags = flags[CompareFlags]
-    configure_library_logging(flags[ModelFlags].verbose)
-    backend, _ = select_backend(compare_flags.backend)
-    if backend == "torch":
-        raise UsageError("--backend must name a TensorRT flavour to compare with torch")
-    source = flags[ModelFlags].resolve()
-    request = resolve_request(flags[RequestFlags], source)
-    check_request(request, source)
-    height, width, guided = request.height, request.width, request.guided
-    settings = engine_settings(flags[EngineFlags], source, backend, request.batch_size, height, width, guided=guided)
-    device, dtype = device_and_dtype(backend)
-    models = [STAGE_MODELS[name](source) for name in text_to_image_stages(source)]
-    progress = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    stages = {"torch": create_stages("torch", models, device, dtype),
-              backend: create_stages(backend, models, device, dtype, settings, log=lambda *_: None, progress=progress)}
-
-    results = {"model": source.name, "backend": backend, "device": torch.cuda.get_device_name(),
-               "height": height, "width": width, "scheduler": request.scheduler, "steps": request.denoising_steps,
-               "seed": request.seed, "guidance_scale": request.guidance_scale, "stages": {}}
-    generator = torch.Generator().manual_seed(request.seed)
-    for model in models:
-        batch = stage_batch(model.name, request.batch_size, guided)
-        feed = model.sample_inputs(batch, height, width, device, dtype, generator)
-        outputs = {}
-        for name, used in stages.items():
-            used[model.name].prepare(batch, height, width)
-            outputs[name] = next(iter(used[model.name](feed).values())).float()
-        reference = outputs["torch"]
-        results["stages"][model.name] = {
-            "max_abs_diff": (outputs[backend] - reference).abs().max().item(),
-            "reference_max_abs": reference.abs().max().item(),
-            "finite": bool(torch.isfinite(outputs[backend]).all()),
-        }
-
-    generation = GenerationRequest.from_flags(request)
-    images = {name: to_uint8(make_pipeline(source, used, request.scheduler, device, dtype)(generation,
-                                                                                               StageTimer(device)))
-              for name, used in stages.items()}
-    difference = np.abs(images[backend].astype(np.int16) - images["torch"].astype(np.int16))
-    results["image"] = {"psnr_db": image_psnr(images[backend], images["torch"]),
+    request = request_from_flags(flags)
+    spec = spec_from_flags(flags, backend=compare_flags.backend, batch_size=request.batch_size, modes=(TEXT_TO_IMAGE,))
+    plan = plan_pipeline(spec, request=request)
+    if plan.backend is REFERENCE:
+        raise UsageError(f"{field('backend')} must name a TensorRT flavour to compare with torch")
+    request, device = plan.request, plan.device
+    reference = plan_pipeline(replace(reference_spec(plan.spec), precision=precision_name(plan.dtype)), request=request)
+    with reference.load() as torch_pipeline, plan.load() as engine_pipeline:
+        pipelines = {"torch": torch_pipeline, plan.backend.name: engine_pipeline}
+        results = {"model": plan.source.name, "backend": plan.backend.name, "device": torch.cuda.get_device_name(),
+                   "height": request.height, "width": request.width, "scheduler": request.scheduler,
+                   "steps": request.denoising_steps, "seed": request.seed, "guidance_scale": request.guidance_scale,
+                   "stages": {}}
+        generator = torch.Generator().manual_seed(request.seed)
+        for model in plan.base.models:
+            batch = stage_batch(model.name, request.batch_size, request.guided)
+            feed = model.sample_inputs(batch, request.height, request.width, device, plan.dtype, generator)
+            outputs = {}
+            for name, pipeline in pipelines.items():
+                stage = pipeline.stages[model.name]
+                stage.prepare(batch, request.height, request.width)
+                outputs[name] = next(iter(stage(feed).values())).float()
+            expected = outputs["torch"]
+            results["stages"][model.name] = {
+                "max_abs_diff": (outputs[plan.backend.name] - expected).abs().max().item(),
+                "reference_max_abs": expected.abs().max().item(),
+                "finite": bool(torch.isfinite(outputs[plan.backend.name]).all()),
+            }
+        images = {name: to_uint8(pipeline.run([request])) for name, pipeline in pipelines.items()}
+    difference = np.abs(images[plan.backend.name].astype(np.int16) - images["torch"].astype(np.int16))
+    results["image"] = {"psnr_db": image_psnr(images[plan.backend.name], images["torch"]),
                         "max_pixel_diff": int(difference.max()), "mean_pixel_diff": float(difference.mean())}
 
-    print(f"{backend} vs torch on {results['device']}, {source.name} {height}x{width}, {request.scheduler} "
-          f"{request.denoising_steps} steps, seed {request.seed}")
+    print(f"{plan.backend.name} vs torch on {results['device']}, {plan.source.name} {request.height}x"
+          f"{request.width}, {request.scheduler} {request.denoising_steps} steps, seed {request.seed}")
     print(f"{'stage':<8} {'max |engine - torch|':>21} {'max |torch|':>12}")
     for name, row in results["stages"].items():
         print(f"{name:<8} {row['max_abs_diff']:21.4g} {row['reference_max_abs']:12.4g}")

@@ -16,8 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.artifacts import artifact_bytes
+from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
 from demo.cli.build_engines import BuildFlags
-from demo.settings import EngineFlags, ModelFlags, flag, same_as
+from demo.cli.command import run_command
+from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags, same_as
+from plugins.contract import PLUGIN_KEYS
 
 PROG = "export-onnx"
 
@@ -33,9 +37,6 @@ class ExportFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from demo.arguments import Parser, run_command
-    from demo.settings import add_flags, parse_flags
-
     parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     add_flags(parser, ModelFlags)
     add_flags(parser, ExportFlags)
@@ -43,25 +44,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export(flags) -> int:
+    # Models and the passes load torch: --help and the flags' own errors answer without it.
     import torch
 
-    from core.artifacts import artifact_bytes
-    from core.atomic import atomic_write_bytes
-    from demo.arguments import check_writable_directory, check_writable_file, parse_stages, stages_of
-    from demo.logs import configure_library_logging
-    from models import STAGE_MODELS
+    from demo.runtime.logs import configure_library_logging
+    from models import STAGE_MODELS, check_model_stages, check_stage_names, text_to_image_stages
     from models.plugin_passes import format_report_line, read_pass_report
     from models.plugin_set import parse_plugin_set
-    from plugins.contract import PLUGIN_KEYS
+    from models.source import resolve_model
 
     model, export_flags = flags[ModelFlags], flags[ExportFlags]
-    stages = parse_stages(export_flags.stages) if export_flags.stages else None
+    stages = [name for name in (export_flags.stages or "").split(",") if name]
+    if export_flags.stages is not None:
+        check_stage_names(stages)
     check_writable_directory("ONNX directory", Path(export_flags.onnx_dir))
     if export_flags.report_json:
         check_writable_file("--report-json", Path(export_flags.report_json))
     configure_library_logging(model.verbose)
-    source = model.resolve()
-    stages = stages_of(source, stages)
+    source = resolve_model(model.model, vae=model.vae)
+    check_model_stages(source, stages)
+    stages = stages or text_to_image_stages(source)
     plugins = parse_plugin_set(export_flags.plugins, xl=source.is_xl)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32

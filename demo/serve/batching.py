@@ -1,19 +1,20 @@
-"""Requests as pipeline calls: those that may share one (schema.batch_key) run as one batch, each image drawn from its
-own request's seed, so that it is the image the CLI makes for that request alone; a batch that fails is run again one
-request at a time, so that a request that cannot run (out of memory, say) fails alone."""
+"""Requests as pipeline calls: those that may share one (demo.request.batch_key) run as one batch, each image drawn from
+its own request's seed, so that it is the image the CLI makes for that request alone; a batch that fails is run again
+one request at a time, so that a request that cannot run (out of memory, say) fails alone."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
-from demo.serve.schema import Request, RequestRejected, batch_key
+from demo.pipelines.timer import StageTimer
+from demo.request import Request, batch_key
+from demo.serve.schema import RequestRejected
 
 
 @dataclass
@@ -26,37 +27,19 @@ class Generated:
 
 
 class ServedPipeline:
-    """One device's pipelines, one per served mode over one set of stages, called with batches of parsed one-image
-    requests of one batch_key, one call at a time (its DeviceWorker's process runs them in turn: the modes share the
-    stages' engine buffers and graphs)."""
+    """A device's loaded pipeline (demo.runtime.loaded.Pipeline, a family pipeline per served mode over one set of
+    stages), called with batches of resolved one-image requests of one batch_key, one call at a time (its DeviceWorker's
+    process runs them in turn: the modes share the stages' engine buffers and graphs)."""
 
-    def __init__(self, pipelines: dict, device: torch.device, make_scheduler: Callable[[str], object]):
-        self.pipelines = pipelines  # mode -> pipeline
-        self.device = device
-        self._make_scheduler = make_scheduler
-        self._schedulers: dict[str, object] = {}  # by name: a request picks one; scheduler state is per call
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
 
     def __call__(self, requests: Sequence[Request]) -> Generated:
         """8-bit images [B, H, W, 3], one per request, in order, each drawn from its own request's seed; and the
         pipeline's own time, as the CLI reports it."""
-        from demo.pipeline import GenerationRequest
-        from demo.report import StageTimer
-
-        head = requests[0]  # an image request runs alone (batch_key): its image, mask and strength
-        first = head.flags
-        negatives = None if first.negative_prompt is None else [r.flags.negative_prompt for r in requests]
-        request = GenerationRequest([r.flags.prompt for r in requests], negatives, first.height, first.width,
-                                    first.denoising_steps, first.guidance_scale, first.seed, head.image, head.mask,
-                                    head.strength, seeds=tuple(r.flags.seed for r in requests))
-        pipeline = self.pipelines[request.mode]
-        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with on_device:  # the stages run in inference mode themselves, as in the CLI
-            if first.scheduler not in self._schedulers:
-                self._schedulers[first.scheduler] = self._make_scheduler(first.scheduler)
-            pipeline.scheduler = self._schedulers[first.scheduler]
-            timer = StageTimer(self.device)
-            images = pipeline(request, timer, pixels=True)
-            return Generated(images, timer.milliseconds()["pipeline"])
+        timer = StageTimer(self.pipeline.device)
+        images = self.pipeline.run(requests, timer, pixels=True)
+        return Generated(images, timer.milliseconds()["pipeline"])
 
 
 @dataclass
@@ -75,7 +58,8 @@ class Outcome:
 def failure_line(exc: BaseException) -> str:
     """An exception from inside the pipeline as one line."""
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+    torch = sys.modules.get("torch")  # its error only where it is loaded (the device's process)
+    if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
         return f"out of memory ({first}); try a smaller height and width"
     return f"{type(exc).__name__}: {first}"
 

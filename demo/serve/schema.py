@@ -1,27 +1,20 @@
-"""sd-serve's models (txt2img, img2img, inpaint) and their requests: their inputs and outputs, each request checked as
-the CLI checks its flags (the same functions; errors name the input instead of the flag), and which requests may
-share one pipeline call."""
+"""sd-serve's models (txt2img, img2img, inpaint) and their requests: their inputs and outputs, each request parsed into
+the one request model (demo.request.Request) and checked as the pipeline checks it, its errors naming the server's
+own inputs; and which requests may share one pipeline call (demo.request.batch_key)."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from core.errors import UsageError
-from demo.cli.generate import ImageFlags
-from demo.pipeline import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
-from demo.settings import RequestFlags, option_name
+from demo.request import IMAGE_TO_IMAGE, INPAINTING, MODES, TEXT_TO_IMAGE, Request
 
-if TYPE_CHECKING:
-    from PIL.Image import Image
-
-# Triton model name -> the mode it runs (demo.pipeline); a model serves those its UNet can run (served_modes).
-MODES = {"txt2img": TEXT_TO_IMAGE, "img2img": IMAGE_TO_IMAGE, "inpaint": INPAINTING}
-MODEL_NAMES = {mode: name for name, mode in MODES.items()}
-ALL_MODES = tuple(MODES.values())
+# Triton model name -> the mode it runs; a model serves those its UNet can run (demo.request.modes_of).
+MODEL_MODES = {"txt2img": TEXT_TO_IMAGE, "img2img": IMAGE_TO_IMAGE, "inpaint": INPAINTING}
+MODEL_NAMES = {mode: name for name, mode in MODEL_MODES.items()}
 IMAGE_MODES = (IMAGE_TO_IMAGE, INPAINTING)
 
 
@@ -29,10 +22,10 @@ IMAGE_MODES = (IMAGE_TO_IMAGE, INPAINTING)
 class Input:
     name: str
     dtype: type  # numpy's
-    field: str  # the RequestFlags (or, for the input image, ImageFlags) field it sets
-    optional: bool = True  # left out: the CLI's default for the flag (the server's, for size and scheduler)
+    field: str  # the Request field it sets
+    optional: bool = True  # left out: the request's default (the server's, for size and scheduler)
     shape: tuple[int, ...] = (1,)  # Triton's, less the batch dimension (-1: any size)
-    modes: tuple[str, ...] = ALL_MODES  # the models that take it
+    modes: tuple[str, ...] = MODES  # the models that take it
 
 
 # One per request: requests carry the batch dimension first ([1, 1] for a value, [1, H, W, 3] for an image).
@@ -45,76 +38,34 @@ INPUTS = (
     Input("height", np.int32, "height"),
     Input("width", np.int32, "width"),
     Input("scheduler", np.bytes_, "scheduler"),
-    Input("image", np.uint8, "input_image", optional=False, shape=(-1, -1, 3), modes=IMAGE_MODES),  # RGB
-    Input("mask", np.uint8, "mask_image", optional=False, shape=(-1, -1), modes=(INPAINTING,)),  # white: repaint
+    Input("image", np.uint8, "image", optional=False, shape=(-1, -1, 3), modes=IMAGE_MODES),  # RGB
+    Input("mask", np.uint8, "mask", optional=False, shape=(-1, -1), modes=(INPAINTING,)),  # white: repaint
     Input("strength", np.float32, "strength", modes=IMAGE_MODES),
 )
+INPUT_OF_FIELD = {item.field: item.name for item in INPUTS}
 # Outputs: the image, HxWx3 8-bit RGB; how many requests its pipeline call ran (1: alone); and where its batch went
 # on without it, why it failed (else empty): PyTriton 0.7 fails a batch only whole (see docs/serving.md).
 IMAGE, BATCH_SIZE, ERROR = "image", "batch_size", "error"
-
-_INPUT_OF_FLAG = {option_name(item): next(i.name for i in INPUTS if i.field == item.name)
-                  for flags in (RequestFlags, ImageFlags) for item in dataclasses.fields(flags)
-                  if any(i.field == item.name for i in INPUTS)}
 
 
 def inputs_of(mode: str) -> tuple[Input, ...]:
     return tuple(item for item in INPUTS if mode in item.modes)
 
 
-def served_modes(source) -> tuple[str, ...]:
-    """The modes the model's UNet can run (an inpainting UNet only inpaints; an ordinary one runs all three, inpainting
-    by the latent blend), as check_mode decides; its UsageError where it runs none."""
-    from demo.pipeline import check_mode
-
-    modes, error = [], None
-    for mode in ALL_MODES:
-        try:
-            check_mode(source, mode)
-        except UsageError as exc:
-            error = exc
-        else:
-            modes.append(mode)
-    if not modes:
-        raise error
-    return tuple(modes)
-
-
-@dataclass(frozen=True, eq=False)  # each request is itself (batch_key), images are not compared
-class Request:
-    """One parsed request: its resolved flags (one image) and, for img2img and inpaint, the input image, mask and
-    strength as the CLI's GenerationRequest takes them."""
-
-    flags: RequestFlags
-    image: Image | None = None
-    mask: Image | None = None
-    strength: float = 1.0
+def input_name(field: str) -> str:
+    """How the server's messages name a field: the input that sets it, else the field itself."""
+    return INPUT_OF_FIELD.get(field, field)
 
 
 class RequestRejected(Exception):
     """A request the server will not run, with the one line that says why, naming the input."""
 
 
-def rejected(message: str) -> RequestRejected:
-    """A CLI check's message with its flags (--denoising-steps) named as the request's inputs (steps)."""
-    for flag, name in sorted(_INPUT_OF_FLAG.items(), key=lambda item: -len(item[0])):
-        message = message.replace(flag, name)
-    return RequestRejected(message)
-
-
-def parse_request(data: dict[str, np.ndarray], source, defaults: RequestFlags,
-                  check: Callable[[RequestFlags], None] = lambda _: None, mode: str = TEXT_TO_IMAGE) -> Request:
-    """One request of `mode`'s model, resolved to one image and checked as the CLI checks its flags (an image request
-    as `demo-diffusion --input-image [--mask-image]` of that image and mask) and then by `check` (what the served
-    engines can run); RequestRejected for the first bad input. `defaults` fill in what it leaves out (but an image
-    request's size: its image's, as in the CLI); the model, its own size, scheduler and a random seed what they leave
-    out."""
-    from PIL import Image
-
-    from demo.cli.generate import check_mask, image_size
-    from demo.pipeline import GenerationRequest, check_request, resolve_request
-
-    values, images = {}, {}
+def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) -> Request:
+    """One request of `mode`'s model, resolved to one image and checked by `plan` (demo.runtime.loader.PipelinePlan:
+    what it leaves out is the server's spec's or the model's; then every check the loaded pipeline makes, the
+    engines' limits among them); RequestRejected for the first bad input."""
+    values = {}
     for item in inputs_of(mode):
         array = data.get(item.name)
         if array is None:
@@ -128,7 +79,7 @@ def parse_request(data: dict[str, np.ndarray], source, defaults: RequestFlags,
             raise RequestRejected(f"{item.name}: one {'value' if item.shape == (1,) else 'image'} per request (shape "
                                   f"[{shape}]), got shape {list(array.shape)}")
         if item.shape != (1,):
-            images[item.field] = Image.fromarray(array[0])  # RGB, or a grayscale mask
+            values[item.field] = Image.fromarray(array[0])  # RGB, or a grayscale mask
             continue
         value = array.reshape(-1)[0]
         if item.dtype is np.bytes_:
@@ -141,31 +92,9 @@ def parse_request(data: dict[str, np.ndarray], source, defaults: RequestFlags,
         else:
             value = value.item()
         values[item.field] = value
-    strength = values.pop("strength", None)
-    image, mask = images.get("input_image"), images.get("mask_image")
     try:
-        flags = replace(defaults, batch_size=1, **values)
-        size = None
-        if image is not None:  # as the CLI sizes it: its own size where height and width are not given
-            if mask is not None:
-                check_mask(image, mask, "--mask-image")
-            flags = replace(flags, height=values.get("height"), width=values.get("width"))
-            size = image_size(image, flags, source)
-        flags = resolve_request(flags, source, size=size)
-        generation = GenerationRequest.from_flags(flags, image, mask, strength)
-        check_request(flags, source, generation.mode, generation.strength)
-        check(flags)
+        request = plan.resolve(Request(**values))
+        plan.check(request)
     except UsageError as exc:
-        raise rejected(str(exc)) from None
-    return Request(flags, image, mask, generation.strength)
-
-
-def batch_key(request: Request) -> tuple:
-    """Requests with equal keys can run as one pipeline call: the same size, steps, scheduler and guidance, and
-    negative prompts given to all or none (none: the model's empty or zero negative embeddings). A pipeline call takes
-    one input image for the whole batch, so each image request runs alone."""
-    if request.image is not None:
-        return (id(request),)
-    flags = request.flags
-    return (flags.height, flags.width, flags.denoising_steps, flags.scheduler, flags.guidance_scale,
-            flags.negative_prompt is None)
+        raise RequestRejected(exc.render(input_name)) from None
+    return request

@@ -1,41 +1,15 @@
-"""Per-stage latency: timing (CUDA events on a GPU, a monotonic clock on a CPU) and the report."""
+"""The latency report of a run: per-stage milliseconds (demo.pipelines.timer.StageTimer measures them) beside what
+makes the image again and what ran it, as a table and as JSON."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import platform
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-
-class StageTimer:
-    """Accumulates wall time per named region; regions may repeat (summed) and nest."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._spans: dict[str, list] = {}
-
-    @contextlib.contextmanager
-    def measure(self, name: str):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-        else:
-            start = time.perf_counter()
-            yield
-            end = time.perf_counter()
-        self._spans.setdefault(name, []).append((start, end))
-
-    def milliseconds(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return {n: sum(s.elapsed_time(e) for s, e in spans) for n, spans in self._spans.items()}
-        return {n: sum(e - s for s, e in spans) * 1e3 for n, spans in self._spans.items()}
+from demo.backends.base import Backend
 
 
 @dataclass
@@ -58,8 +32,9 @@ class LatencyReport:
     plugins: list[str] = field(default_factory=list)  # our plugins: inside the engines, or substituted (torch)
     options: list[str] = field(default_factory=list)  # e.g. channels-last, CUDA graphs, compile <mode>
     options_reason: str = ""  # where the torch backend's settings came from
-    prompt: str = ""  # with the negative prompt, seed, scheduler, steps and guidance: what makes the image again
-    negative_prompt: str | None = None  # None: not given (see RequestFlags)
+    # with the negative prompt, seed, scheduler, steps and guidance: what makes the image again (several: one each)
+    prompt: str | list[str] = ""
+    negative_prompt: str | list[str] | None = None  # None: not given (demo.request.Request)
     input_image: str | None = None  # image-to-image and inpainting: the files given, and the strength
     mask_image: str | None = None
     strength: float | None = None
@@ -94,12 +69,10 @@ class LatencyReport:
         return json.dumps(data, indent=2)
 
 
-def library_versions(backend: str = "torch") -> dict[str, str]:
-    """Versions of what ran, TensorRT's among them when a TensorRT flavour ran the stages."""
+def library_versions(backend: Backend | None = None) -> dict[str, str]:
+    """Versions of what ran, the backend's library among them where it has its own (TensorRT's)."""
     import diffusers
     import transformers
-
-    from demo.trt_flavour import FLAVOURS, version
 
     versions = {
         "python": platform.python_version(),
@@ -109,9 +82,13 @@ def library_versions(backend: str = "torch") -> dict[str, str]:
     }
     if torch.cuda.is_available():
         versions["cuda"] = str(torch.version.cuda)
-    if backend in FLAVOURS:
-        versions[backend] = version(backend)
+    if backend is not None and backend.version():
+        versions[backend.name] = backend.version()
     return versions
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    return "fp16" if dtype == torch.float16 else "fp32"
 
 
 def device_name(device: torch.device) -> str:

@@ -3,7 +3,7 @@
 The check uses a floor, never a guess: the stages' weights in the run's precision (counted from the weight files'
 headers) plus the two largest activations that must exist at once, the VAE decoder's last convolution's input and
 output at full resolution. A request whose floor exceeds the free memory cannot run, so it is refused in one line
-with both numbers; one under it may still run out (that is caught too: demo.arguments.run_command).
+with both numbers; one under it may still run out (that is caught too: demo.cli.command.run_command).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from core.errors import UsageError
+from core.errors import UsageError, field
 from models.source import ModelSource
 from models.validate import WEIGHTED, safetensors_header
 
@@ -70,4 +70,4 @@ def check_memory(source: ModelSource, batch_size: int, height: int, width: int, 
         raise UsageError(f"batch {batch_size} at {width}x{height} needs at least "
                          f"{(weights + activations) / gib:.1f} GiB on {device.type} (weights {weights / gib:.1f} GiB, "
                          f"activations at least {activations / gib:.1f} GiB); {free / gib:.1f} GiB is free: use a "
-                         "smaller --batch-size, --height or --width")
+                         f"smaller {field('batch_size')}, {field('height')} or {field('width')}")

@@ -1,36 +1,43 @@
-"""LoRA on TensorRT engines by refit (issue 19, part 4): engines built with --build-enable-refit take each LoRA set in
-place, with no rebuild.
+"""LoRA on TensorRT engines by refit: engines built refittable (build_enable_refit) take each LoRA set in place, with no
+rebuild.
 
 The optimized ONNX an engine is built from carries the provenance of its initializers (models.provenance): which
 torch parameters each holds, where (the fMHA pass's packed QKV weight holds to_q, to_k and to_v). A LoRA's deltas,
 per parameter (models.lora.lora_deltas), become new values of the initializers that hold those parameters
 (models.refit: always base + the sum of the current deltas), which TensorRT's ONNX parser named after them; the
-engine's Refitter takes them by name (demo.engine_runtime.Engine.refit).
+engine's Refitter takes them by name (runtime.Engine.refit).
 
 A refittable engine records the files (names and SHA-256) of the optimized ONNX it was built from
-(demo.engine.built_from): base values are read only from that very ONNX, since another export of it may number its
+(build.built_from): base values are read only from that very ONNX, since another export of it may number its
 anonymous initializers (`onnx::MatMul_N`) otherwise, and a weight set under another's name would be a wrong layer's.
 
-refit_names (scripts/refit_names.py) lists an engine's refittable weight names against the provenance, for checking
-how a TensorRT version names them, on a GPU.
+refit_names (the command: scripts/refit_names.py) lists an engine's refittable weight names against the provenance,
+for checking how a TensorRT version names them, on a GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from collections import defaultdict
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
 from core.artifacts import artifact_lock, read_manifest
-from core.errors import UsageError
-from demo.engine import built_from
-from demo.engine_runtime import EngineStage
+from core.errors import UsageError, field
+from demo.backends.base import LoraApplier
+from demo.backends.tensorrt.build import built_from, register_plugins
+from demo.backends.tensorrt.flavour import TensorRTAPI
+from models.lora import lora_deltas, lora_targets
 from models.provenance import Provenance
 from models.refit import RefitWeights, read_initializers
-from plugins.contract import CONVENTIONS
+
+if TYPE_CHECKING:
+    from demo.backends.tensorrt.runtime import EngineStage
+
+ENGINES_NEED_REFIT = (f"LoRA on TensorRT engines needs engines built refittable: add {field('build_enable_refit')} "
+                      f"(built once more), or use {field('backend')} torch")
 
 
 class EngineRefit:
@@ -61,7 +68,7 @@ class EngineRefit:
 
     def _stale(self, onnx_path: Path) -> str:
         return (f"{self.stage.name}: {onnx_path} is not the ONNX its engine was built from any more (exported or "
-                "optimized again since): rebuild the engine with --force-engine-build to refit it")
+                f"optimized again since): rebuild the engine with {field('force_engine_build')} to refit it")
 
     def plan(self, deltas: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The engine's weights to set for `deltas` (the stage component's parameter name -> float32 delta) in place
@@ -93,6 +100,24 @@ def refit_engines(stages: list[EngineStage], refits: dict[str, EngineRefit],
     return (time.perf_counter() - start) * 1e3 if changed else None
 
 
+class RefittedLoras(LoraApplier):
+    """LoRA files refitted into engines built refittable: every file is checked, and every delta made, before any
+    engine changes."""
+
+    def __init__(self, stages: list[EngineStage]):
+        if not all(stage.refittable for stage in stages):
+            raise UsageError(ENGINES_NEED_REFIT)
+        self.stages = stages
+        self.refits: dict[str, EngineRefit] = {}
+
+    def set(self, files):
+        targets = {stage.model.component: lora_targets(stage.model.component_skeleton()) for stage in self.stages}
+        deltas: dict[str, dict] = defaultdict(dict)
+        for component, name, delta in lora_deltas(files, targets):
+            deltas[component][name] = delta.numpy()
+        return refit_engines(self.stages, self.refits, deltas)
+
+
 # ---- how TensorRT names an engine's refittable weights, against the provenance ----------------------------------
 
 def refit_names(engine_path: Path, onnx_path: Path, flavour: str = "tensorrt", convention: str | None = None,
@@ -101,9 +126,6 @@ def refit_names(engine_path: Path, onnx_path: Path, flavour: str = "tensorrt", c
     the provenance of its optimized ONNX records, and whether every LoRA-targetable one (a MatMul, Gemm or Conv
     weight) is refittable by its name. With `dry_refit`, every such weight is set to its ONNX values (the engine's
     own), the names TensorRT asks for besides are listed, and the refit is run and timed. Needs a GPU."""
-    from demo.engine import register_plugins
-    from demo.trt_flavour import TensorRTAPI
-
     api = TensorRTAPI(flavour)
     if convention:
         register_plugins(api, convention)
@@ -111,7 +133,7 @@ def refit_names(engine_path: Path, onnx_path: Path, flavour: str = "tensorrt", c
     if engine is None:
         return [f"{engine_path}: {api.label} could not deserialize it"], False
     if not engine.refittable:
-        return [f"{engine_path}: not refittable (built without --build-enable-refit)"], False
+        return [f"{engine_path}: not refittable (built without build_enable_refit)"], False
     refitter = api.trt.Refitter(engine, api.logger())
     names = set(refitter.get_all_weights())
     provenance = Provenance.read(onnx_path)
@@ -147,17 +169,3 @@ def refit_names(engine_path: Path, onnx_path: Path, flavour: str = "tensorrt", c
                   f"in {(time.perf_counter() - start) * 1e3:.0f} ms (with the ONNX values' host copies)"]
         ok &= refitted and len(extra) == len(missing)
     return lines, ok
-
-
-def refit_names_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=refit_names.__doc__)
-    parser.add_argument("engine", type=Path, help="a refittable engine (built with --build-enable-refit)")
-    parser.add_argument("onnx", type=Path, help="the optimized ONNX it was built from (its .provenance.json beside)")
-    parser.add_argument("--backend", default="tensorrt", help="TensorRT flavour (default: %(default)s)")
-    parser.add_argument("--plugin-convention", choices=CONVENTIONS, help="whose plugins the engine holds (default: "
-                                                                         "none)")
-    parser.add_argument("--dry-refit", action="store_true", help="refit every weight with its own values, timed")
-    args = parser.parse_args(argv)
-    lines, ok = refit_names(args.engine, args.onnx, args.backend, args.plugin_convention, args.dry_refit)
-    print("\n".join(lines))
-    return 0 if ok else 1

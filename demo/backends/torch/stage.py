@@ -1,17 +1,14 @@
-"""The stage interface the pipeline runs, and its PyTorch implementation.
-
-A stage maps named input tensors to named output tensors. The TensorRT backends implement the same
-interface, so the pipeline never knows which one runs.
-"""
+"""The torch backend's stage: the diffusers/transformers module itself, with our kernels, channels-last memory,
+torch.compile and CUDA graphs as its settings say; and LoRA files fused into such stages' modules."""
 
 from __future__ import annotations
 
-import abc
 import time
 
 import torch
 
-from demo.torch_accel import (
+from demo.backends.base import LoraApplier, Stage
+from demo.backends.torch.settings import (
     FALLBACK,
     GRAPHING_COMPILE_MODES,
     GraphedCall,
@@ -21,33 +18,13 @@ from demo.torch_accel import (
     spec_key,
 )
 from models.base import StageModel
-
-
-class Stage(abc.ABC):
-    def __init__(self, model: StageModel):
-        self.model = model
-        self.name = model.name
-
-    def prepare(self, batch: int, height: int, width: int) -> None:
-        """Get ready for calls at this stage batch and image size (engines size their buffers here)."""
-
-    @abc.abstractmethod
-    def __call__(self, feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run the stage on inputs named as in model.input_names; outputs are named as in output_names."""
-
-    def call(self, *inputs: torch.Tensor):
-        """The stage's output (a tuple in model.output_names order where it has several) for inputs given in
-        model.input_names order."""
-        if len(inputs) != len(self.model.input_names):
-            raise TypeError(f"{self.name} takes {', '.join(self.model.input_names)}; got {len(inputs)} input(s)")
-        outputs = self(dict(zip(self.model.input_names, inputs)))
-        values = tuple(outputs[name] for name in self.model.output_names)
-        return values if len(values) > 1 else values[0]
+from models.lora import LoraFusion
+from plugins.diffusers_modules import repack_qkv, substitute
 
 
 class TorchStage(Stage):
     """Runs the diffusers/transformers module itself (the same module the ONNX export traces), with what
-    `settings` asks for (demo.torch_accel): our kernels substituted into it, channels-last memory,
+    `settings` asks for (settings.py): our kernels substituted into it, channels-last memory,
     torch.compile, a CUDA graph per input shape. Compiling and capturing happen in `prepare`, so a timed
     run never includes them; `prepare_seconds` says how long they took."""
 
@@ -58,8 +35,6 @@ class TorchStage(Stage):
         self.module = model.load_module().to(device=device, dtype=dtype).eval()
         self.substitution = None
         if settings.plugins:
-            from plugins.diffusers_modules import substitute
-
             self.substitution = substitute(computed_part(model.name, self.module), settings.plugins,
                                            channels_last=settings.channels_last)
         if settings.channels_last:
@@ -123,3 +98,30 @@ class TorchStage(Stage):
             else:
                 outputs = self._run(*inputs)
         return dict(zip(self.model.output_names, outputs))
+
+    @classmethod
+    def lora_applier(cls, stages: list[TorchStage]) -> LoraApplier:
+        return FusedLoras(stages)
+
+    def close(self) -> None:
+        """Drops the module, its compiled code and graphs (their memory returns to torch's cache)."""
+        self.module = self._forward = None
+        self._graphs.clear()
+        self._prepared.clear()
+
+
+class FusedLoras(LoraApplier):
+    """LoRA files fused into the stages' modules in place (models.lora.LoraFusion keeps the weights they change, so
+    that switching never drifts)."""
+
+    def __init__(self, stages: list[TorchStage]):
+        self.stages = stages
+        self.fusion = LoraFusion({stage.model.component: stage.model.component_module(stage.module)
+                                  for stage in stages})
+
+    def set(self, files):
+        self.fusion.set(files)
+        for stage in self.stages:
+            if stage.substitution is not None:  # our fMHA reads a packed copy of the Q, K and V weights
+                repack_qkv(stage.model.component_module(stage.module))
+        return None

@@ -7,10 +7,11 @@ demo/engine_runtime.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
@@ -19,8 +20,8 @@ import torch
 from core import interrupts
 from core.artifacts import artifact_bytes, cached_build, read_manifest
 from core.atomic import atomic_write_bytes
-from core.errors import UsageError
-from demo.trt_flavour import TensorRTAPI, current_cc
+from core.errors import RunFailure, UsageError, field
+from demo.backends.tensorrt.flavour import TensorRTAPI, current_cc
 from models import stage_batch
 from models.base import Range, StageModel
 from models.quantize import INT8_INFIX, Int8Request
@@ -29,7 +30,7 @@ from plugins.contract import OURS
 from plugins.trt_plugins import load_plugin_library
 
 DEFAULT_MAX_BATCH = 4
-# What TensorRT for RTX builds for on a machine with no GPU when no --target-cc is given:
+# What TensorRT for RTX builds for on a machine with no GPU when no target compute capability is given:
 # A100 (8.0), A10 / RTX 30 (8.6), L40 / RTX 40 (8.9).
 CPU_DEFAULT_TARGETS = ((8, 0), (8, 6), (8, 9))
 # Bump when build settings change what an engine contains.
@@ -40,8 +41,10 @@ HEARTBEAT_S = 30.0
 BUILT_FROM_SUFFIX = ".onnx.json"
 
 
-class EngineBuildError(RuntimeError):
+class EngineBuildError(RunFailure):
     """ONNX that TensorRT cannot parse or build; the message names the stage, node and cause."""
+
+    heading = "engine build failed"
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class BuildOptions:
     # besides its defaults, e.g. CUBLAS_LT, whose GEMMs TensorRT 8.6 otherwise does not time.
     disabled_tactic_sources: tuple[str, ...] = ()
     enabled_tactic_sources: tuple[str, ...] = ()
-    refit: bool = False  # weights refittable in place (BuilderFlag.REFIT): LoRA without rebuilds (demo.refit)
+    refit: bool = False  # weights refittable in place (BuilderFlag.REFIT): LoRA without rebuilds (refit.py)
 
     def resolved_targets(self) -> tuple[tuple[int, int], ...]:
         """Named targets, else this machine's GPU, else (TensorRT for RTX on a CPU) CPU_DEFAULT_TARGETS."""
@@ -94,7 +97,7 @@ class BuildOptions:
         if self.flavour == "tensorrt-rtx":
             return CPU_DEFAULT_TARGETS
         raise UsageError(f"{self.flavour} builds for the GPU it runs on, and there is none here; "
-                         "use --backend tensorrt-rtx with --target-cc to build on a CPU")
+                         f"use {field('backend')} tensorrt-rtx with {field('target_cc')} to build on a CPU")
 
 
 def parse_target_ccs(text: str | None) -> tuple[tuple[int, int], ...]:
@@ -103,14 +106,14 @@ def parse_target_ccs(text: str | None) -> tuple[tuple[int, int], ...]:
     try:
         ccs = tuple(tuple(int(part) for part in item.strip().split(".")) for item in text.split(",") if item.strip())
     except ValueError:
-        raise UsageError(f"--target-cc takes compute capabilities like 8.0,8.6,8.9; got '{text}'") from None
+        raise UsageError(f"{field('target_cc')} takes compute capabilities like 8.0,8.6,8.9; got '{text}'") from None
     if not ccs or any(len(cc) != 2 for cc in ccs):
-        raise UsageError(f"--target-cc takes compute capabilities like 8.0,8.6,8.9; got '{text}'")
+        raise UsageError(f"{field('target_cc')} takes compute capabilities like 8.0,8.6,8.9; got '{text}'")
     return ccs
 
 
 def parse_tactic_sources(text: str | None) -> tuple[str, ...]:
-    """A --disable-tactic-sources or --enable-tactic-sources value (comma-separated TacticSource names) as sorted
+    """A disable_tactic_sources or enable_tactic_sources value (comma-separated TacticSource names) as sorted
     upper-case names."""
     return tuple(sorted({item.strip().upper() for item in (text or "").split(",") if item.strip()}))
 
@@ -218,8 +221,8 @@ def build_targets(options: BuildOptions, api: TensorRTAPI) -> list:
     the GPU it runs on), or a UsageError for a target it cannot build for. Checked before any export."""
     if not api.compute_capability_targets:
         if options.target_ccs and options.target_ccs != (current_cc(),):
-            raise UsageError(f"{options.flavour} builds for the GPU it runs on; --target-cc is for --backend "
-                             "tensorrt-rtx")
+            raise UsageError(f"{options.flavour} builds for the GPU it runs on; {field('target_cc')} is for "
+                             f"{field('backend')} tensorrt-rtx")
         return []
     targets = []
     for major, minor in options.resolved_targets():
@@ -293,7 +296,7 @@ def build_engine_file(path: Path, onnx_path: Path, model: StageModel, shapes: di
     if serialized is None:
         raise EngineBuildError(f"{model.name}: TensorRT could not build the engine (see its log above)")
     path.write_bytes(serialized)
-    if options.refit:  # its refits read base weights from this very ONNX (demo.refit)
+    if options.refit:  # its refits read base weights from this very ONNX (refit.py)
         manifest = read_manifest(onnx_path)
         if manifest is None:
             raise EngineBuildError(f"{model.name}: {onnx_path} is no cached artifact, which a refittable engine needs")
@@ -332,7 +335,8 @@ def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], Co
 
 @dataclass
 class EngineSettings:
-    """Everything the CLI and scripts/build_engines.py say about ONNX and engines."""
+    """What a stage's engine is built from and for, and how it runs (from EngineOptions, for a workload:
+    demo.backends.tensorrt.options.engine_settings)."""
 
     onnx_dir: Path
     engine_dir: Path
@@ -345,11 +349,11 @@ class EngineSettings:
     force_engine_build: bool = False
     plugins: tuple[str, ...] = ()  # models.plugin_set keys whose passes put plugins into the graphs
     plugin_convention: str = OURS  # ours, or TensorRT's own plugins (plugins.contract.CONVENTIONS)
-    int8: Int8Request | None = None  # --int8: the engines of stages that take it are quantized (models.quantize)
+    int8: Int8Request | None = None  # the engines of stages that take int8 are quantized (models.quantize)
     # False: a missing or stale engine is an error, not a build (runs of engines built elsewhere, e.g.
     # by the ablation's build jobs, must not quietly spend minutes building on the GPU they time).
     build_missing: bool = True
-    stats: dict = field(default_factory=dict)
+    stats: dict = dataclasses.field(default_factory=dict)
 
 
 def stage_plugins(settings: EngineSettings, stage_dtype: torch.dtype) -> tuple[str, ...]:
@@ -374,16 +378,27 @@ def stage_onnx(model: StageModel, settings: EngineSettings, device: str | torch.
                                 settings.plugin_convention, stage_int8(settings, model))
 
 
-def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, device: str | torch.device,
-                          dtype: torch.dtype, log: Callable[[str], None] = print,
-                          progress: Callable[[str], None] = print) -> dict[str, Path]:
-    """The engine of each model, exporting and optimizing ONNX only where an engine must be built.
+SettingsOf = Callable[[StageModel], EngineSettings]
 
-    Records per stage in settings.stats: ONNX size and time (None when the cached engine needed
+
+def settings_for(settings: EngineSettings | SettingsOf) -> SettingsOf:
+    """Each model's engine settings: one set for every stage, or a function of the model."""
+    return settings if callable(settings) else (lambda _: settings)
+
+
+def prepare_stage_engines(models: list[StageModel], settings: EngineSettings | SettingsOf,
+                          device: str | torch.device, dtype: torch.dtype, log: Callable[[str], None] = print,
+                          progress: Callable[[str], None] = print) -> dict[str, Path]:
+    """The engine of each model, with its settings (`settings`, or `settings(model)`), exporting and optimizing ONNX
+    only where an engine must be built.
+
+    Records per stage in its settings' stats: ONNX size and time (None when the cached engine needed
     none), engine build time and size. `progress` gets what a long first run is doing, `log` the rest.
     """
+    settings_of = settings_for(settings)
     engines = {}
     for model in models:
+        settings = settings_of(model)
         stat: dict = {"onnx_bytes": None, "onnx_s": None}
 
         model_dtype = model.stage_dtype(dtype)
@@ -393,7 +408,7 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings, de
                      "TensorRT plugins in float16)")
 
         @contextlib.contextmanager
-        def make_onnx(model=model, stat=stat) -> Iterator[Path]:
+        def make_onnx(model=model, stat=stat, settings=settings) -> Iterator[Path]:
             start = time.perf_counter()
             progress(f"[build] {model.name}: exporting and optimizing ONNX ({model.stage_dtype(dtype)}) ...")
             with stage_onnx(model, settings, device, dtype, log) as path:

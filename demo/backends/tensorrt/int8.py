@@ -1,5 +1,6 @@
-"""--int8 calibration: the UNet's own activations, recorded while the torch pipeline renders a set of prompts, and
-cached like the other artifacts (keyed by the model, the prompts, the steps, scheduler, guidance and image size).
+"""The INT8 UNet engine's calibration: the UNet's own activations while the torch pipeline renders a set of prompts
+(recorded by a function the runtime gives, which renders them), cached like the other artifacts (keyed by the model,
+the prompts, the steps, scheduler, guidance and image size).
 
 The engines' INT8 ONNX asks for the calibration only when it must be made (models.quantize.Int8Request), so a run
 that finds its INT8 engine cached neither calibrates nor loads the torch modules for it.
@@ -7,17 +8,14 @@ that finds its INT8 engine cached neither calibrates nor loads the torch modules
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import sys
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from core.artifacts import cached_build
-from core.errors import UsageError
-from models.quantize import ActivationRecorder, Calibration, Int8Request
+from core.errors import UsageError, field
+from models.quantize import Calibration, Int8Request
 from models.source import ModelSource
 
 CALIBRATION_VERSION = 1  # bump when what calibration records changes
@@ -33,20 +31,24 @@ DEFAULT_PROMPTS = (
     "an isometric illustration of a cozy library with plants",
     "a vintage car parked in front of a diner, 1950s, film grain",
 )
+# What records a calibration: (model, prompts, steps, scheduler, guidance scale, height, width, progress) -> Calibration
+RecordActivations = Callable[[ModelSource, tuple[str, ...], int, str, float, int, int, Callable[[str], None]],
+                             Calibration]
 
 
 def read_calibration_prompts(path: str | None) -> tuple[str, ...]:
-    """The prompts of a --calibration-prompts file (one a line; blank lines and lines starting with # skipped), or
+    """The prompts of a calibration prompts file (one a line; blank lines and lines starting with # skipped), or
     the built-in set; a UsageError for a file that cannot be read or holds none."""
     if path is None:
         return DEFAULT_PROMPTS
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--calibration-prompts {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+        raise UsageError(f"{field('calibration_prompts')} {path}: cannot read it ({exc.__class__.__name__}: "
+                         f"{exc})") from None
     prompts = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
     if not prompts:
-        raise UsageError(f"--calibration-prompts {path}: no prompts in it (one a line)")
+        raise UsageError(f"{field('calibration_prompts')} {path}: no prompts in it (one a line)")
     return prompts
 
 
@@ -65,48 +67,19 @@ def calibration_key(source: ModelSource, prompts: tuple[str, ...], steps: int, s
     }
 
 
-def record_unet_activations(source: ModelSource, prompts: tuple[str, ...], steps: int, scheduler: str,
-                            guidance_scale: float, height: int, width: int,
-                            progress: Callable[[str], None]) -> Calibration:
-    """Renders each prompt (seed = its index) with the torch pipeline, recording the UNet's Linear and Conv2d
-    inputs (models.quantize.ActivationRecorder)."""
-    from demo.backends import create_stages, device_and_dtype
-    from demo.pipeline import TEXT_TO_IMAGE, GenerationRequest, make_pipeline
-    from demo.report import StageTimer
-    from models import STAGE_MODELS, text_to_image_stages
-
-    device, dtype = device_and_dtype("torch")
-    quiet = lambda *_: None  # noqa: E731
-    stages = create_stages("torch", [STAGE_MODELS[name](source) for name in text_to_image_stages(source)], device,
-                           dtype, log=quiet, progress=quiet)
-    pipeline = make_pipeline(source, stages, scheduler, device, dtype, TEXT_TO_IMAGE)
-    unet = stages["unet"]
-    with ActivationRecorder(unet.model.component_module(unet.module)) as recorder:
-        for index, prompt in enumerate(prompts):
-            progress(f"[int8] calibrating the UNet: prompt {index + 1}/{len(prompts)}, {steps} steps")
-            pipeline(GenerationRequest([prompt], None, height, width, steps, guidance_scale, seed=index),
-                     StageTimer(device))
-    del pipeline, stages, unet
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return recorder.calibration()
-
-
 def int8_request(source: ModelSource, prompts: tuple[str, ...], steps: int, scheduler: str, guidance_scale: float,
-                 height: int, width: int, onnx_dir: Path,
+                 height: int, width: int, onnx_dir: Path, record: RecordActivations,
                  progress: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
                  log: Callable[[str], None] = lambda *_: None) -> Int8Request:
-    """What the INT8 ONNX is made from; its calibration is read from `onnx_dir`, or recorded there first."""
+    """What the INT8 ONNX is made from; its calibration is read from `onnx_dir`, or recorded there first by `record`."""
     key = calibration_key(source, prompts, steps, scheduler, guidance_scale, height, width)
     path = onnx_dir / "unet.calibration.json"
 
     def calibrate() -> Calibration:
-        def record(staging: Path) -> None:
-            record_unet_activations(source, prompts, steps, scheduler, guidance_scale, height, width,
-                                    progress).write(staging)
+        def write(staging: Path) -> None:
+            record(source, prompts, steps, scheduler, guidance_scale, height, width, progress).write(staging)
 
-        cached_build(path, key, record, log=log, verify_content=True)
+        cached_build(path, key, write, log=log, verify_content=True)
         return Calibration.read(path)
 
     return Int8Request(key, calibrate)

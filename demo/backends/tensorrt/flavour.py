@@ -25,12 +25,12 @@ from types import ModuleType
 
 import torch
 
-from core.errors import UsageError
+from core.errors import UsageError, field
 
 
 @dataclass(frozen=True)
 class Flavour:
-    name: str  # --backend value
+    name: str  # a spec's backend
     module_name: str
     install: str  # how to install it
     min_version: tuple[int, ...] = ()  # older releases lack the name-based I/O API the runtime uses
@@ -87,9 +87,9 @@ def why_cannot_run(name: str, cc: tuple[int, int] | None) -> str | None:
     if cc is None:
         return f"{name} needs a CUDA GPU to run engines, and none is visible"
     if cc in spec.unsupported_cc or cc < spec.min_cc:
-        other = "--backend tensorrt" if name != "tensorrt" else "--backend tensorrt-rtx"
+        other = f"{field('backend')} {'tensorrt' if name != 'tensorrt' else 'tensorrt-rtx'}"
         return (f"{name} cannot run on this GPU (compute capability {cc[0]}.{cc[1]}); "
-                f"use {other} or --backend torch")
+                f"use {other} or {field('backend')} torch")
     return None
 
 

@@ -1,4 +1,6 @@
-"""Typed command-line settings: each group of flags is a frozen dataclass whose fields declare their flags.
+"""The commands' flags: each group of flags is a frozen dataclass whose fields declare their flags, parsed into it by
+one function; their defaults are the library's (a PipelineSpec's, a Request's, EngineOptions', TorchOptions'), and
+demo.cli.to_spec turns the groups into a spec and a request.
 
     parser = Parser(prog="demo-diffusion")
     add_flags(parser, ModelFlags)
@@ -9,7 +11,6 @@
 
 A field's flag, help, type and choices are written once, on the field; every command that takes the group
 gets the same flags with the same defaults (a command may override a default, e.g. the benchmark's model).
-Library code takes the dataclasses, never an argparse.Namespace.
 """
 
 from __future__ import annotations
@@ -22,10 +23,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from core.errors import UsageError
-from plugins.contract import CONVENTIONS, OURS
+from demo.backends.tensorrt.options import EngineOptions
+from demo.backends.torch.options import COMPILE_MODES, TorchOptions
+from demo.request import DEFAULT_PROMPT, DEFAULT_STRENGTH, Request
+from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
+from demo.schedulers import SCHEDULERS
+from plugins.contract import CONVENTIONS
 
-DEFAULT_PROMPT = "a photo of an astronaut riding a horse on mars"
 Group = TypeVar("Group")
+SPEC, REQUEST, ENGINE, TORCH = PipelineSpec(), Request(DEFAULT_PROMPT), EngineOptions(), TorchOptions()
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors become one line (UsageError) instead of usage text plus exit."""
+
+    def error(self, message):
+        raise UsageError(message)
 
 
 def flag(help: str | Callable[[], str], default: Any = None, *, name: str | None = None, metavar: str | None = None,
@@ -48,99 +61,127 @@ def same_as(group: type, name: str) -> Any:
 @dataclass(frozen=True)
 class ModelFlags:
     model: str = flag(lambda: f"built-in ({', '.join(_builtin_models())}), a diffusers-format directory, or a hub id "
-                              "(default: %(default)s)", "tiny")
+                              "(default: %(default)s)", SPEC.model)
     vae: str | None = flag("decode with another VAE: an AutoencoderKL folder, or a model folder with one in vae/ "
-                           "(default: the model's own)", metavar="DIR")
-    verbose: bool = flag("show library logs and build details", False)
-
-    def resolve(self):
-        """The model these flags name (a models.source.ModelSource; built-ins are generated on first use)."""
-        from models.source import resolve_model
-
-        return resolve_model(self.model, vae=self.vae)
+                           "(default: the model's own)", SPEC.vae, metavar="DIR")
+    verbose: bool = flag("show library logs and build details", SPEC.verbose)
 
 
 @dataclass(frozen=True)
 class RequestFlags:
-    """What one generation asks for: the same flags and defaults in every command that renders."""
+    """What one generation asks for (demo.request.Request): the same flags and defaults in every command that
+    renders."""
 
-    prompt: str = flag("text prompt", DEFAULT_PROMPT, positional=True)
+    prompt: str = flag("text prompt", REQUEST.prompt, positional=True)
     negative_prompt: str | None = flag("negative prompt (default: none, which is an empty prompt, or zero "
-                                       "embeddings where an SDXL model's config says so)")
-    batch_size: int = flag("images per run (default: %(default)s)", 1)
-    height: int | None = flag("image height in pixels, a multiple of 8 (default: model's native)")
-    width: int | None = flag("image width in pixels, a multiple of 8 (default: model's native)")
-    denoising_steps: int = flag("scheduler steps (default: %(default)s)", 50)
-    guidance_scale: float = flag("classifier-free guidance scale; <= 1 disables guidance (default: %(default)s)", 7.5)
-    scheduler: str | None = flag(lambda: f"one of {', '.join(_schedulers())} (default: the model's own)")
-    seed: int | None = flag("random seed (default: a random one, reported)")
+                                       "embeddings where an SDXL model's config says so)", REQUEST.negative_prompt)
+    batch_size: int = flag("images per run (default: %(default)s)", REQUEST.batch_size)
+    height: int | None = flag("image height in pixels, a multiple of 8 (default: model's native)", REQUEST.height)
+    width: int | None = flag("image width in pixels, a multiple of 8 (default: model's native)", REQUEST.width)
+    denoising_steps: int = flag("scheduler steps (default: %(default)s)", REQUEST.denoising_steps)
+    guidance_scale: float = flag("classifier-free guidance scale; <= 1 disables guidance (default: %(default)s)",
+                                 REQUEST.guidance_scale)
+    scheduler: str | None = flag(f"one of {', '.join(SCHEDULERS)} (default: the model's own)", REQUEST.scheduler)
+    seed: int | None = flag("random seed (default: a random one, reported)", REQUEST.seed)
 
-    @property
-    def guided(self) -> bool:
-        return self.guidance_scale > 1.0
+
+@dataclass(frozen=True)
+class ImageFlags:
+    input_image: str | None = flag("image-to-image: start from this image, resized to --height/--width where given "
+                                   "(default: its own size, rounded down to a multiple of 8)", metavar="PATH")
+    strength: float | None = flag("with --input-image: how much of the schedule re-draws it, above 0 and at most 1 "
+                                  f"(default: {', '.join(f'{v} for {mode}' for mode, v in DEFAULT_STRENGTH.items())})",
+                                  REQUEST.strength, metavar="F")
+    mask_image: str | None = flag("inpainting, with --input-image: repaint where this mask is white, keep where it is "
+                                  "black (resized with the image)", metavar="PATH")
 
 
 @dataclass(frozen=True)
 class EngineFlags:
-    """How ONNX and engines are made and found, and what goes into them."""
+    """How ONNX and engines are made and found, and what goes into them (EngineOptions, and the spec's plugins and
+    use_cuda_graph, which the torch backend takes too)."""
 
-    onnx_dir: str = flag("ONNX artifact directory (default: %(default)s)", "onnx")
-    engine_dir: str = flag("TensorRT engine directory (default: %(default)s)", "engine")
-    force_onnx_export: bool = flag("re-export ONNX even if cached", False)
-    force_onnx_optimize: bool = flag("re-optimize ONNX even if cached", False)
-    force_engine_build: bool = flag("rebuild engines even if cached", False)
-    build_static_batch: bool = flag("engines for exactly --batch-size", False)
+    onnx_dir: str = flag("ONNX artifact directory (default: %(default)s)", ENGINE.onnx_dir)
+    engine_dir: str = flag("TensorRT engine directory (default: %(default)s)", ENGINE.engine_dir)
+    force_onnx_export: bool = flag("re-export ONNX even if cached", ENGINE.force_onnx_export)
+    force_onnx_optimize: bool = flag("re-optimize ONNX even if cached", ENGINE.force_onnx_optimize)
+    force_engine_build: bool = flag("rebuild engines even if cached", ENGINE.force_engine_build)
+    build_static_batch: bool = flag("engines for exactly --batch-size", ENGINE.build_static_batch)
     build_dynamic_shape: bool = flag("engines for any height/width in the model's range (default: exactly "
-                                     "--height/--width)", False)
+                                     "--height/--width)", ENGINE.build_dynamic_shape)
     build_enable_refit: bool = flag("refittable engines: --lora refits their weights in place, and switching LoRAs "
-                                    "needs no rebuild", False)
-    optimization_level: int = flag("TensorRT builder level 0-5 (default: %(default)s)", 3)
-    timing_cache: str | None = flag("timing cache file, read and updated by builds")
+                                    "needs no rebuild", ENGINE.build_enable_refit)
+    optimization_level: int = flag("TensorRT builder level 0-5 (default: %(default)s)", ENGINE.optimization_level)
+    timing_cache: str | None = flag("timing cache file, read and updated by builds", ENGINE.timing_cache)
     use_cuda_graph: bool | None = flag("replay each engine from a CUDA graph (default: on where the engines take "
                                        "exactly the request's shapes: --build-static-batch without "
                                        "--build-dynamic-shape); with --backend torch, each stage from a graph captured "
-                                       "per input shape (default: the torch defaults)")
+                                       "per input shape (default: the torch defaults)", SPEC.use_cuda_graph)
     plugins: str = flag(lambda: f"{_plugins_help()}; with --backend torch, the kernels substituted into the diffusers "
-                                "modules (auto: the torch defaults)", "auto")
+                                "modules (auto: the torch defaults)", SPEC.plugins)
     plugin_convention: str = flag("whose plugin nodes the passes emit: ours (sdplugins, default) or TensorRT "
                                   "8.5/8.6's own Stable Diffusion plugins in libnvinfer_plugin (tensorrt), for "
-                                  "comparison", OURS, choices=CONVENTIONS)
+                                  "comparison", ENGINE.plugin_convention, choices=CONVENTIONS)
     int8: bool = flag("INT8 UNet engine: Q/DQ on its convolutions and linear layers (SmoothQuant where a LayerNorm "
                       "feeds them), calibrated on the pipeline's own activations; attention and norms stay in fp16",
-                      False)
+                      ENGINE.int8)
     calibration_prompts: str | None = flag("prompts to calibrate --int8 on, one a line (default: a built-in set of "
-                                           "8)", metavar="FILE")
+                                           "8)", ENGINE.calibration_prompts, metavar="FILE")
     calibration_steps: int = flag("denoising steps of each --int8 calibration render, with the model's own scheduler "
-                                  "(default: %(default)s)", 30)
+                                  "(default: %(default)s)", ENGINE.calibration_steps)
     disable_tactic_sources: str | None = flag("TensorRT tactic sources the builder must not use, e.g. CUDNN where "
-                                              "cuDNN is missing", metavar="NAMES")
+                                              "cuDNN is missing", ENGINE.disable_tactic_sources, metavar="NAMES")
     enable_tactic_sources: str | None = flag("TensorRT tactic sources the builder may time besides its defaults, e.g. "
                                              "CUBLAS_LT (TensorRT 8.6 and later leave cuBLAS, cuBLASLt and cuDNN "
-                                             "off)", metavar="NAMES")
+                                             "off)", ENGINE.enable_tactic_sources, metavar="NAMES")
     target_cc: str | None = flag("target GPUs for TensorRT for RTX builds, e.g. 8.0,8.6,8.9 (default: this "
-                                 "machine's GPU)")
+                                 "machine's GPU)", ENGINE.target_cc)
+
+
+# EngineFlags' fields that are the spec's own (both backends take them), not EngineOptions'.
+SHARED_ENGINE_FLAGS = ("plugins", "use_cuda_graph")
 
 
 @dataclass(frozen=True)
 class TorchFlags:
-    """The torch backend's own flags; EngineFlags.plugins and .use_cuda_graph apply to it too. Unset, each comes
-    from the torch defaults measured on this GPU's compute capability (plugins/tuned_defaults.json)."""
+    """The torch backend's own flags (TorchOptions); EngineFlags' plugins and use_cuda_graph apply to it too. Unset,
+    each comes from the torch defaults measured on this GPU's compute capability (plugins/tuned_defaults.json)."""
 
-    channels_last: bool | None = flag("run the modules in channels-last memory")
-    compile: str = flag(lambda: f"torch.compile mode: {', '.join(_compile_modes())} (default: auto, from the torch "
-                                "defaults)", "auto", metavar="MODE")
+    channels_last: bool | None = flag("run the modules in channels-last memory", TORCH.channels_last)
+    compile: str = flag(f"torch.compile mode: {', '.join(COMPILE_MODES)} (default: auto, from the torch defaults)",
+                        TORCH.compile, metavar="MODE")
 
 
+@dataclass(frozen=True)
+class LoraFlags:
+    lora: tuple[str, ...] | None = flag("fuse this LoRA file (.safetensors: diffusers/PEFT or kohya keys) into the "
+                                        "UNet and text encoders, its delta times SCALE (default 1.0); repeatable, the "
+                                        "deltas add up; engines take it by refit, with --build-enable-refit",
+                                        metavar="PATH[:SCALE]", repeatable=True)
+
+
+@dataclass(frozen=True)
+class RefinerFlags:
+    refiner: str | None = flag("SDXL: then refine with this model (a built-in such as tiny-xl-refiner, or a "
+                               "StableDiffusionXLImg2ImgPipeline folder), an ensemble of experts", SPEC.refiner,
+                               metavar="MODEL")
+    high_noise_frac: float = flag("with --refiner: the part of the schedule the base denoises, the rest is the "
+                                  "refiner's (default: %(default)s)", DEFAULT_HIGH_NOISE_FRAC)
+
+
+@dataclass(frozen=True)
+class DemoFlags:
+    backend: str = flag(lambda: f"one of {', '.join(_backends())} (default: %(default)s)", SPEC.backend)
+    output_dir: str = flag("where images and the report go (default: %(default)s)", "output")
+    num_warmup_runs: int = flag("untimed runs before the timed one (default: %(default)s)", 1)
+
+
+# The help that names what modules importing torch define (built-in models, plugin sets, backends):
+# called when a parser is built, so that importing this module stays light.
 def _builtin_models() -> tuple[str, ...]:
     from models.builtin import BUILTIN_MODELS
 
     return tuple(BUILTIN_MODELS)
-
-
-def _schedulers() -> tuple[str, ...]:
-    from demo.pipeline import SCHEDULERS
-
-    return tuple(SCHEDULERS)
 
 
 def _plugins_help() -> str:
@@ -149,14 +190,10 @@ def _plugins_help() -> str:
     return PLUGINS_HELP
 
 
-def _compile_modes() -> tuple[str, ...]:
-    from demo.torch_accel import COMPILE_MODES
+def _backends() -> tuple[str, ...]:
+    from demo.backends.registry import BACKENDS
 
-    return tuple(COMPILE_MODES)
-
-
-# Engine flags the torch backend uses as well.
-TORCH_USES_ENGINE_FLAGS = ("plugins", "use_cuda_graph")
+    return BACKENDS
 
 
 def _value_type(annotation: str | type) -> tuple[type, bool]:
@@ -254,9 +291,3 @@ def to_argv(settings: Any) -> list[str]:
         else:
             argv += [option_name(item), *values]
     return argv
-
-
-def at_least(flag_name: str, value: int | float, low: int | float) -> None:
-    """A UsageError unless `value` >= `low`."""
-    if value < low:
-        raise UsageError(f"{flag_name} must be {'0 or more' if low == 0 else f'at least {low}'}, got {value}")

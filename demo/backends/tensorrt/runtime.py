@@ -2,7 +2,7 @@
 
 `Engine` owns everything about one deserialized engine: its execution context, what it binds (read
 from the engine itself and checked against the model class), its I/O buffers, the device memory it
-works in, and its stream and CUDA graph; and refit, for a refittable engine (weights set in place by name, demo.refit).
+works in, and its stream and CUDA graph; and refit, for a refittable engine (weights set in place by name, refit.py).
 `create_engine_stages` loads the pipeline's engines with one shared device-memory block (the stages run one after
 another) that lives as long as they do.
 """
@@ -19,12 +19,13 @@ from typing import Callable, ContextManager, Mapping
 import numpy as np
 import torch
 
-from core.errors import UsageError
-from demo.engine import register_plugins
-from demo.stages import Stage
-from demo.trt_flavour import TensorRTAPI
+from core.errors import RunFailure, UsageError, field
+from demo.backends.base import LoraApplier, Stage
+from demo.backends.tensorrt.build import EngineSettings, SettingsOf, register_plugins, settings_for
+from demo.backends.tensorrt.flavour import TensorRTAPI
+from demo.backends.tensorrt.refit import RefittedLoras
 from models.base import StageModel
-from plugins.contract import OURS, PLUGIN_OP_KEYS
+from plugins.contract import PLUGIN_OP_KEYS
 
 # Layer kinds besides the plugin keys (Engine.layer_kinds): format conversions; the copies TensorRT makes of tensors
 # into a concatenation it cannot have them written into in place (Reformat layers too, named "<tensor> copy": the
@@ -64,7 +65,7 @@ def layer_kind(layer: dict) -> str:
     return INT8 if reads_int8 else GENERATED
 
 
-class EngineMismatchError(RuntimeError):
+class EngineMismatchError(RunFailure):
     """An engine that does not bind what its model class says (wrong file, stale build, other model)."""
 
 
@@ -94,7 +95,7 @@ class Engine:
         self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
             raise EngineMismatchError(f"{stage}: {api.label} could not deserialize {path} (see its log above); "
-                                      "rebuild it with --force-engine-build")
+                                      f"rebuild it with {field('force_engine_build')}")
         modes = api.trt.TensorIOMode
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.input_names = [n for n in names if self.engine.get_tensor_mode(n) == modes.INPUT]
@@ -127,12 +128,12 @@ class Engine:
         if self.input_names != list(model.input_names) or self.output_names != list(model.output_names):
             raise EngineMismatchError(
                 f"{self.stage}: the engine binds {self.input_names} -> {self.output_names}, the model class "
-                f"{list(model.input_names)} -> {list(model.output_names)}; rebuild with --force-engine-build")
+                f"{list(model.input_names)} -> {list(model.output_names)}; rebuild with {field('force_engine_build')}")
         wanted = {**model.input_dtypes(dtype), **{n: dtype for n in model.output_names}}
         wrong = [f"{n} is {self.torch_dtype(n)}, expected {t}" for n, t in wanted.items() if self.torch_dtype(n) != t]
         if wrong:
             raise EngineMismatchError(f"{self.stage}: engine tensor types differ from the model class "
-                                      f"({'; '.join(wrong)}); rebuild with --force-engine-build")
+                                      f"({'; '.join(wrong)}); rebuild with {field('force_engine_build')}")
 
     def layer_kinds(self) -> dict[str, str]:
         """Layer name -> what it is (layer_kind), from TensorRT's engine inspector (engines are built with detailed
@@ -215,7 +216,7 @@ class Engine:
             if not refitter.set_named_weights(name, trt.Weights(held[-1])):
                 raise EngineMismatchError(f"{self.stage}: the engine has no refittable weights '{name}' of "
                                           f"{held[-1].size} {held[-1].dtype} values; rebuild it with "
-                                          "--force-engine-build")
+                                          f"{field('force_engine_build')}")
 
         for name, values in weights.items():
             put(name, values)
@@ -263,8 +264,8 @@ class Engine:
             if len(shape) != len(low) or any(not lo <= s <= hi for s, lo, hi in zip(shape, low, high)):
                 raise UsageError(
                     f"{self.stage} engine input '{name}' shape {list(shape)} is outside the engine's profile "
-                    f"(min {list(low)}, max {list(high)}); rebuild with matching --batch-size/--height/--width, "
-                    "or with --build-dynamic-shape")
+                    f"(min {list(low)}, max {list(high)}); rebuild with matching {field('batch_size')}/"
+                    f"{field('height')}/{field('width')}, or with {field('build_dynamic_shape')}")
             # Inputs start as zeros: `prepare` may run the engine before the first real feed.
             self.buffers[name] = torch.zeros(shape, dtype=self.torch_dtype(name), device=self.device)
             if not self.context.set_input_shape(name, shape):
@@ -274,7 +275,8 @@ class Engine:
             actual = tuple(self.context.get_tensor_shape(name))
             if actual != tuple(output_shapes[name]):
                 raise EngineMismatchError(f"{self.stage}: output '{name}' comes out {list(actual)}, the model class "
-                                          f"expects {list(output_shapes[name])}; rebuild with --force-engine-build")
+                                          f"expects {list(output_shapes[name])}; rebuild with "
+                                          f"{field('force_engine_build')}")
             self.buffers[name] = torch.empty(actual, dtype=self.torch_dtype(name), device=self.device)
             self.context.set_tensor_address(name, self.buffers[name].data_ptr())
         self.bound_shapes = shapes
@@ -389,20 +391,25 @@ class EngineStage(Stage):
     def close(self) -> None:
         self.engine.close()
 
+    @classmethod
+    def lora_applier(cls, stages: list[EngineStage]) -> LoraApplier:
+        return RefittedLoras(stages)
+
 
 def create_engine_stages(models: list[StageModel], engines: dict[str, Path], api: TensorRTAPI, dtype: torch.dtype,
-                         use_cuda_graph: bool, device: torch.device | str = "cuda",
-                         log: Callable[[str], None] = print, plugins: tuple[str, ...] = (),
-                         plugin_convention: str = OURS,
+                         settings: EngineSettings | SettingsOf, device: torch.device | str = "cuda",
+                         log: Callable[[str], None] = print,
                          onnx: Callable[[StageModel], ContextManager[Path]] | None = None) -> dict[str, EngineStage]:
-    """Load each model's engine, check it against its model class, and share one device-memory block.
-    Engines with plugins in them need their creators in TensorRT's registry first. `onnx(model)` gives the optimized
-    ONNX a model's engine was built from (demo.engine.stage_onnx), for refits; None: the stages cannot refit."""
-    if plugins:
-        register_plugins(api, plugin_convention)
+    """Load each model's engine (with its settings: `settings`, or `settings(model)`), check it against its model
+    class, and share one device-memory block. Engines with plugins in them need their creators in TensorRT's registry
+    first. `onnx(model)` gives the optimized ONNX a model's engine was built from (build.stage_onnx), for refits; None:
+    the stages cannot refit."""
+    settings_of = settings_for(settings)
+    for convention in sorted({settings_of(m).plugin_convention for m in models if settings_of(m).plugins}):
+        register_plugins(api, convention)
     loaded = {}
     for model in models:
-        engine = Engine(api, engines[model.name], model.name, torch.device(device), use_cuda_graph)
+        engine = Engine(api, engines[model.name], model.name, torch.device(device), settings_of(model).use_cuda_graph)
         engine.check_model(model, model.stage_dtype(dtype))
         loaded[model.name] = engine
     size = max(e.device_memory_size for e in loaded.values())

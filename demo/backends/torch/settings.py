@@ -1,12 +1,12 @@
 """What the torch backend does to the diffusers modules it runs, and where its defaults come from.
 
-Four settings, each a flag of the CLI:
+Four settings: two of a pipeline spec's fields both backends take, and the torch backend's own options (TorchOptions):
 
-- `--plugins`: our CUDA kernels substituted into the modules (plugins.diffusers_modules);
-- `--channels-last`: modules and 4-D inputs in channels-last memory;
-- `--use-cuda-graph`: each stage captured in a CUDA graph once per input shape (while preparing) and
+- `plugins`: our CUDA kernels substituted into the modules (plugins.diffusers_modules);
+- `channels_last`: modules and 4-D inputs in channels-last memory;
+- `use_cuda_graph`: each stage captured in a CUDA graph once per input shape (while preparing) and
   replayed, from static input buffers, its outputs cloned out;
-- `--compile MODE`: torch.compile with that mode (none, default, max-autotune-no-cudagraphs,
+- `compile`: torch.compile with that mode (none, default, max-autotune-no-cudagraphs,
   reduce-overhead, max-autotune).
 
 Unset, each comes from the "torch_defaults" section of the tuned defaults (plugins/tuned_defaults.json,
@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from core.errors import UsageError
+from core.errors import UsageError, field
+from demo.backends.torch.options import COMPILE_MODES, GRAPHING_COMPILE_MODES
+from models.plugin_set import local_compute_capability, parse_plugin_set
+from plugins import torch_ops
 from plugins.tuned import TORCH_DEFAULTS, TUNED_DEFAULTS_FILE, find_entry
-
-COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
-# torch.compile modes that capture CUDA graphs of their own (cudagraph trees).
-GRAPHING_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -66,17 +65,15 @@ def defaults_entry(compute_capability: str | None, table: Path = TUNED_DEFAULTS_
 def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = None, cuda_graph: bool | None = None,
                            compile_mode: str = "auto", device: torch.device | None = None,
                            table: Path = TUNED_DEFAULTS_FILE, xl: bool = False) -> tuple[TorchSettings, str]:
-    """Flag values (None / "auto": from the tuned defaults in `table` for an SDXL (`xl`) or SD 1.x/2.x model) as
+    """Option values (None / "auto": from the tuned defaults in `table` for an SDXL (`xl`) or SD 1.x/2.x model) as
     checked settings, and where they came from.
 
     `auto` plugins the table names but that cannot run here are left out (a default never fails); asked
     for explicitly, they are a UsageError, as are combinations that cannot work on `device`."""
-    from models.plugin_set import local_compute_capability, parse_plugin_set
-    from plugins import torch_ops
-
     device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if compile_mode != "auto" and compile_mode not in COMPILE_MODES:
-        raise UsageError(f"unknown --compile mode '{compile_mode}'; choose auto or one of {', '.join(COMPILE_MODES)}")
+        raise UsageError(f"unknown {field('compile')} mode '{compile_mode}'; choose auto or one of "
+                         f"{', '.join(COMPILE_MODES)}")
     capability = local_compute_capability() if device.type == "cuda" else None
     key, entry = defaults_entry(capability, table, xl) or (None, None)
     base = TorchSettings(tuple(sorted(entry["plugins"])), entry["channels_last"], entry["cuda_graph"],
@@ -104,22 +101,22 @@ def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = N
 def check_torch_settings(settings: TorchSettings, device: torch.device) -> None:
     """A UsageError for what cannot run: CUDA-only features on a CPU, plugins that are not built, two CUDA
     graph mechanisms at once."""
-    from plugins import torch_ops
-
     if settings.compile not in COMPILE_MODES:
-        raise UsageError(f"unknown --compile mode '{settings.compile}'; choose one of {', '.join(COMPILE_MODES)}")
+        raise UsageError(f"unknown {field('compile')} mode '{settings.compile}'; choose one of "
+                         f"{', '.join(COMPILE_MODES)}")
     if device.type != "cuda":
-        wanted = [what for what, on in (("--use-cuda-graph", settings.cuda_graph),
-                                        (f"--compile {settings.compile}", settings.compile != "none"),
-                                        (f"--plugins {','.join(settings.plugins)}", bool(settings.plugins))) if on]
+        wanted = [what for what, on in ((field("use_cuda_graph"), settings.cuda_graph),
+                                        (f"{field('compile')} {settings.compile}", settings.compile != "none"),
+                                        (f"{field('plugins')} {','.join(settings.plugins)}", bool(settings.plugins)))
+                  if on]
         if wanted:
             raise UsageError(f"{' and '.join(wanted)} need{'s' if len(wanted) == 1 else ''} a CUDA GPU, and the "
                              "torch backend runs on the CPU here")
     if settings.plugins and not torch_ops.available():
-        raise UsageError(f"--plugins {','.join(settings.plugins)}: {torch_ops.status()}")
+        raise UsageError(f"{field('plugins')} {','.join(settings.plugins)}: {torch_ops.status()}")
     if settings.cuda_graph and settings.compile in GRAPHING_COMPILE_MODES:
-        raise UsageError(f"--compile {settings.compile} captures CUDA graphs itself; drop --use-cuda-graph or use "
-                         "--compile default or max-autotune-no-cudagraphs")
+        raise UsageError(f"{field('compile')} {settings.compile} captures CUDA graphs itself; drop "
+                         f"{field('use_cuda_graph')} or use {field('compile')} default or max-autotune-no-cudagraphs")
 
 
 def computed_part(stage: str, module: torch.nn.Module) -> torch.nn.Module:

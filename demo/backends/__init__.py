@@ -1,0 +1,7 @@
+"""The backends that run a pipeline's stages, as objects with their capabilities (base.Backend), in a registry
+(registry.py: the choice of one for a spec); each backend a package of its own (torch/, tensorrt/) whose options
+module is light to import. Nothing outside this package tests a backend's name or a stage's type: it asks the
+backend, or the stage."""
+
+AUTO = "auto"  # a backend, a plugin set or a compile mode left to what runs best here
+REFERENCE_BACKEND = "torch"  # the backend every other is compared with (compare-backends, INT8 calibration)

@@ -1,0 +1,43 @@
+"""The backends by name, and the choice of one for a spec (`auto`: TensorRT where it can run here, else TensorRT for
+RTX, else torch)."""
+
+from __future__ import annotations
+
+from core.errors import UsageError
+from demo.backends import AUTO, REFERENCE_BACKEND
+from demo.backends.base import Backend
+from demo.backends.tensorrt.backend import TensorRTBackend
+from demo.backends.tensorrt.flavour import FLAVOURS, current_cc
+from demo.backends.torch.backend import TorchBackend
+
+REGISTRY: dict[str, Backend] = {backend.name: backend
+                                for backend in (TorchBackend(), *(TensorRTBackend(name) for name in FLAVOURS))}
+REFERENCE = REGISTRY[REFERENCE_BACKEND]
+BACKENDS = (AUTO, *REGISTRY)  # what a spec's backend may be
+
+
+def backend_named(name: str) -> Backend:
+    if name not in REGISTRY:
+        raise UsageError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    return REGISTRY[name]
+
+
+def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool = True) -> tuple[Backend, str]:
+    """(backend, reason) for a spec's backend on a GPU of compute capability `cc` (None: this machine's, or no GPU);
+    with `runs` False, one named only needs to build here, not run."""
+    cc = cc if cc is not None else current_cc()
+    if requested != AUTO:
+        backend = backend_named(requested)
+        reason = backend.why_cannot_run(cc) if runs else backend.why_cannot_build()
+        if reason:
+            raise UsageError(reason)
+        return backend, " ".join(filter(None, ("requested:", backend.name, backend.version())))
+    reasons = []
+    for backend in REGISTRY.values():
+        if backend is REFERENCE:  # the fallback
+            continue
+        reason = backend.why_cannot_run(cc)
+        if reason is None:
+            return backend, f"auto: {backend.name} {backend.version()} runs on this GPU"
+        reasons.append(reason)
+    return REFERENCE, "auto: " + "; ".join(reasons)

@@ -1,0 +1,65 @@
+"""The torch backend object."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from demo.backends.base import Backend, Capabilities, Description
+from demo.backends.torch.options import TorchOptions
+from demo.backends.torch.settings import TorchSettings, resolve_torch_settings
+from demo.backends.torch.stage import TorchStage
+
+
+def accel_options(settings: TorchSettings) -> tuple[str, ...]:
+    """The settings other than plugins, as reports list them."""
+    options = [name for name, on in (("channels-last", settings.channels_last), ("CUDA graphs", settings.cuda_graph))
+               if on]
+    return tuple(options + ([f"compile {settings.compile}"] if settings.compile != "none" else []))
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    capabilities = Capabilities(artifacts=False, refit=False, cuda_graphs=True, layer_timings=False, cpu=True)
+    options_type = TorchOptions
+
+    def why_cannot_run(self, cc):
+        return None
+
+    def default_dtype(self, device):
+        return torch.float16 if device.type == "cuda" else torch.float32  # CPU kernels are slow or missing in fp16
+
+    def settings(self, source, options: TorchOptions, plugins, use_cuda_graph, workload, device, dtype,
+                 record_activations=None):
+        return resolve_torch_settings(plugins, options.channels_last, use_cuda_graph, options.compile, device,
+                                      xl=source.is_xl)
+
+    def create_stages(self, models, settings_of, device, dtype, log, progress):
+        stages = {}
+        for model in models:
+            settings = settings_of(model)
+            upcast = model.stage_dtype(dtype)
+            if settings.plugins and upcast != dtype:  # SDXL's VAE in fp32: our kernels take the pipeline's fp16
+                progress(f"[plugins] {model.name}: none (it runs in {str(upcast).removeprefix('torch.')}, our kernels "
+                         f"in {str(dtype).removeprefix('torch.')})")
+                settings = replace(settings, plugins=())
+            stage = stages[model.name] = TorchStage(model, device, upcast, settings)
+            if stage.substitution is not None:
+                progress(stage.substitution.line(stage.name))
+                for family, reasons in stage.substitution.skipped.items():
+                    for reason in reasons:
+                        log(f"[plugins] {stage.name}: {family} skipped at {reason}")
+        return stages
+
+    def describe(self, settings: TorchSettings) -> Description:
+        return Description(settings.plugins, accel_options(settings))
+
+    def stats(self, stages, settings_of):
+        prepared = [(stage.settings, stage.prepare_seconds) for stage in stages.values()]
+        return {"substitution": {name: stage.substitution.as_dict() for name, stage in stages.items()
+                                 if stage.substitution is not None},
+                "compile_s": (sum(seconds["first_calls"] for _, seconds in prepared)
+                              if any(settings.compile != "none" for settings, _ in prepared) else None),
+                "capture_s": (sum(seconds["capture"] for _, seconds in prepared)
+                              if any(settings.cuda_graph for settings, _ in prepared) else None)}

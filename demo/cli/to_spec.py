@@ -1,0 +1,81 @@
+"""The one place where a command line becomes what the library takes: its flag groups (demo.cli.flags) into a
+PipelineSpec and a Request."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from core.errors import UsageError, field
+from demo.backends.tensorrt.options import EngineOptions
+from demo.backends.torch.options import TorchOptions
+from demo.cli.flags import (
+    DemoFlags,
+    EngineFlags,
+    Flags,
+    ImageFlags,
+    LoraFlags,
+    ModelFlags,
+    RefinerFlags,
+    RequestFlags,
+    TorchFlags,
+)
+from demo.request import Request, load_image
+from demo.runtime.spec import PipelineSpec
+
+
+def options_of(flags, options_type: type):
+    """The library's options (`options_type`, a dataclass) that a flag group of the same field names sets (those it
+    has no flag for keep their defaults)."""
+    return options_type(**{item.name: getattr(flags, item.name) for item in dataclasses.fields(options_type)
+                           if hasattr(flags, item.name)})
+
+
+def parse_lora_spec(text: str) -> tuple[str, float]:
+    """--lora's PATH[:SCALE] as (path, scale); no number after the last colon: all of it is the path, at scale 1."""
+    path, colon, tail = text.rpartition(":")
+    try:
+        scale = float(tail) if colon else None
+    except ValueError:
+        scale = None
+    if scale is None:
+        return text, 1.0
+    if not math.isfinite(scale):
+        raise UsageError(f"{field('loras')} {text}: the scale must be a finite number, got {tail}")
+    return path, scale
+
+
+def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
+    """The pipeline spec a command line asks for: the model, backend, engine and torch flags, LoRA files and refiner of
+    the groups the command takes, then `fields`, what the command decides itself (a request's batch, a build's
+    size)."""
+    values: dict = {}
+    if ModelFlags in flags:
+        model = flags[ModelFlags]
+        values.update(model=model.model, vae=model.vae, verbose=model.verbose)
+    if DemoFlags in flags:
+        values["backend"] = flags[DemoFlags].backend
+    if EngineFlags in flags:
+        engine = flags[EngineFlags]
+        values.update(plugins=engine.plugins, use_cuda_graph=engine.use_cuda_graph,
+                      engine=options_of(engine, EngineOptions))
+    if TorchFlags in flags:
+        values["torch"] = options_of(flags[TorchFlags], TorchOptions)
+    if LoraFlags in flags:
+        values["loras"] = tuple(parse_lora_spec(text) for text in flags[LoraFlags].lora or ())
+    if RefinerFlags in flags:
+        refiner = flags[RefinerFlags]
+        values.update(refiner=refiner.refiner, high_noise_frac=refiner.high_noise_frac)
+    return PipelineSpec(**{**values, **fields})
+
+
+def request_from_flags(flags: Flags) -> Request:
+    """The request a command line asks for, its input image (RGB) and mask read where given (a one-line UsageError
+    where one cannot be)."""
+    request = Request(**dataclasses.asdict(flags[RequestFlags]))
+    if ImageFlags not in flags:
+        return request
+    images = flags[ImageFlags]
+    image = None if images.input_image is None else load_image("image", images.input_image).convert("RGB")
+    mask = None if images.mask_image is None else load_image("mask", images.mask_image)
+    return dataclasses.replace(request, image=image, mask=mask, strength=images.strength)

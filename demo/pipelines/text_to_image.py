@@ -1,0 +1,185 @@
+"""Text-to-image: tokenize -> text encoder(s) -> denoising loop with classifier-free guidance -> VAE decode, as step
+methods that every other pipeline family reuses.
+
+The arithmetic follows diffusers' pipelines step for step (latents drawn from a CPU generator, scheduler scaling,
+guidance, the scheduler's own step), so with the torch backend the same seed gives the same image as diffusers:
+Text2ImagePipeline as StableDiffusionPipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import TYPE_CHECKING, ClassVar, Sequence
+
+import numpy as np
+import torch
+
+from demo.pipelines.batch import Batch
+from demo.pipelines.images import device_pixels, postprocess
+from demo.pipelines.lora import LoraSpec, StageLoras
+from demo.pipelines.timer import StageTimer
+from demo.request import Request
+from demo.schedulers import make_scheduler
+from models import CLIPModel, UNetModel, VAEDecoderModel, stage_batch
+from models.base import StageModel
+from models.source import ModelSource
+
+if TYPE_CHECKING:
+    from demo.backends.base import Stage
+
+
+class Text2ImagePipeline:
+    """diffusers' text-to-image, as step methods that the image-to-image, inpainting and SDXL pipelines reuse:
+    encode_prompt -> prepare_latents -> denoise -> decode. Stages are looked up by their models' names and fed
+    in their models' input order (Stage.call), so no stage or tensor name is spelt here."""
+
+    # Whether prepare_latents runs the VAE encoder (the input image): then it is timed as its own region.
+    encodes_image: ClassVar[bool] = False
+
+    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
+                 device: torch.device, dtype: torch.dtype):
+        from transformers import CLIPTokenizer
+
+        self.source = source
+        self.stages = stages
+        self.scheduler = make_scheduler(scheduler_name, source)
+        self.tokenizer = (CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer")
+                          if "tokenizer" in source.components else None)
+        self.device = device
+        self.dtype = dtype
+        self.scaling_factor = source.config("vae")["scaling_factor"]
+        self.loras = StageLoras(stages)
+
+    def stage(self, model: type[StageModel]) -> Stage:
+        return self.stages[model.name]
+
+    def timesteps(self, steps: int, strength: float = 1.0) -> torch.Tensor:
+        """Sets the scheduler's timesteps for `steps` and returns those a run denoises: the last `strength` of them
+        (text-to-image: all), as diffusers' image-to-image pipelines pick them."""
+        self.scheduler.set_timesteps(steps, device=self.device)
+        start = (steps - min(int(steps * strength), steps)) * self.scheduler.order
+        if hasattr(self.scheduler, "set_begin_index"):
+            self.scheduler.set_begin_index(start)
+        return self.scheduler.timesteps[start:]
+
+    def unet_calls(self, steps: int, strength: float = 1.0) -> int:
+        """How many times the UNet runs for `steps` (some schedulers take extra warm-up steps) at `strength`."""
+        return len(self.timesteps(steps, strength))
+
+    def set_loras(self, loras: Sequence[LoraSpec]) -> float | None:
+        """Fuse LoRA files, (path, scale) each, added up, into the UNet and text encoders in place of those set
+        before ([]: the base weights, bit for bit), without reloading: into the torch modules, or by refit into
+        engines built refittable (demo.pipelines.lora). Returns how long the engines' refit took, in ms (None:
+        no engine was refitted)."""
+        return self.loras.set(loras)
+
+    def dropped_text(self, text: str) -> str | None:
+        """What of `text` the text encoder's token limit cuts off (None: all of it fits), as diffusers reports it."""
+        ids = self.tokenizer(text, truncation=False).input_ids
+        limit = self.source.text_length
+        if len(ids) <= limit:
+            return None
+        return self.tokenizer.decode(ids[limit - 1:-1])  # the kept part ends with the end-of-text token
+
+    def _token_ids(self, texts: list[str], tokenizer=None) -> torch.Tensor:
+        ids = (tokenizer or self.tokenizer)(
+            texts, padding="max_length", max_length=self.source.text_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        return ids.to(device=self.device, dtype=torch.int32)
+
+    def _texts(self, batch: Batch) -> list[str]:
+        """What the text encoders take: the negative prompts, then the prompts, in one batch under guidance."""
+        negatives = batch.negative_prompts or [""] * batch.batch_size
+        return (negatives + batch.prompts) if batch.head.guided else batch.prompts
+
+    def _step_kwargs(self, generator: torch.Generator) -> dict:
+        # As diffusers does: stochastic schedulers (e.g. Euler ancestral) draw from the same generator.
+        accepted = inspect.signature(self.scheduler.step).parameters
+        kwargs = {}
+        if "eta" in accepted:
+            kwargs["eta"] = 0.0
+        if "generator" in accepted:
+            kwargs["generator"] = generator
+        return kwargs
+
+    def prepare(self, batch: Batch) -> None:
+        """Each stage gets ready for this request's batch and size (engines size their buffers here)."""
+        for name, stage in self.stages.items():
+            stage.prepare(stage_batch(name, batch.batch_size, batch.head.guided), batch.head.height, batch.head.width)
+
+    def encode_prompt(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """The UNet's conditioning, its inputs after sample and timestep: here the text embeddings (the negative
+        prompts' then the prompts' under guidance, one batch; else the prompts')."""
+        return (self.stage(CLIPModel).call(self._token_ids(self._texts(batch))).to(self.dtype),)
+
+    def noise(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """Noise as diffusers draws it: from the CPU generator, in fp32 (latents and the scheduler's arithmetic stay
+        in fp32; only stage inputs take the stages' dtype)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+
+    def prepare_latents(self, batch: Batch, generator: torch.Generator,
+                        timesteps: torch.Tensor) -> torch.Tensor:
+        """The initial latents: noise scaled by the scheduler. `timesteps` are those the run denoises (image-to-image
+        noises its image for the first)."""
+        shape = self.source.latent_shape(batch.batch_size, batch.head.height, batch.head.width)
+        return self.noise(shape, generator) * self.scheduler.init_noise_sigma
+
+    def unet_sample(self, model_input: torch.Tensor) -> torch.Tensor:
+        """The UNet's sample for a scaled model input (an inpainting UNet's has the mask and masked image too)."""
+        return model_input
+
+    def after_step(self, latents: torch.Tensor, next_timestep: torch.Tensor | None) -> torch.Tensor:
+        """The latents after a scheduler step, on their way to `next_timestep` (None: the last step); inpainting with
+        an ordinary UNet puts the kept part of the image back here."""
+        return latents
+
+    def denoise(self, batch: Batch, latents: torch.Tensor, conditioning: tuple[torch.Tensor, ...],
+                generator: torch.Generator, timesteps: torch.Tensor, progress=None) -> torch.Tensor:
+        """The scheduler's loop over `timesteps`, with classifier-free guidance; `conditioning` as encode_prompt
+        gives it."""
+        unet = self.stage(UNetModel)
+        step_kwargs = self._step_kwargs(generator)
+        for i, t in enumerate(timesteps):
+            model_input = torch.cat([latents] * 2) if batch.head.guided else latents
+            model_input = self.unet_sample(self.scheduler.scale_model_input(model_input, t))
+            timestep = t.reshape(1).to(device=self.device, dtype=torch.float32)
+            prediction = unet.call(model_input.to(self.dtype), timestep, *conditioning).float()
+            if batch.head.guided:
+                uncond, cond = prediction.chunk(2)
+                prediction = uncond + batch.head.guidance_scale * (cond - uncond)
+            latents = self.scheduler.step(prediction, t, latents, **step_kwargs, return_dict=False)[0]
+            latents = self.after_step(latents, timesteps[i + 1] if i + 1 < len(timesteps) else None)
+            if progress is not None:
+                progress.update()
+        return latents
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] from the VAE decoder, in its stage's dtype (fp32 where an SDXL config asks) and device."""
+        vae = self.stage(VAEDecoderModel)
+        return vae.call((latents / self.scaling_factor).to(vae.model.stage_dtype(self.dtype)))
+
+    def __call__(self, requests: Request | Sequence[Request], timer: StageTimer, progress=None,
+                 pixels: bool = False) -> np.ndarray:
+        """The images of resolved requests that share a call (Batch.of), as float32 [B, H, W, 3] in [0, 1] (diffusers'
+        output_type="np"); with `pixels`, 8-bit ones made on the device (device_pixels). `progress` hears of each
+        denoising step (update())."""
+        batch = Batch.of(requests)
+        self.prepare(batch)
+        with timer.measure("pipeline"):
+            with timer.measure("clip"):
+                conditioning = self.encode_prompt(batch)
+            generator = batch.generator()
+            timesteps = self.timesteps(batch.head.denoising_steps, batch.strength)
+            with timer.measure("vae_encoder") if self.encodes_image else contextlib.nullcontext():
+                latents = self.prepare_latents(batch, generator, timesteps)
+            with timer.measure("unet"):
+                latents = self.denoise(batch, latents, conditioning, generator, timesteps, progress)
+            with timer.measure("vae"):
+                images = self.decode(latents)
+            if pixels:
+                return device_pixels(images, self.dtype)
+            images = images.float().cpu()
+        return postprocess(images, self.dtype)

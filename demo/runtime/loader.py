@@ -1,0 +1,271 @@
+"""The one way a pipeline is assembled: a PipelineSpec is planned (every check made, nothing loaded) and then loaded.
+
+    plan = plan_pipeline(spec)        # the model resolved, the backend chosen, LoRA files read, settings checked
+    plan.build()                      # artifacts built or found ahead (build-engines), nothing loaded
+    pipeline = plan.load()            # stages loaded, LoRA files applied: a ready demo.runtime.loaded.Pipeline
+    pipeline = load_pipeline(spec)    # the two at once
+
+Every command (demo-diffusion, build-engines, compare-backends, sd-serve's device processes, sd-benchmark,
+sd-ablation, INT8 calibration) and the Python API go through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from core.errors import UsageError, at_least, field
+from demo.backends.base import Backend, Workload
+from demo.backends.registry import select_backend
+from demo.request import TEXT_TO_IMAGE, Request, check_image_size, check_mode, modes_of
+from demo.runtime.calibrate import calibration_spec, record_unet_activations
+from demo.runtime.loaded import Pipeline
+from demo.runtime.logs import configure_library_logging
+from demo.runtime.memory import check_memory
+from demo.runtime.spec import PRECISIONS, PipelineSpec
+from demo.schedulers import check_steps, make_scheduler
+from models import (
+    STAGE_MODELS,
+    check_model_stages,
+    check_stage_names,
+    image_to_image_stages,
+    text_to_image_stages,
+)
+from models.base import StageModel
+from models.lora import LoraFile, check_loras, model_targets, read_lora
+from models.source import ModelSource, resolve_model
+
+Log = Callable[[str], None]
+REFINER_DIR = "refiner"  # the refiner's ONNX and engines, inside the base's folders (stage names are the same)
+DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+
+
+def to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def quiet(*_) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """One model's stages (the base's, or a refiner's) and each one's backend settings."""
+
+    source: ModelSource
+    models: list[StageModel]
+    settings: dict[str, object]  # stage name -> the backend's settings for it
+    reason: str  # where the settings came from
+
+    def settings_of(self, model: StageModel):
+        return self.settings[model.name]
+
+
+@dataclasses.dataclass
+class PipelinePlan:
+    """A spec with every check made and nothing loaded: what plan_pipeline gives."""
+
+    spec: PipelineSpec
+    backend: Backend
+    backend_reason: str
+    device: torch.device
+    dtype: torch.dtype
+    modes: tuple[str, ...]
+    base: StagePlan
+    refiner: StagePlan | None
+    loras: list[tuple[LoraFile, float]]
+    unused: list[str]  # the spec's fields set away from their defaults that this backend does not use
+    log: Log
+    progress: Log
+    request: Request | None = None  # the one request the plan was sized for (plan_pipeline), resolved
+
+    @property
+    def source(self) -> ModelSource:
+        return self.base.source
+
+    def resolve(self, request: Request) -> Request:
+        """The request with what it leaves out filled in: the spec's scheduler and size (for text-to-image: an image
+        request keeps its image's size), else the model's; a random seed."""
+        defaults = {"scheduler": self.spec.scheduler}
+        if request.image is None:
+            defaults.update(height=self.spec.height, width=self.spec.width)
+        request = replace(request, **{name: getattr(request, name) or value for name, value in defaults.items()})
+        return request.resolved(self.source)
+
+    def check(self, request: Request) -> None:
+        """A UsageError where the loaded pipeline cannot run a resolved request: the request's own checks against the
+        model, then what this pipeline was made for (its modes, a refiner's schedule, the backend's limits)."""
+        request.check(self.source)
+        if request.mode not in self.modes:
+            raise UsageError(f"this pipeline runs {', '.join(self.modes)}, not {request.mode}: load it with that "
+                             f"among its {field('modes')}")
+        if self.refiner is not None:
+            check_steps(make_scheduler(request.scheduler, self.refiner.source), request.scheduler,
+                        request.denoising_steps)
+        unet = next(model for model in self.base.models if model.name == "unet")
+        self.backend.check_request(self.base.settings_of(unet), self.source, request)
+
+    def build(self) -> dict[str, dict]:
+        """Build or find every stage's artifacts (engines), loading nothing; what each took."""
+        stats = {}
+        for part in filter(None, (self.base, self.refiner)):
+            stats.update(self.backend.prepare(part.models, part.settings_of, self.device, self.dtype, self.log,
+                                              self.progress))
+        return stats
+
+    def load(self) -> Pipeline:
+        return Pipeline(self)
+
+
+def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, request: Request | None = None,
+                  log: Log | None = None, progress: Log = to_stderr, runs: bool = True) -> PipelinePlan:
+    """Check everything `spec` asks for and decide how it runs, loading nothing: a UsageError for the first thing that
+    cannot be. With `request` (a command's one request), the plan is sized for it: its resolved size, batch and mode
+    where the spec leaves them (the plan's `request` is then the resolved one). `runs` False plans a build only
+    (build-engines): the backend need not run here (TensorRT for RTX builds on a CPU), no memory is checked, and the
+    stages are the model's text-to-image ones unless the spec names them. `progress` hears of long work (builds,
+    calibration), `log` of the rest (default: nothing, or everything with spec.verbose)."""
+    log = log or (print if spec.verbose else quiet)
+    configure_library_logging(spec.verbose)
+    check_spec(spec)
+    backend, reason = select_backend(spec.backend, runs=runs)
+    if spec.loras:
+        backend.check_loras(spec_options(spec, backend))
+    loras = [(read_lora(path), scale) for path, scale in spec.loras]
+    source = resolve_model(spec.model, vae=spec.vae)
+    if spec.scheduler is not None:
+        make_scheduler(spec.scheduler, source)  # a name it has
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = backend.default_dtype(device) if spec.precision == "auto" else DTYPES[spec.precision]
+    if request is not None:
+        request = replace(request, scheduler=request.scheduler or spec.scheduler).resolved(source)
+        request.check(source)
+        spec = replace(spec, height=spec.height or request.height, width=spec.width or request.width,
+                       modes=spec.modes or (request.mode,))
+    modes = spec.modes or (modes_of(source) if runs else (TEXT_TO_IMAGE,))
+    for mode in modes if runs else ():
+        check_mode(source, mode)
+    refiner = resolve_refiner(spec, source, modes)
+    if request is not None and refiner is not None:
+        check_steps(make_scheduler(request.scheduler, refiner), request.scheduler, request.denoising_steps)
+    if loras:
+        check_loras(loras, model_targets(source))
+    height, width = spec.height or source.native_image_size, spec.width or source.native_image_size
+    check_image_size(source, height, width)
+    workload = Workload(spec.batch_size, height, width, spec.guided, spec.max_batch_size)
+    if runs:
+        check_memory(source, max(spec.batch_size, spec.max_batch_size or 0), height, width, device, dtype)
+    record = activation_recorder(spec, device)
+    base = stage_plan(backend, spec, source, stage_names(spec, source, modes), workload, device, dtype, record)
+    refiner_plan = None
+    if refiner is not None:  # its own stages, with engines beside the base's; its UNet never INT8 (see below)
+        if spec.engine.int8:
+            to_stderr("note: --int8 quantizes the base UNet; the refiner's stays fp16")
+        engine = replace(spec.engine, onnx_dir=str(Path(spec.engine.onnx_dir) / REFINER_DIR),
+                         engine_dir=str(Path(spec.engine.engine_dir) / REFINER_DIR), int8=False,
+                         calibration_prompts=None)
+        refiner_plan = stage_plan(backend, replace(spec, engine=engine, stage_overrides=()), refiner,
+                                  text_to_image_stages(refiner), workload, device, dtype, record)
+    return PipelinePlan(spec, backend, reason, device, dtype, tuple(modes), base, refiner_plan, loras,
+                        unused_fields(spec, backend), log, progress, request)
+
+
+def load_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, log: Log | None = None,
+                  progress: Log = to_stderr) -> Pipeline:
+    """A ready pipeline for `spec` on `device` (default: the GPU, else the CPU): plan_pipeline(...).load()."""
+    return plan_pipeline(spec, device, log=log, progress=progress).load()
+
+
+def check_spec(spec: PipelineSpec) -> None:
+    """The spec's own values, before anything is resolved or read."""
+    if spec.precision not in PRECISIONS:
+        raise UsageError(f"{field('precision')} must be one of {', '.join(PRECISIONS)}, got '{spec.precision}'")
+    at_least("batch_size", spec.batch_size, 1)
+    if spec.max_batch_size is not None:
+        at_least("max_batch_size", spec.max_batch_size, 1)
+    if spec.stages is not None:
+        check_stage_names(spec.stages)
+    if spec.stage_overrides:
+        check_stage_names([override.stage for override in spec.stage_overrides])
+
+
+def resolve_refiner(spec: PipelineSpec, source: ModelSource, modes) -> ModelSource | None:
+    """The spec's refiner (None: no refiner), checked against the base and the modes."""
+    if spec.refiner is None:
+        return None
+    if tuple(modes) != (TEXT_TO_IMAGE,):
+        other = next(mode for mode in modes if mode != TEXT_TO_IMAGE)
+        raise UsageError(f"{field('refiner')} refines SDXL text-to-image, not {other}: drop {field('refiner')}, or "
+                         f"{field('image')}")
+    if not source.is_xl:
+        raise UsageError(f"{field('refiner')} refines an SDXL base model; model '{source.name}' is not one")
+    if not 0 < spec.high_noise_frac < 1:
+        raise UsageError(f"{field('high_noise_frac')} must be between 0 and 1 (both excluded), got "
+                         f"{spec.high_noise_frac}")
+    refiner = resolve_model(spec.refiner)
+    if not refiner.is_xl or "text_encoder_2" not in refiner.components:
+        raise UsageError(f"{field('refiner')} {spec.refiner} is not an SDXL model (its model_index.json names "
+                         f"{refiner.index.get('_class_name')})")
+    return refiner
+
+
+def stage_names(spec: PipelineSpec, source: ModelSource, modes) -> tuple[str, ...]:
+    """The stages the spec asks for (each one this model has), or those its modes run."""
+    if spec.stages is None:
+        text_only = tuple(modes) == (TEXT_TO_IMAGE,)  # the others need the VAE encoder too
+        return tuple(text_to_image_stages(source) if text_only else image_to_image_stages(source))
+    check_model_stages(source, spec.stages)
+    return spec.stages
+
+
+def spec_options(spec: PipelineSpec, backend: Backend):
+    """The spec's options of the backend's own type (its `engine` or its `torch`)."""
+    return next(options for options in (spec.engine, spec.torch) if isinstance(options, backend.options_type))
+
+
+def stage_plan(backend: Backend, spec: PipelineSpec, source: ModelSource, names, workload: Workload,
+               device: torch.device, dtype: torch.dtype, record) -> StagePlan:
+    """The stages `names` of `source`, each with the backend's checked settings: the spec's, or a stage override's."""
+    overrides = {override.stage: override for override in spec.stage_overrides}
+    made: dict[tuple, tuple[object, str]] = {}  # one settings object per distinct choice, shared by its stages
+    settings = {}
+    for name in names:
+        override = overrides.get(name)
+        plugins = spec.plugins if override is None or override.plugins is None else override.plugins
+        options = spec_options(spec, backend)
+        if override is not None and override.engine is not None and isinstance(override.engine, backend.options_type):
+            options = override.engine
+        key = (plugins, options)
+        if key not in made:
+            made[key] = backend.settings(source, options, plugins, spec.use_cuda_graph, workload, device, dtype,
+                                         record)
+        settings[name] = made[key][0]
+    reason = next(iter(made.values()))[1]
+    return StagePlan(source, [STAGE_MODELS[name](source) for name in names], settings, reason)
+
+
+def unused_fields(spec: PipelineSpec, backend: Backend) -> list[str]:
+    """The fields of the spec's options for other backends that are set away from their defaults."""
+    unused = []
+    for options in (spec.engine, spec.torch):
+        if not isinstance(options, backend.options_type):
+            unused += [item.name for item in dataclasses.fields(options)
+                       if getattr(options, item.name) != item.default]
+    return unused
+
+
+def activation_recorder(spec: PipelineSpec, device: torch.device):
+    """What records an INT8 calibration for the spec's engines: the torch pipeline of calibration_spec, loaded for the
+    renders and closed after them."""
+
+    def record(source, prompts, steps, scheduler, guidance_scale, height, width, progress):
+        with load_pipeline(calibration_spec(spec), device, log=quiet, progress=quiet) as pipeline:
+            return record_unet_activations(pipeline, prompts, steps, scheduler, guidance_scale, height, width,
+                                           progress)
+
+    return record

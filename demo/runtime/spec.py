@@ -1,0 +1,63 @@
+"""PipelineSpec: everything that decides what a loaded pipeline is (the model, the backend and its options, LoRA
+files, a refiner, the modes, the sizes and batches it runs), frozen and picklable, so that a server's device
+processes, a benchmark's contenders and a user's notebook all describe a pipeline the same way (demo.runtime.loader
+turns one into a ready pipeline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from demo.backends import AUTO, REFERENCE_BACKEND
+from demo.backends.tensorrt.options import EngineOptions
+from demo.backends.torch.options import TorchOptions
+
+PRECISIONS = ("auto", "fp16", "fp32")  # auto: the backend's own (engines fp16; torch fp16 on a GPU, fp32 on a CPU)
+DEFAULT_HIGH_NOISE_FRAC = 0.8
+
+
+@dataclass(frozen=True)
+class StageOverride:
+    """One stage's own plugins and engine options in place of the spec's (sd-ablation runs each stage from the engines
+    of its own build, with the plugin families that stage has)."""
+
+    stage: str
+    plugins: str | None = None  # None: the spec's
+    engine: EngineOptions | None = None  # None: the spec's
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What load_pipeline makes ready. Left as they are, the fields give the built-in `tiny` model on the best backend
+    this machine has, for every mode the model runs, at its native size."""
+
+    model: str = "tiny"  # a built-in (models.builtin), a diffusers-format folder, or a hub id
+    vae: str | None = None  # another VAE: an AutoencoderKL folder, or a model folder with one in vae/
+    backend: str = AUTO  # demo.backends.BACKENDS
+    precision: str = "auto"  # PRECISIONS
+    plugins: str = AUTO  # our kernels: none, all, a comma list of plugin keys, or auto (the tuned defaults)
+    use_cuda_graph: bool | None = None  # None: the backend's default
+    engine: EngineOptions = EngineOptions()  # the TensorRT backends' own options
+    torch: TorchOptions = TorchOptions()  # the torch backend's own options
+    loras: tuple[tuple[str, float], ...] = ()  # LoRA files and their scales, fused or refitted in
+    refiner: str | None = None  # SDXL: refine with this model, an ensemble of experts (text-to-image)
+    high_noise_frac: float = DEFAULT_HIGH_NOISE_FRAC  # with a refiner: the part of the schedule the base denoises
+    modes: tuple[str, ...] | None = None  # demo.request.MODES to run (None: every mode the model runs)
+    stages: tuple[str, ...] | None = None  # build only these stages (build-engines); None: those the modes need
+    scheduler: str | None = None  # what requests that name none get (None: the model's own)
+    height: int | None = None  # the size requests get unless they say, and engines are built for (None: native)
+    width: int | None = None
+    batch_size: int = 1  # the batch engines are tuned for
+    max_batch_size: int | None = None  # the most images one call runs (None: batch_size; engines take 4 at least)
+    guided: bool = True  # engines for guided batches (classifier-free guidance) or unguided ones
+    stage_overrides: tuple[StageOverride, ...] = ()
+    verbose: bool = False  # library logs and build details
+
+
+def reference_spec(spec: PipelineSpec) -> PipelineSpec:
+    """The spec's model, sizes and modes on the reference backend as diffusers runs it: its own torch modules, no
+    kernels, CUDA graphs or compiling, no LoRA files or refiner."""
+    return PipelineSpec(model=spec.model, vae=spec.vae, backend=REFERENCE_BACKEND, precision=spec.precision,
+                        plugins="none", use_cuda_graph=False, torch=TorchOptions(channels_last=False, compile="none"),
+                        modes=spec.modes, scheduler=spec.scheduler, height=spec.height, width=spec.width,
+                        batch_size=spec.batch_size, max_batch_size=spec.max_batch_size, guided=spec.guided,
+                        verbose=spec.verbose)
