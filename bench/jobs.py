@@ -28,8 +28,8 @@ from demo.cli.flags import EngineFlags, ModelFlags, to_argv
 from demo.cli.to_spec import options_of
 from demo.request import TEXT_TO_IMAGE
 from demo.runtime.spec import PipelineSpec, StageOverride
-from models import STAGE_MODELS
 from models.plugin_passes import read_pass_report
+from models.stages import STAGE_MODELS
 from plugins.contract import ATTENTION_KEYS as ATTENTION
 from plugins.contract import OURS
 

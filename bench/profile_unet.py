@@ -155,7 +155,7 @@ def profile_unet(flags) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from demo.runtime.loader import load_pipeline
-    from models import stage_batch
+    from models.stages import stage_batch
 
     options = flags[ProfileFlags]
     at_least("steps", options.steps, 1)

@@ -32,9 +32,9 @@ from demo.request import TEXT_TO_IMAGE, Request
 from demo.runtime.loader import load_pipeline, plan_pipeline, quiet
 from demo.runtime.report import precision_name
 from demo.runtime.spec import PipelineSpec
-from models import stage_batch
 from models.plugin_passes import read_pass_report
 from models.quantize import read_int8_report
+from models.stages import stage_batch
 from plugins.contract import OURS, PLUGIN_KEYS
 
 PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per engine set

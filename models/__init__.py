@@ -1,52 +1,34 @@
-"""Per-stage model classes sharing one interface (see models.base.StageModel)."""
+"""Per-stage model classes sharing one interface (models.base.StageModel), registered by name (models.stages), with
+the built-in models, the ONNX export, the optimizer and its passes, LoRA, INT8 and refit.
+
+Importing the package is light (torch loads with models.base): the stage names and the check of them are here, and
+the registry's names resolve on first use, so that a command answers --help and usage errors without torch.
+"""
+
+import importlib
 
 from core.errors import UsageError
-from models.base import StageModel
-from models.clip import CLIP2Model, CLIPModel
-from models.unet import UNetModel
-from models.vae import VAEDecoderModel, VAEEncoderModel
 
-STAGE_MODELS: dict[str, type[StageModel]] = {
-    cls.name: cls for cls in (CLIPModel, CLIP2Model, UNetModel, VAEDecoderModel, VAEEncoderModel)
-}
-# The stages text-to-image runs, in order (SD 1.x/2.x; SDXL adds its second text encoder).
-TEXT_TO_IMAGE_STAGES = ("clip", "unet", "vae")
-XL_TEXT_TO_IMAGE_STAGES = ("clip", "clip2", "unet", "vae")
-# Under classifier-free guidance these run the unconditional and conditional halves in one batch.
-GUIDED_STAGES = ("clip", "clip2", "unet")
-# These see one image whatever the batch: the input image (and inpainting's masked one) is encoded once and its
-# latents repeated, as diffusers does with one image for several prompts.
-SINGLE_IMAGE_STAGES = ("vae_encoder",)
+# The stages, by name: a model class each (models.stages.STAGE_MODELS), in this order.
+CLIP, CLIP2, UNET, VAE, VAE_ENCODER = "clip", "clip2", "unet", "vae", "vae_encoder"
+STAGE_NAMES = (CLIP, CLIP2, UNET, VAE, VAE_ENCODER)
 
-
-def text_to_image_stages(source) -> tuple[str, ...]:
-    """The stages text-to-image runs for this model (an SDXL refiner has no first text encoder)."""
-    stages = XL_TEXT_TO_IMAGE_STAGES if source.is_xl else TEXT_TO_IMAGE_STAGES
-    return tuple(name for name in stages if STAGE_MODELS[name].component in source.components)
-
-
-def image_to_image_stages(source) -> tuple[str, ...]:
-    """The stages image-to-image and inpainting run: text-to-image's and the VAE encoder (input image to latents)."""
-    return (*text_to_image_stages(source), VAEEncoderModel.name)
-
-
-def stage_batch(stage: str, images: int, guided: bool) -> int:
-    """The batch `stage` sees for `images` images."""
-    if stage in SINGLE_IMAGE_STAGES:
-        return 1
-    return images * 2 if guided and stage in GUIDED_STAGES else images
+# name -> the module defining it, imported on first use
+_LAZY = {**{name: "models.stages" for name in (
+    "STAGE_MODELS", "TEXT_TO_IMAGE_STAGES", "XL_TEXT_TO_IMAGE_STAGES", "GUIDED_STAGES", "SINGLE_IMAGE_STAGES",
+    "text_to_image_stages", "image_to_image_stages", "stage_batch", "check_model_stages")},
+         "StageModel": "models.base", "CLIPModel": "models.clip", "CLIP2Model": "models.clip",
+         "UNetModel": "models.unet", "VAEDecoderModel": "models.vae", "VAEEncoderModel": "models.vae"}
 
 
 def check_stage_names(names) -> None:
-    """A UsageError for stage names that are none of STAGE_MODELS (or for an empty list of them)."""
-    unknown = [name for name in names if name not in STAGE_MODELS]
+    """A UsageError for stage names that are none of STAGE_NAMES (or for an empty list of them)."""
+    unknown = [name for name in names if name not in STAGE_NAMES]
     if unknown or not names:
-        raise UsageError(f"unknown stage(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(STAGE_MODELS)}")
+        raise UsageError(f"unknown stage(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(STAGE_NAMES)}")
 
 
-def check_model_stages(source, names) -> None:
-    """A UsageError for a stage whose component the model has not."""
-    for name in names:
-        component = STAGE_MODELS[name].component
-        if component not in source.components:
-            raise UsageError(f"stage {name} needs component '{component}', which model '{source.name}' does not have")
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'models' has no attribute '{name}'")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from models import CLIP, CLIP2
 from models.base import StageModel
 
 
@@ -25,7 +26,7 @@ class _TextEmbeddings(torch.nn.Module):
 
 
 class CLIPModel(StageModel):
-    name = "clip"
+    name = CLIP
     component = "text_encoder"
     input_names = ("input_ids",)
     output_names = ("text_embeddings",)
@@ -72,7 +73,7 @@ class CLIPModel(StageModel):
 class CLIP2Model(CLIPModel):
     """SDXL's second text encoder: penultimate states, and the pooled output projected (`text_embeds`)."""
 
-    name = "clip2"
+    name = CLIP2
     component = "text_encoder_2"
     output_names = ("text_embeddings", "text_embeds")
     dynamic_axes = {"input_ids": {0: "B"}, "text_embeddings": {0: "B"}, "text_embeds": {0: "B"}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from models import UNET
 from models.base import StageModel
 
 ADDED_CONDITIONS = ("text_embeds", "time_ids")
@@ -25,7 +26,7 @@ class _Denoiser(torch.nn.Module):
 
 
 class UNetModel(StageModel):
-    name = "unet"
+    name = UNET
     component = "unet"
     input_names = ("sample", "timestep", "encoder_hidden_states")
     output_names = ("latent",)

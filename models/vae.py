@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from models import VAE, VAE_ENCODER
 from models.base import StageModel
 
 
@@ -44,7 +45,7 @@ class _VAEStage(StageModel):
 
 
 class VAEDecoderModel(_VAEStage):
-    name = "vae"
+    name = VAE
     input_names = ("latent",)
     output_names = ("images",)
     dynamic_axes = {"latent": {0: "B", 2: "latent_height", 3: "latent_width"},
@@ -64,7 +65,7 @@ class VAEEncoderModel(_VAEStage):
     """Image-to-image and inpainting: images in [-1, 1] to their latents' Gaussian, once per run at batch 1
     (models.stage_batch)."""
 
-    name = "vae_encoder"
+    name = VAE_ENCODER
     input_names = ("images",)
     output_names = ("latent_moments",)
     dynamic_axes = {"images": {0: "B", 2: "height", 3: "width"},

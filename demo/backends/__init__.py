@@ -3,5 +3,8 @@
 module is light to import. Nothing outside this package tests a backend's name or a stage's type: it asks the
 backend, or the stage."""
 
+from demo.backends.tensorrt.flavour import FLAVOURS
+
 AUTO = "auto"  # a backend, a plugin set or a compile mode left to what runs best here
 REFERENCE_BACKEND = "torch"  # the backend every other is compared with (compare-backends, INT8 calibration)
+BACKENDS = (AUTO, REFERENCE_BACKEND, *FLAVOURS)  # what a spec's backend may be (registry.REGISTRY: an object each)

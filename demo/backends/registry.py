@@ -4,7 +4,7 @@ RTX, else torch)."""
 from __future__ import annotations
 
 from core.errors import UsageError
-from demo.backends import AUTO, REFERENCE_BACKEND
+from demo.backends import AUTO, BACKENDS, REFERENCE_BACKEND
 from demo.backends.base import Backend
 from demo.backends.tensorrt.backend import TensorRTBackend
 from demo.backends.tensorrt.flavour import FLAVOURS, current_cc
@@ -13,7 +13,6 @@ from demo.backends.torch.backend import TorchBackend
 REGISTRY: dict[str, Backend] = {backend.name: backend
                                 for backend in (TorchBackend(), *(TensorRTBackend(name) for name in FLAVOURS))}
 REFERENCE = REGISTRY[REFERENCE_BACKEND]
-BACKENDS = (AUTO, *REGISTRY)  # what a spec's backend may be
 
 
 def backend_named(name: str) -> Backend:

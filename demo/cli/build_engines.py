@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.atomic import atomic_write_bytes, check_writable_file
+from demo.backends.tensorrt.flavour import FLAVOURS, flavour
 from demo.cli.command import run_command
 from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags
 from demo.cli.to_spec import spec_from_flags
 from demo.runtime.spec import PRECISIONS, PipelineSpec
+from models import STAGE_NAMES
 
 PROG = "build-engines"
 SPEC = PipelineSpec()
@@ -28,15 +30,11 @@ FLAG_NAMES = {"precision": "--onnx-precision", "guided": "--no-guidance"}
 
 
 def _flavours_help() -> str:
-    from demo.backends.tensorrt.flavour import FLAVOURS  # loads torch: called when the parser is built
-
     return f"TensorRT flavour: {', '.join(FLAVOURS)} (default: %(default)s)"
 
 
 def _stages_help() -> str:
-    from models import STAGE_MODELS  # loads torch: called when the parser is built
-
-    return f"comma-separated subset of {', '.join(STAGE_MODELS)} (default: the model's text-to-image stages)"
+    return f"comma-separated subset of {', '.join(STAGE_NAMES)} (default: the model's text-to-image stages)"
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,6 @@ def build_spec(flags) -> PipelineSpec:
 
 def build(flags) -> int:
     # The runtime loads torch: --help and the flags' own errors answer without it.
-    from demo.backends.tensorrt.flavour import flavour
     from demo.runtime.loader import plan_pipeline
     from demo.runtime.report import precision_name
 

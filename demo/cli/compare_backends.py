@@ -51,7 +51,7 @@ def compare(flags) -> int:
     from demo.runtime.loader import plan_pipeline
     from demo.runtime.report import precision_name
     from demo.runtime.spec import reference_spec
-    from models import stage_batch
+    from models.stages import stage_batch
 
     compare_flags = flags[CompareFlags]
     request = request_from_flags(flags)

@@ -48,10 +48,11 @@ def export(flags) -> int:
     import torch
 
     from demo.runtime.logs import configure_library_logging
-    from models import STAGE_MODELS, check_model_stages, check_stage_names, text_to_image_stages
+    from models import check_stage_names
     from models.plugin_passes import format_report_line, read_pass_report
     from models.plugin_set import parse_plugin_set
     from models.source import resolve_model
+    from models.stages import STAGE_MODELS, check_model_stages, text_to_image_stages
 
     model, export_flags = flags[ModelFlags], flags[ExportFlags]
     stages = [name for name in (export_flags.stages or "").split(",") if name]

@@ -23,11 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from core.errors import UsageError
+from demo.backends import BACKENDS
 from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import COMPILE_MODES, TorchOptions
 from demo.request import DEFAULT_PROMPT, DEFAULT_STRENGTH, Request
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from demo.schedulers import SCHEDULERS
+from models.builtin import BUILTIN_MODELS
+from models.plugin_set import PLUGINS_HELP
 from plugins.contract import CONVENTIONS
 
 Group = TypeVar("Group")
@@ -60,8 +63,8 @@ def same_as(group: type, name: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelFlags:
-    model: str = flag(lambda: f"built-in ({', '.join(_builtin_models())}), a diffusers-format directory, or a hub id "
-                              "(default: %(default)s)", SPEC.model)
+    model: str = flag(f"built-in ({', '.join(BUILTIN_MODELS)}), a diffusers-format directory, or a hub id (default: "
+                      "%(default)s)", SPEC.model)
     vae: str | None = flag("decode with another VAE: an AutoencoderKL folder, or a model folder with one in vae/ "
                            "(default: the model's own)", SPEC.vae, metavar="DIR")
     verbose: bool = flag("show library logs and build details", SPEC.verbose)
@@ -117,8 +120,8 @@ class EngineFlags:
                                        "exactly the request's shapes: --build-static-batch without "
                                        "--build-dynamic-shape); with --backend torch, each stage from a graph captured "
                                        "per input shape (default: the torch defaults)", SPEC.use_cuda_graph)
-    plugins: str = flag(lambda: f"{_plugins_help()}; with --backend torch, the kernels substituted into the diffusers "
-                                "modules (auto: the torch defaults)", SPEC.plugins)
+    plugins: str = flag(f"{PLUGINS_HELP}; with --backend torch, the kernels substituted into the diffusers modules "
+                        "(auto: the torch defaults)", SPEC.plugins)
     plugin_convention: str = flag("whose plugin nodes the passes emit: ours (sdplugins, default) or TensorRT "
                                   "8.5/8.6's own Stable Diffusion plugins in libnvinfer_plugin (tensorrt), for "
                                   "comparison", ENGINE.plugin_convention, choices=CONVENTIONS)
@@ -171,29 +174,9 @@ class RefinerFlags:
 
 @dataclass(frozen=True)
 class DemoFlags:
-    backend: str = flag(lambda: f"one of {', '.join(_backends())} (default: %(default)s)", SPEC.backend)
+    backend: str = flag(f"one of {', '.join(BACKENDS)} (default: %(default)s)", SPEC.backend)
     output_dir: str = flag("where images and the report go (default: %(default)s)", "output")
     num_warmup_runs: int = flag("untimed runs before the timed one (default: %(default)s)", 1)
-
-
-# The help that names what modules importing torch define (built-in models, plugin sets, backends):
-# called when a parser is built, so that importing this module stays light.
-def _builtin_models() -> tuple[str, ...]:
-    from models.builtin import BUILTIN_MODELS
-
-    return tuple(BUILTIN_MODELS)
-
-
-def _plugins_help() -> str:
-    from models.plugin_set import PLUGINS_HELP
-
-    return PLUGINS_HELP
-
-
-def _backends() -> tuple[str, ...]:
-    from demo.backends.registry import BACKENDS
-
-    return BACKENDS
 
 
 def _value_type(annotation: str | type) -> tuple[type, bool]:

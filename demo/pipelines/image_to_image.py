@@ -11,8 +11,8 @@ import torch
 from demo.pipelines.batch import Batch
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
-from models import VAEEncoderModel
 from models.source import ModelSource
+from models.vae import VAEEncoderModel
 
 if TYPE_CHECKING:
     from demo.backends.base import Stage

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from core.errors import UsageError, at_least, field
+from core.errors import UsageError, field
 from demo.backends.base import Backend, Workload
 from demo.backends.registry import select_backend
 from demo.request import TEXT_TO_IMAGE, Request, check_image_size, check_mode, modes_of
@@ -27,18 +27,12 @@ from demo.runtime.calibrate import calibration_spec, record_unet_activations
 from demo.runtime.loaded import Pipeline
 from demo.runtime.logs import configure_library_logging
 from demo.runtime.memory import check_memory
-from demo.runtime.spec import PRECISIONS, PipelineSpec
+from demo.runtime.spec import PipelineSpec
 from demo.schedulers import check_steps, make_scheduler
-from models import (
-    STAGE_MODELS,
-    check_model_stages,
-    check_stage_names,
-    image_to_image_stages,
-    text_to_image_stages,
-)
 from models.base import StageModel
 from models.lora import LoraFile, check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
+from models.stages import STAGE_MODELS, check_model_stages, image_to_image_stages, text_to_image_stages
 
 Log = Callable[[str], None]
 REFINER_DIR = "refiner"  # the refiner's ONNX and engines, inside the base's folders (stage names are the same)
@@ -132,7 +126,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     calibration), `log` of the rest (default: nothing, or everything with spec.verbose)."""
     log = log or (print if spec.verbose else quiet)
     configure_library_logging(spec.verbose)
-    check_spec(spec)
+    spec.check()
     backend, reason = select_backend(spec.backend, runs=runs)
     if spec.loras:
         backend.check_loras(spec_options(spec, backend))
@@ -179,19 +173,6 @@ def load_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
                   progress: Log = to_stderr) -> Pipeline:
     """A ready pipeline for `spec` on `device` (default: the GPU, else the CPU): plan_pipeline(...).load()."""
     return plan_pipeline(spec, device, log=log, progress=progress).load()
-
-
-def check_spec(spec: PipelineSpec) -> None:
-    """The spec's own values, before anything is resolved or read."""
-    if spec.precision not in PRECISIONS:
-        raise UsageError(f"{field('precision')} must be one of {', '.join(PRECISIONS)}, got '{spec.precision}'")
-    at_least("batch_size", spec.batch_size, 1)
-    if spec.max_batch_size is not None:
-        at_least("max_batch_size", spec.max_batch_size, 1)
-    if spec.stages is not None:
-        check_stage_names(spec.stages)
-    if spec.stage_overrides:
-        check_stage_names([override.stage for override in spec.stage_overrides])
 
 
 def resolve_refiner(spec: PipelineSpec, source: ModelSource, modes) -> ModelSource | None:

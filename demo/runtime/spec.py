@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from demo.backends import AUTO, REFERENCE_BACKEND
+from core.errors import UsageError, at_least, field
+from demo.backends import AUTO, BACKENDS, REFERENCE_BACKEND
 from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import TorchOptions
+from demo.request import MODES
+from models import check_stage_names
 
 PRECISIONS = ("auto", "fp16", "fp32")  # auto: the backend's own (engines fp16; torch fp16 on a GPU, fp32 on a CPU)
 DEFAULT_HIGH_NOISE_FRAC = 0.8
@@ -51,6 +54,30 @@ class PipelineSpec:
     guided: bool = True  # engines for guided batches (classifier-free guidance) or unguided ones
     stage_overrides: tuple[StageOverride, ...] = ()
     verbose: bool = False  # library logs and build details
+
+    def check(self) -> None:
+        """The spec's own values, before anything is resolved, read or loaded: a UsageError naming the field (what
+        needs the model is checked when the pipeline is planned)."""
+        if self.backend not in BACKENDS:
+            raise UsageError(f"unknown backend '{self.backend}'; choose one of {', '.join(BACKENDS)}")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"{field('precision')} must be one of {', '.join(PRECISIONS)}, got '{self.precision}'")
+        at_least("batch_size", self.batch_size, 1)
+        if self.max_batch_size is not None:
+            at_least("max_batch_size", self.max_batch_size, 1)
+        unknown = [mode for mode in self.modes or () if mode not in MODES]
+        if unknown or self.modes == ():
+            raise UsageError(f"unknown mode(s) {', '.join(unknown) or '(none)'} in {field('modes')}; choose from "
+                             f"{', '.join(MODES)}")
+        if self.stages is not None:
+            check_stage_names(self.stages)
+        if self.stage_overrides:
+            check_stage_names([override.stage for override in self.stage_overrides])
+        self.engine.check(self.use_cuda_graph)
+        for override in self.stage_overrides:
+            if override.engine is not None:
+                override.engine.check(self.use_cuda_graph)
+        self.torch.check()
 
 
 def reference_spec(spec: PipelineSpec) -> PipelineSpec:

@@ -22,10 +22,10 @@ from core.artifacts import artifact_bytes, cached_build, read_manifest
 from core.atomic import atomic_write_bytes
 from core.errors import RunFailure, UsageError, field
 from demo.backends.tensorrt.flavour import TensorRTAPI, current_cc
-from models import stage_batch
 from models.base import Range, StageModel
 from models.quantize import INT8_INFIX, Int8Request
 from models.source import ModelSource
+from models.stages import stage_batch
 from plugins.contract import OURS
 from plugins.trt_plugins import load_plugin_library
 
@@ -110,12 +110,6 @@ def parse_target_ccs(text: str | None) -> tuple[tuple[int, int], ...]:
     if not ccs or any(len(cc) != 2 for cc in ccs):
         raise UsageError(f"{field('target_cc')} takes compute capabilities like 8.0,8.6,8.9; got '{text}'")
     return ccs
-
-
-def parse_tactic_sources(text: str | None) -> tuple[str, ...]:
-    """A disable_tactic_sources or enable_tactic_sources value (comma-separated TacticSource names) as sorted
-    upper-case names."""
-    return tuple(sorted({item.strip().upper() for item in (text or "").split(",") if item.strip()}))
 
 
 def engine_key(model: StageModel, onnx_key: dict, shapes: dict, options: BuildOptions, api: TensorRTAPI) -> dict:

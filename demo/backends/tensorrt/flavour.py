@@ -23,8 +23,6 @@ import re
 from dataclasses import dataclass
 from types import ModuleType
 
-import torch
-
 from core.errors import UsageError, field
 
 
@@ -74,6 +72,8 @@ def import_flavour(name: str) -> ModuleType:
 
 
 def current_cc() -> tuple[int, int] | None:
+    import torch  # loaded where a GPU is asked about: the flavours' names stay light to import
+
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 

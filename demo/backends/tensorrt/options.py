@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.errors import UsageError, at_least, field
 from plugins.contract import OURS
 
 MAX_OPTIMIZATION_LEVEL = 5
@@ -35,3 +36,30 @@ class EngineOptions:
     # False: a missing or stale engine is an error, not a build (runs of engines built elsewhere, e.g. by the
     # ablation's build jobs, must not quietly spend minutes building on the GPU they time).
     build_missing: bool = True
+
+    def check(self, use_cuda_graph: bool | None = None) -> None:
+        """The options' own values, and how they go with `use_cuda_graph` (a spec's): a UsageError naming the field,
+        before anything is resolved or loaded."""
+        if not 0 <= self.optimization_level <= MAX_OPTIMIZATION_LEVEL:
+            raise UsageError(f"{field('optimization_level')} must be 0..{MAX_OPTIMIZATION_LEVEL}, got "
+                             f"{self.optimization_level}")
+        if use_cuda_graph and self.build_dynamic_shape:
+            raise UsageError(f"{field('use_cuda_graph')} needs static shapes: drop {field('build_dynamic_shape')}")
+        if self.int8 and self.build_enable_refit:
+            raise UsageError(f"{field('int8')} engines cannot be refitted (their weights are smoothed and quantized): "
+                             f"drop {field('build_enable_refit')} (and {field('loras')})")
+        if self.calibration_prompts and not self.int8:
+            raise UsageError(f"{field('calibration_prompts')} is for {field('int8')}")
+        if self.int8:
+            at_least("calibration_steps", self.calibration_steps, 1)
+        both = sorted(set(parse_tactic_sources(self.enable_tactic_sources))
+                      & set(parse_tactic_sources(self.disable_tactic_sources)))
+        if both:
+            raise UsageError(f"tactic source {', '.join(both)} both enabled and disabled: give it to one of "
+                             f"{field('enable_tactic_sources')} and {field('disable_tactic_sources')}")
+
+
+def parse_tactic_sources(text: str | None) -> tuple[str, ...]:
+    """A disable_tactic_sources or enable_tactic_sources value (comma-separated TacticSource names) as sorted
+    upper-case names."""
+    return tuple(sorted({item.strip().upper() for item in (text or "").split(",") if item.strip()}))

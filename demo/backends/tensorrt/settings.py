@@ -8,19 +8,18 @@ from pathlib import Path
 from typing import Callable
 
 from core.atomic import check_writable_directory, check_writable_file
-from core.errors import UsageError, at_least, field
+from core.errors import UsageError, field
 from demo.backends.base import Workload
 from demo.backends.tensorrt.build import (
     BuildOptions,
     EngineSettings,
     ImageProfile,
     build_targets,
-    parse_tactic_sources,
     parse_target_ccs,
 )
 from demo.backends.tensorrt.flavour import TensorRTAPI, current_cc
 from demo.backends.tensorrt.int8 import int8_request, read_calibration_prompts
-from demo.backends.tensorrt.options import MAX_OPTIMIZATION_LEVEL, EngineOptions
+from demo.backends.tensorrt.options import EngineOptions, parse_tactic_sources
 from demo.request import Request
 from demo.schedulers import default_scheduler_name
 from models.plugin_set import parse_plugin_set
@@ -34,11 +33,7 @@ def engine_settings(options: EngineOptions, source: ModelSource, flavour: str, w
     """What engines of `flavour` need for these options and this workload (engines tuned for its batch, taking up to
     its max_batch_size too), checked before anything is exported; `record_activations` (demo.backends.tensorrt.int8)
     calibrates an INT8 UNet."""
-    if not 0 <= options.optimization_level <= MAX_OPTIMIZATION_LEVEL:
-        raise UsageError(f"{field('optimization_level')} must be 0..{MAX_OPTIMIZATION_LEVEL}, got "
-                         f"{options.optimization_level}")
-    if use_cuda_graph and options.build_dynamic_shape:
-        raise UsageError(f"{field('use_cuda_graph')} needs static shapes: drop {field('build_dynamic_shape')}")
+    options.check(use_cuda_graph)
     static_batch = options.build_static_batch or use_cuda_graph  # graphs replay one shape: exactly this batch
     batch_size = workload.batch_size
     max_batch = workload.max_batch_size or batch_size
@@ -60,20 +55,11 @@ def engine_settings(options: EngineOptions, source: ModelSource, flavour: str, w
             print(f"note: --timing-cache {timing_cache} is not used without a GPU (it is neither read nor written)",
                   file=sys.stderr)
             timing_cache = None
-    if options.int8 and options.build_enable_refit:
-        raise UsageError(f"{field('int8')} engines cannot be refitted (their weights are smoothed and quantized): drop "
-                         f"{field('build_enable_refit')} (and {field('loras')})")
-    if options.calibration_prompts and not options.int8:
-        raise UsageError(f"{field('calibration_prompts')} is for {field('int8')}")
     if options.build_enable_refit and flavour == "tensorrt-rtx" and current_cc() is None:
         # tensorrt-rtx 1.7 compiles a refittable engine's kernels while building it, which needs a GPU
         raise UsageError(f"{field('build_enable_refit')}: TensorRT for RTX builds refittable engines on a GPU only")
     enabled = parse_tactic_sources(options.enable_tactic_sources)
     disabled = parse_tactic_sources(options.disable_tactic_sources)
-    both = sorted(set(enabled) & set(disabled))
-    if both:
-        raise UsageError(f"tactic source {', '.join(both)} both enabled and disabled: give it to one of "
-                         f"{field('enable_tactic_sources')} and {field('disable_tactic_sources')}")
     build = BuildOptions(flavour, options.optimization_level, timing_cache, parse_target_ccs(options.target_cc),
                          disabled_tactic_sources=disabled, enabled_tactic_sources=enabled,
                          refit=options.build_enable_refit)
@@ -98,7 +84,6 @@ def int8_settings(options: EngineOptions, source: ModelSource, workload: Workloa
     an fp16 one, serves any steps, scheduler and guidance without a rebuild."""
     if not options.int8:
         return None
-    at_least("calibration_steps", options.calibration_steps, 1)
     return int8_request(source, read_calibration_prompts(options.calibration_prompts), options.calibration_steps,
                         default_scheduler_name(source), Request.guidance_scale, workload.height, workload.width,
                         Path(options.onnx_dir), record_activations)

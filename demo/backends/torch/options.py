@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.errors import UsageError, field
 from demo.backends import AUTO
 
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
@@ -18,3 +19,9 @@ class TorchOptions:
 
     channels_last: bool | None = None
     compile: str = AUTO  # or one of COMPILE_MODES
+
+    def check(self) -> None:
+        """The options' own values: a UsageError naming the field."""
+        if self.compile != AUTO and self.compile not in COMPILE_MODES:
+            raise UsageError(f"unknown {field('compile')} mode '{self.compile}'; choose auto or one of "
+                             f"{', '.join(COMPILE_MODES)}")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UsageError, field
-from demo.backends.torch.options import COMPILE_MODES, GRAPHING_COMPILE_MODES
+from demo.backends.torch.options import COMPILE_MODES, GRAPHING_COMPILE_MODES, TorchOptions
 from models.plugin_set import local_compute_capability, parse_plugin_set
 from plugins import torch_ops
 from plugins.tuned import TORCH_DEFAULTS, TUNED_DEFAULTS_FILE, find_entry
@@ -71,9 +71,7 @@ def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = N
     `auto` plugins the table names but that cannot run here are left out (a default never fails); asked
     for explicitly, they are a UsageError, as are combinations that cannot work on `device`."""
     device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if compile_mode != "auto" and compile_mode not in COMPILE_MODES:
-        raise UsageError(f"unknown {field('compile')} mode '{compile_mode}'; choose auto or one of "
-                         f"{', '.join(COMPILE_MODES)}")
+    TorchOptions(channels_last, compile_mode).check()
     capability = local_compute_capability() if device.type == "cuda" else None
     key, entry = defaults_entry(capability, table, xl) or (None, None)
     base = TorchSettings(tuple(sorted(entry["plugins"])), entry["channels_last"], entry["cuda_graph"],

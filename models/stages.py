@@ -1,0 +1,46 @@
+"""The stage registry: each stage's model class by its name, and which stages a model and a mode run."""
+
+from core.errors import UsageError
+from models import CLIP, CLIP2, UNET, VAE, VAE_ENCODER
+from models.base import StageModel
+from models.clip import CLIP2Model, CLIPModel
+from models.unet import UNetModel
+from models.vae import VAEDecoderModel, VAEEncoderModel
+
+STAGE_MODELS: dict[str, type[StageModel]] = {
+    cls.name: cls for cls in (CLIPModel, CLIP2Model, UNetModel, VAEDecoderModel, VAEEncoderModel)
+}
+# The stages text-to-image runs, in order (SD 1.x/2.x; SDXL adds its second text encoder).
+TEXT_TO_IMAGE_STAGES = (CLIP, UNET, VAE)
+XL_TEXT_TO_IMAGE_STAGES = (CLIP, CLIP2, UNET, VAE)
+# Under classifier-free guidance these run the unconditional and conditional halves in one batch.
+GUIDED_STAGES = (CLIP, CLIP2, UNET)
+# These see one image whatever the batch: the input image (and inpainting's masked one) is encoded once and its
+# latents repeated, as diffusers does with one image for several prompts.
+SINGLE_IMAGE_STAGES = (VAE_ENCODER,)
+
+
+def text_to_image_stages(source) -> tuple[str, ...]:
+    """The stages text-to-image runs for this model (an SDXL refiner has no first text encoder)."""
+    stages = XL_TEXT_TO_IMAGE_STAGES if source.is_xl else TEXT_TO_IMAGE_STAGES
+    return tuple(name for name in stages if STAGE_MODELS[name].component in source.components)
+
+
+def image_to_image_stages(source) -> tuple[str, ...]:
+    """The stages image-to-image and inpainting run: text-to-image's and the VAE encoder (input image to latents)."""
+    return (*text_to_image_stages(source), VAEEncoderModel.name)
+
+
+def stage_batch(stage: str, images: int, guided: bool) -> int:
+    """The batch `stage` sees for `images` images."""
+    if stage in SINGLE_IMAGE_STAGES:
+        return 1
+    return images * 2 if guided and stage in GUIDED_STAGES else images
+
+
+def check_model_stages(source, names) -> None:
+    """A UsageError for a stage whose component the model has not."""
+    for name in names:
+        component = STAGE_MODELS[name].component
+        if component not in source.components:
+            raise UsageError(f"stage {name} needs component '{component}', which model '{source.name}' does not have")
