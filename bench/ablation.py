@@ -25,25 +25,17 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import torch
-from PIL import Image
-
 from bench.charts import ablation_chart, kernel_chart
-from bench.common import ResultsFlags, log, measuring_parser, slug
-from bench.jobs import ALL, ATTENTION, BUILT_STAGES, BuildPlan, build_all, config_jobs, export_and_probe
-from bench.runner import compare_images, run_config
-from bench.tables import ablation_table, kernel_table
+from bench.common import ALL, ResultsFlags, log, measuring_parser, slug
 from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
 from core.errors import UsageError, at_least
-from demo.backends.registry import backend_named
 from demo.backends.tensorrt.options import MAX_OPTIMIZATION_LEVEL
 from demo.cli.command import run_command
-from demo.cli.flags import EngineFlags, ModelFlags, flag, parse_flags, same_as
+from demo.cli.flags import EngineFlags, ModelFlags, flag, parse_flags, same_as, summary
 from demo.cli.to_spec import request_from_flags, spec_from_flags
 from demo.request import TEXT_TO_IMAGE
-from demo.runtime.loader import plan_pipeline, quiet
-from demo.runtime.spec import reference_spec
 from models.plugin_set import local_compute_capability
+from plugins.contract import ATTENTION_KEYS as ATTENTION
 from plugins.contract import OURS, TENSORRT
 from plugins.tuned import PLUGINS_AUTO, entry_key, write_entry
 
@@ -96,11 +88,20 @@ class AblationFlags:
 
 
 def build_parser():
-    return measuring_parser(PROG, __doc__.splitlines()[0], AblationFlags)
+    return measuring_parser(PROG, summary(__doc__), AblationFlags)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(PROG, lambda: ablate(parse_flags(build_parser(), argv)))
+    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv)))
+
+
+def run(flags) -> int:
+    ablation = flags[AblationFlags]
+    configs = select_configs(ablation.configs)
+    check_flags(ablation, flags[ResultsFlags])
+    spec_from_flags(flags).check()
+    request_from_flags(flags).check_inputs()
+    return ablate(flags, configs)
 
 
 def select_configs(text: str | None) -> list[tuple[str, tuple[str, ...], str]]:
@@ -144,9 +145,7 @@ def check_flags(ablation: AblationFlags, output: ResultsFlags) -> None:
     """What can be checked before the model is resolved (which may generate a built-in one)."""
     at_least("runs", ablation.runs, 1)
     at_least("parallel_builds", ablation.parallel_builds, 1)
-    if not 1 <= ablation.build_gpus <= max(torch.cuda.device_count(), 1):
-        raise UsageError(f"--build-gpus must be 1 to the {torch.cuda.device_count()} GPUs here, "
-                         f"got {ablation.build_gpus}")
+    at_least("build_gpus", ablation.build_gpus, 1)  # at most the GPUs here: checked where torch counts them
     if ablation.build_budget_s is not None and ablation.build_budget_s <= 0:
         raise UsageError(f"--build-budget-s must be positive, got {ablation.build_budget_s}")
     if not 0 <= ablation.optimization_level <= MAX_OPTIMIZATION_LEVEL:
@@ -158,10 +157,21 @@ def check_flags(ablation: AblationFlags, output: ResultsFlags) -> None:
         check_writable_file("tuned-defaults file", output.defaults_path)
 
 
-def ablate(flags) -> int:
+def ablate(flags, configs: list[tuple[str, tuple[str, ...], str]]) -> int:
+    # The builds and runs load torch (seconds): --help and the usage errors (run) answer without it.
+    import torch
+    from PIL import Image
+
+    from bench.jobs import BUILT_STAGES, BuildPlan, build_all, config_jobs, export_and_probe
+    from bench.runner import compare_images, run_config
+    from demo.backends.registry import backend_named
+    from demo.runtime.loader import plan_pipeline, quiet
+    from demo.runtime.spec import reference_spec
+
     ablation, output, model = flags[AblationFlags], flags[ResultsFlags], flags[ModelFlags]
-    configs = select_configs(ablation.configs)
-    check_flags(ablation, output)
+    if ablation.build_gpus > max(torch.cuda.device_count(), 1):
+        raise UsageError(f"--build-gpus must be 1 to the {torch.cuda.device_count()} GPUs here, "
+                         f"got {ablation.build_gpus}")
     # The request every configuration runs, resolved and checked against the model.
     reference = plan_pipeline(reference_spec(spec_from_flags(flags, modes=(TEXT_TO_IMAGE,))),
                               request=request_from_flags(flags), log=quiet)
@@ -215,6 +225,8 @@ def ablate(flags) -> int:
 
 def write_results(results: Path, rows: list[dict], failed: dict, meta: dict) -> Path:
     """The ablation's JSON, markdown table and charts in `results`; the table is printed too."""
+    from bench.tables import ablation_table, kernel_table
+
     gpu, trt_version = meta["gpu"], meta["tensorrt"]
     name = f"ablation-{slug(gpu)}"
     comparisons = kernel_comparisons(rows)

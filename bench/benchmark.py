@@ -22,8 +22,8 @@ fastest torch-backend combination measured at the first workload as this compute
 Engines: plugin-free engines for the first workload live in --onnx-dir / --engine-dir (so engines that
 build-engines built with the same flags are reused); with all plugins in <dir>-plugins, with some (tensorrt-auto)
 in <dir>-plugins-<keys>, other workloads in <dir>[-plugins...]-<W>x<H>-b<batch>. Build them ahead with
-build-engines (--build-static-batch and the same --disable-tactic-sources and --optimization-level) when a build
-would not fit a session, or run those sd-ablation built (--engines-from-ablation).
+build-engines (--build-static-batch and the same --disable-tactic-sources and --optimization-level) to keep
+long builds out of the measuring, or run those sd-ablation built (--engines-from-ablation).
 """
 
 from __future__ import annotations
@@ -35,36 +35,26 @@ import traceback
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.charts import gpu_chart
-from bench.common import ResultsFlags, log, measuring_parser, one_line, slug
-from bench.contenders import DEFAULT_CONTENDERS, EAGER, resolve_here, select_contenders
+from bench.common import KINDS, ResultsFlags, log, measuring_parser, one_line, slug
+from bench.contenders import DEFAULT_CONTENDERS, EAGER, Contender, resolve_here, select_contenders
 from bench.gpu_report import merge, read_report
-from bench.runner import (
-    Setup,
-    Workload,
-    compare_images,
-    free_memory,
-    load_image,
-    run_contender,
-    save_image,
-    why_skip,
-)
-from bench.tables import KINDS, benchmark_table
 from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
 from core.errors import UsageError, at_least
-from demo.backends.registry import backend_named
+from demo.backends import TORCH
 from demo.backends.tensorrt.options import MAX_OPTIMIZATION_LEVEL
-from demo.backends.torch.backend import TorchBackend
 from demo.cli.command import run_command
-from demo.cli.flags import EngineFlags, ModelFlags, add_flags, changed, flag, option_name, parse_flags
+from demo.cli.flags import EngineFlags, ModelFlags, add_flags, changed, flag, option_name, parse_flags, summary
 from demo.cli.to_spec import request_from_flags, spec_from_flags
-from demo.request import TEXT_TO_IMAGE, Request, check_image_size
-from demo.runtime.loader import plan_pipeline, quiet
-from demo.runtime.report import device_name, library_versions, precision_name
-from demo.runtime.spec import reference_spec
+from demo.request import TEXT_TO_IMAGE, check_image_size
 from models.plugin_set import local_compute_capability
 from plugins.tuned import TORCH_DEFAULTS, entry_key, write_entry
+
+if TYPE_CHECKING:
+    from bench.runner import Setup, Workload
+    from demo.request import Request
 
 PROG = "sd-benchmark"
 say = partial(log, PROG)
@@ -88,7 +78,7 @@ class BenchmarkFlags:
 
 
 def build_parser():
-    p = measuring_parser(PROG, __doc__.splitlines()[0], BenchmarkFlags)
+    p = measuring_parser(PROG, summary(__doc__), BenchmarkFlags)
     add_flags(p, EngineFlags, "engines (as build-engines takes them)",
               description=", ".join(option_name(item) for item in fields(EngineFlags) if item.name in PER_CONTENDER)
               + ": set per contender")
@@ -96,7 +86,16 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(PROG, lambda: benchmark(parse_flags(build_parser(), argv)))
+    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv)))
+
+
+def run(flags) -> int:
+    bench = flags[BenchmarkFlags]
+    chosen = select_contenders(bench.contenders)
+    check_flags(bench, flags[ResultsFlags], flags[EngineFlags])
+    spec_from_flags(flags).check()
+    request_from_flags(flags).check_inputs()
+    return benchmark(flags, chosen)
 
 
 def check_flags(bench: BenchmarkFlags, output: ResultsFlags, engine: EngineFlags) -> None:
@@ -118,6 +117,7 @@ def check_flags(bench: BenchmarkFlags, output: ResultsFlags, engine: EngineFlags
 
 def workloads_of(request: Request, extra_shapes: bool, source) -> list[Workload]:
     """The resolved request's size and batch, then (--extra-shapes) 1.5x the size, and batch 4."""
+    from bench.runner import Workload
     workloads = [Workload(request.height, request.width, request.batch_size)]
     if extra_shapes:
         workloads += [Workload(request.height * 3 // 2 // 8 * 8, request.width * 3 // 2 // 8 * 8, 1),
@@ -163,6 +163,8 @@ class Results:
         self.write()
 
     def write(self) -> None:
+        from bench.tables import benchmark_table
+
         data = dict(self.data)
         if not data["rows"]:
             del data["rows"]  # report-gpus takes a file without rows for no report and skips it
@@ -179,7 +181,7 @@ class Results:
 def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, key: str, json_path: Path) -> None:
     """Record the fastest torch-backend combination measured at `workload_name` as the torch defaults under `key`
     (plugins.tuned.entry_key: this compute capability, SDXL's apart) in the tuned-defaults file `path`."""
-    rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == TorchBackend.name]
+    rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == TORCH]
     if not rows:
         say(f"no torch-backend row at {workload_name}: the torch defaults are left as they are")
         return
@@ -194,6 +196,8 @@ def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, key:
 
 def measure(setup: Setup, results: Results, contender, workload: Workload, first: Workload, images_dir: Path) -> None:
     """One contender at one workload, recorded as a row, a skip or a failure."""
+    from bench.runner import compare_images, free_memory, load_image, run_contender, save_image, why_skip
+    from demo.runtime.report import precision_name
     source, request = setup.source, setup.request
     name = workload.title(source.name, request.denoising_steps)
     entry = {"label": contender.label, "workload": name, "what": contender.what}
@@ -232,10 +236,16 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
         f"{row['unet_ms_per_call']:.2f} ms/step, PSNR vs eager {psnr if psnr is not None else '—'}")
 
 
-def benchmark(flags) -> int:
+def benchmark(flags, chosen: list[Contender]) -> int:
+    # The measuring loads torch (seconds): --help and the usage errors (run) answer without it.
+    from bench.runner import Setup
+    from bench.tables import benchmark_table
+    from demo.backends.registry import backend_named
+    from demo.runtime.loader import plan_pipeline, quiet
+    from demo.runtime.report import device_name, library_versions
+    from demo.runtime.spec import reference_spec
+
     bench, output, engine = flags[BenchmarkFlags], flags[ResultsFlags], flags[EngineFlags]
-    chosen = select_contenders(bench.contenders)
-    check_flags(bench, output, engine)
     # The contenders' shared request, resolved and checked against the model on the reference backend.
     reference = plan_pipeline(reference_spec(spec_from_flags(flags, modes=(TEXT_TO_IMAGE,))),
                               request=request_from_flags(flags), log=quiet)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 
-from bench.common import workload_title
-
 BAR_HEIGHT = 0.6
 STAGE_COLOURS = {"CLIP": "#4c72b0", "UNet": "#dd8452", "VAE": "#55a868", "rest of pipeline": "#c0c0c0"}
 
@@ -22,16 +20,16 @@ def _short_ms(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
-def gpu_chart(groups: dict[tuple, list]) -> bytes:
-    """Stacked horizontal bars (CLIP, UNet, VAE, the rest) of pipeline ms; one panel per workload.
-    `groups`: bench.gpu_report.merge's rows by workload."""
+def gpu_chart(groups: dict[str, list]) -> bytes:
+    """Stacked horizontal bars (CLIP, UNet, VAE, the rest) of pipeline ms; one panel per configuration.
+    `groups`: bench.gpu_report.merge's rows under each configuration's title."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     heights = [len(rows) + 1.5 for rows in groups.values()]
     figure = Figure(figsize=(11, 0.42 * sum(heights) + 1.2), dpi=100, layout="constrained")
     axes = figure.subplots(len(groups), 1, squeeze=False, height_ratios=heights)[:, 0]
-    for ax, (workload, rows) in zip(axes, groups.items()):
+    for ax, (title, rows) in zip(axes, groups.items()):
         for y, r in enumerate(rows):
             style = {"hatch": "///", "alpha": 0.45, "edgecolor": "black"} if r.published else {"edgecolor": "white"}
             if r.stages_known:
@@ -54,7 +52,7 @@ def gpu_chart(groups: dict[tuple, list]) -> bytes:
                 tick.set_color("dimgray")
         ax.set_ylim(len(rows) - 0.4, -0.6)  # fastest on top, and a lone row keeps a bar's height
         ax.set_xlim(0, max(r.pipeline_ms for r in rows) * 1.3)
-        ax.set_title(workload_title(*workload), fontsize=10, loc="left")
+        ax.set_title(title, fontsize=10, loc="left")
         ax.set_xlabel("pipeline ms (CLIP + UNet + VAE + the rest)", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     legend = [Patch(color=colour, label=name) for name, colour in STAGE_COLOURS.items()]

@@ -8,9 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from demo.cli.flags import ModelFlags, Parser, RequestFlags, add_flags, flag
+from plugins.contract import ATTENTION_KEYS
 from plugins.tuned import TUNED_DEFAULTS_FILE
 
 STAGES = ("clip", "unet", "vae", "pipeline")
+# A benchmark results file's lists: measured rows, then entries with a reason why there is no row.
+KINDS = ("rows", "skipped", "failed", "discarded")
+# The plugin families in demoDiffusion 8.5's order, the order the ablation adds them in.
+ALL = ATTENTION_KEYS + ("LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial")
 
 
 @dataclass(frozen=True)

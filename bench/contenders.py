@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.errors import UsageError
-from demo.backends.torch.options import TorchOptions
-from demo.backends.torch.settings import TorchSettings, resolve_torch_settings
+from demo.backends.torch.options import TorchOptions, TorchSettings
 from models.plugin_set import parse_plugin_set
 from plugins.contract import ATTENTION_KEYS, PLUGIN_KEYS
 
@@ -123,6 +122,8 @@ def resolve_here(contender: Contender, device, xl: bool = False) -> Contender:
         return replace(contender, plugins=plugins, what=f"{contender.what}: {', '.join(plugins) or 'none'}")
     if contender.label != DEFAULTS:
         return contender
+    from demo.backends.torch.settings import resolve_torch_settings  # torch: not needed for --help
+
     try:
         settings, source = resolve_torch_settings(device=device, xl=xl)
     except UsageError as exc:

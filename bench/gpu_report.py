@@ -4,22 +4,26 @@
         --out-md gpus.md --out-png gpus.png --out-json gpus.json
 
 Each input is a JSON file, or a directory whose *.json files are read (there, JSON files that are no
-latency report, such as plugin benchmarks, are skipped with a note). A file holds either
+latency report, such as the ablation's or the plugin benchmarks', are skipped, one line each on stderr;
+named on its own, such a file is an error). A file holds either
 
 - a demo-diffusion report (the JSON written beside the images), or
 - rows: {"rows": [{"device": "NVIDIA H200", "label": "diffusers + compile", "model": "sd1.5-arch",
-  "height": 512, "width": 512, "batch_size": 1, "steps": 50,
+  "height": 512, "width": 512, "batch_size": 1, "steps": 50, "scheduler": "DDIM",
   "latency_ms": {"clip": 1.9, "unet": 370.2, "vae": 5.8, "pipeline": 380.4}}, ...]}
-  with optional "precision", "unet_calls" (default: steps), "source" (default: the file's path) and
+  with optional "precision", "scheduler" (default: the file's own "scheduler", as sd-benchmark writes
+  it; else not recorded), "unet_calls" (default: steps), "source" (default: the file's path) and
   "published" (default: false). "backend" may stand in for "label". A stage time of null is unknown;
   pipeline must be known.
 
 --out-json writes the merged rows in that rows shape, so merges can be merged again (rows that
-differ only in their source are shown once). Rows are compared only within one workload: the same
-model, image size, batch size and steps; each workload gets its own table and chart panel, fastest
-first. The TensorRT 8.5 + plugins figures NVIDIA published for demoDiffusion are added as reference
-rows unless --no-published. The table is always printed; --out-md, --out-png and --out-json also
-write it, the chart and the merged rows (atomically, and only once every input has been read).
+differ only in their source are shown once, and a row whose scheduler was not recorded is dropped
+where the same measurement comes with its scheduler). Rows are compared only within one
+configuration: the same model, scheduler, image size, batch size and steps; each gets its own table
+and chart panel, fastest first. The TensorRT 8.5 + plugins figures NVIDIA published for demoDiffusion
+are reference rows, shown beside measured rows of their configuration only, unless --no-published.
+The table is always printed; --out-md, --out-png and --out-json also write it, the chart and the
+merged rows (atomically, and only once every input has been read).
 """
 
 from __future__ import annotations
@@ -35,13 +39,17 @@ from bench.common import STAGES, ms, workload_title
 from core.atomic import atomic_write_bytes
 from core.errors import UsageError
 from demo.cli.command import run_command
-from demo.cli.flags import Parser, add_flags, flag, parse_flags
+from demo.cli.flags import Parser, add_flags, flag, parse_flags, summary
 
 PROG = "report-gpus"
 PUBLISHED_SOURCE = "published"
+PUBLISHED_SCHEDULER = "LMSD"  # the default of NVIDIA's TensorRT 8.5 demo-diffusion.py, which the figures came from
 PUBLISHED_NOTE = ("† Published by NVIDIA for demoDiffusion with TensorRT 8.5 and its plugins (fp16, 512x512, "
-                  "batch 1, 50 steps, UNet x 50; an SD 1.x model, taken here as the sd1.5-arch architecture); "
-                  "not measured here. — : not published.")
+                  f"batch 1, 50 steps of {PUBLISHED_SCHEDULER}, that demo's default scheduler, UNet x 50; an SD 1.x "
+                  "model, taken here as the sd1.5-arch architecture); not measured here. — : not published.")
+NOT_RECORDED = "scheduler not recorded"
+# What makes a row of a rows file a latency measurement (an ablation's rows, say, name no device).
+LATENCY_ROW_KEYS = frozenset({"device", "latency_ms"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class Row:
     width: int
     batch_size: int
     steps: int
+    scheduler: str | None  # None: not recorded
     unet_calls: int
     clip_ms: float | None
     unet_ms: float | None
@@ -63,16 +72,30 @@ class Row:
     published: bool = False
 
     @property
-    def workload(self) -> tuple:
-        return self.model, self.height, self.width, self.batch_size, self.steps
+    def configuration(self) -> tuple:
+        """What a table and a chart panel hold rows of: rows are compared only with those of the same workload run by
+        the same scheduler."""
+        return self.model, self.scheduler or NOT_RECORDED, self.height, self.width, self.batch_size, self.steps
+
+    @property
+    def title(self) -> str:
+        """Its configuration's table and chart panel title: the workload (bench.common.workload_title) and the
+        scheduler after the model."""
+        return workload_title(f"{self.model}, {self.scheduler or NOT_RECORDED}", self.height, self.width,
+                              self.batch_size, self.steps)
 
     @property
     def stages_known(self) -> bool:
         return None not in (self.clip_ms, self.unet_ms, self.vae_ms)
 
+    def measurement(self) -> tuple:
+        """Everything but the source and the scheduler: a row read without its scheduler is the same measurement as
+        one read with it where all of this matches."""
+        return tuple(value for name, value in asdict(self).items() if name not in ("source", "scheduler"))
+
     def identity(self) -> tuple:
         """Everything but the source: the same measurement read from two files is one row."""
-        return tuple(value for name, value in asdict(self).items() if name != "source")
+        return self.scheduler, self.measurement()
 
     def as_json(self) -> dict:
         data = {name: value for name, value in asdict(self).items() if not name.endswith("_ms")}
@@ -81,8 +104,8 @@ class Row:
 
 
 def _published(device: str, clip, unet, vae, pipeline) -> Row:
-    return Row(device, "TensorRT 8.5 + plugins", "fp16", "sd1.5-arch", 512, 512, 1, 50, 50, clip, unet, vae,
-               pipeline, PUBLISHED_SOURCE, published=True)
+    return Row(device, "TensorRT 8.5 + plugins", "fp16", "sd1.5-arch", 512, 512, 1, 50, PUBLISHED_SCHEDULER, 50, clip,
+               unet, vae, pipeline, PUBLISHED_SOURCE, published=True)
 
 
 PUBLISHED_ROWS = (
@@ -95,7 +118,7 @@ PUBLISHED_ROWS = (
 
 
 class NotAReport(UsageError):
-    """Valid JSON that is neither a demo_diffusion report nor rows (skipped inside directories)."""
+    """Valid JSON that is neither a demo-diffusion report nor latency rows (skipped inside directories)."""
 
 
 def _text(record: dict, key: str, where: str) -> str:
@@ -110,6 +133,11 @@ def _count(record: dict, key: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(f"{where}: '{key}' must be a positive integer, got {value!r}")
     return value
+
+
+def _scheduler(record: dict, where: str, default: str | None) -> str | None:
+    """The record's scheduler, else `default` (None: not recorded)."""
+    return default if record.get("scheduler") is None else _text(record, "scheduler", where)
 
 
 def _latency(record: dict, where: str) -> dict[str, float | None]:
@@ -129,21 +157,21 @@ def _latency(record: dict, where: str) -> dict[str, float | None]:
     return {stage: latency[stage] for stage in STAGES}
 
 
-def _row(record: dict, where: str, label: str, precision: str, unet_calls: int, source: str,
+def _row(record: dict, where: str, label: str, precision: str, scheduler: str | None, unet_calls: int, source: str,
          published: bool) -> Row:
     latency = _latency(record, where)
     return Row(_text(record, "device", where), label, precision, _text(record, "model", where),
                _count(record, "height", where), _count(record, "width", where), _count(record, "batch_size", where),
-               _count(record, "steps", where), unet_calls, latency["clip"], latency["unet"], latency["vae"],
+               _count(record, "steps", where), scheduler, unet_calls, latency["clip"], latency["unet"], latency["vae"],
                latency["pipeline"], source, published)
 
 
 def _demo_report_row(report: dict, shown: str) -> Row:
     return _row(report, shown, _text(report, "backend", shown), _text(report, "precision", shown),
-                _count(report, "unet_calls", shown), shown, published=False)
+                _scheduler(report, shown, None), _count(report, "unet_calls", shown), shown, published=False)
 
 
-def _table_row(record, where: str, shown: str) -> Row:
+def _table_row(record, where: str, shown: str, file_scheduler: str | None) -> Row:
     if not isinstance(record, dict):
         raise UsageError(f"{where}: a row must be an object, got {type(record).__name__}")
     label_key = "backend" if "label" not in record and "backend" in record else "label"
@@ -155,7 +183,8 @@ def _table_row(record, where: str, shown: str) -> Row:
     if not isinstance(published, bool):
         raise UsageError(f"{where}: 'published' must be true or false, got {published!r}")
     source = _text(record, "source", where) if "source" in record else shown
-    return _row(record, where, _text(record, label_key, where), precision, unet_calls, source, published)
+    return _row(record, where, _text(record, label_key, where), precision, _scheduler(record, where, file_scheduler),
+                unet_calls, source, published)
 
 
 def read_report(path: Path, shown: str) -> list[Row]:
@@ -166,13 +195,14 @@ def read_report(path: Path, shown: str) -> list[Row]:
         raise UsageError(f"{shown}: cannot read: {exc.strerror}") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{shown}: not JSON ({exc})") from exc
-    if isinstance(data, dict) and "rows" in data:
-        if not isinstance(data["rows"], list) or not data["rows"]:
-            raise UsageError(f"{shown}: 'rows' must be a non-empty list")
-        return [_table_row(record, f"{shown}: row {i}", shown) for i, record in enumerate(data["rows"], 1)]
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if isinstance(rows, list) and any(isinstance(row, dict) and LATENCY_ROW_KEYS <= row.keys() for row in rows):
+        scheduler = _scheduler(data, shown, None)
+        return [_table_row(record, f"{shown}: row {i}", shown, scheduler) for i, record in enumerate(rows, 1)]
     if isinstance(data, dict) and "latency_ms" in data:
         return [_demo_report_row(data, shown)]
-    raise NotAReport(f"{shown}: not a latency report (neither a demo_diffusion report nor {{\"rows\": [...]}})")
+    raise NotAReport(f"{shown}: not a latency report (neither a demo-diffusion report nor rows with "
+                     f"{' and '.join(sorted(LATENCY_ROW_KEYS))})")
 
 
 def read_inputs(inputs: list[str]) -> list[Row]:
@@ -205,24 +235,31 @@ def read_inputs(inputs: list[str]) -> list[Row]:
     return rows
 
 
-def merge(rows: list[Row], with_published: bool) -> dict[tuple, list[Row]]:
-    """Rows by workload (sorted), each workload fastest first; duplicates shown once."""
+def merge(rows: list[Row], with_published: bool) -> dict[str, list[Row]]:
+    """Rows by configuration (in Row.configuration's order), under its title, each fastest first; duplicates shown
+    once. Published rows
+    (none unless `with_published`) only beside a measured row of their configuration, which they are a reference
+    for: alone they would compare nothing."""
     unique: dict[tuple, Row] = {}
     for row in [*rows, *(PUBLISHED_ROWS if with_published else ())]:
-        unique.setdefault(row.identity(), row)
-    by_workload: dict[tuple, list[Row]] = {}
+        if with_published or not row.published:
+            unique.setdefault(row.identity(), row)
+    recorded = {row.measurement() for row in unique.values() if row.scheduler is not None}
+    by_configuration: dict[tuple, list[Row]] = {}
     for row in unique.values():
-        by_workload.setdefault(row.workload, []).append(row)
-    return {workload: sorted(group, key=lambda r: (r.pipeline_ms, r.device, r.label))
-            for workload, group in sorted(by_workload.items())}
+        if row.scheduler is not None or row.measurement() not in recorded:
+            by_configuration.setdefault(row.configuration, []).append(row)
+    return {group[0].title: sorted(group, key=lambda r: (r.pipeline_ms, r.device, r.label))
+            for _, group in sorted(by_configuration.items())
+            if not all(row.published for row in group)}
 
 
-def markdown(groups: dict[tuple, list[Row]]) -> str:
+def markdown(groups: dict[str, list[Row]]) -> str:
     header = ("| GPU | Backend | Precision | CLIP ms | UNet ms | UNet calls | ms / UNet call | VAE ms | Pipeline ms "
               "| Source |\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     parts = []
-    for workload, rows in groups.items():
-        lines = [f"**{workload_title(*workload)}**", "", header]
+    for title, rows in groups.items():
+        lines = [f"**{title}**", "", header]
         for r in rows:
             per_call = None if r.unet_ms is None else r.unet_ms / r.unet_calls
             source = f"{PUBLISHED_SOURCE} †" if r.published else r.source
@@ -247,17 +284,19 @@ class ReportFlags:
     out_md: str | None = flag("write the markdown table here", metavar="FILE")
     out_png: str | None = flag("write the chart here", metavar="FILE")
     out_json: str | None = flag("write the merged rows here (the rows shape, readable as input)", metavar="FILE")
-    no_published: bool = flag("leave out NVIDIA's published TensorRT 8.5 reference rows", False)
+    no_published: bool = flag("leave out NVIDIA's published TensorRT 8.5 reference rows (the inputs' too)", False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ReportFlags, required=("inputs",))
     return run_command(PROG, lambda: report(parse_flags(p, argv)[ReportFlags]))
 
 
 def report(flags: ReportFlags) -> int:
     groups = merge(read_inputs(list(flags.inputs)), with_published=not flags.no_published)
+    if not groups:
+        raise UsageError("no measured row among the inputs: published rows are shown only beside one")
     table = markdown(groups)
     # Everything is rendered before anything is written: bad input leaves no output file.
     outputs = []

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 import demo
-from bench.common import slug
+from bench.common import ALL, slug
 from core.errors import UsageError
 from demo.backends.registry import backend_named
 from demo.backends.tensorrt.options import EngineOptions
@@ -30,10 +30,8 @@ from demo.request import TEXT_TO_IMAGE
 from demo.runtime.spec import PipelineSpec, StageOverride
 from models.plugin_passes import read_pass_report
 from models.stages import STAGE_MODELS
-from plugins.contract import ATTENTION_KEYS as ATTENTION
 from plugins.contract import OURS
 
-ALL = ATTENTION + ("LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial")  # demoDiffusion 8.5's order
 BUILT_STAGES = ("unet", "clip", "vae")
 PROBED_STAGES = ("clip", "vae")  # the UNet is taken to have every family (its pass report is checked anyway)
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from demo.cli.command import run_command
-from demo.cli.flags import Parser, add_flags, flag, parse_flags
+from demo.cli.flags import Parser, add_flags, flag, parse_flags, summary
 from plugins import torch_ops as ops
 from plugins.contract import ATTENTION_PATH_ENV
 
@@ -260,7 +260,7 @@ class KernelFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="bench_plugins", description=__doc__.splitlines()[0])
+    parser = Parser(prog="bench_plugins", description=summary(__doc__))
     add_flags(parser, KernelFlags)
     return run_command("bench_plugins", lambda: bench(parse_flags(parser, argv)[KernelFlags]))
 

@@ -5,7 +5,8 @@
 
 It talks to the one address given (default 127.0.0.1:8000) and to nothing else. Reports throughput, latency
 percentiles (p50/p95/p99, from sending a request to its image), errors and the batch sizes the server ran them in;
-writes <results-dir>/loadtest-<name>.json and, with matplotlib (the bench extra), loadtest-<name>.png.
+writes <results-dir>/loadtest-<name>.json and, with matplotlib (the bench extra), loadtest-<name>.png; by default
+into loadtest/ in the current directory, never into the curated results/ unless that is named.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class LoadFlags:
     denoising_steps: int = same_as(RequestFlags, "denoising_steps")
     guidance_scale: float = same_as(RequestFlags, "guidance_scale")
     seed: int = flag("request i gets seed SEED + i (default: %(default)s)", 0)
-    results_dir: str = flag("where the JSON and the chart go (default: %(default)s)", "results")
+    # Not results/: that is the curated archive, which a run adds to only when asked to.
+    results_dir: str = flag("where the JSON and the chart go (default: %(default)s, in the current directory)",
+                            "loadtest")
     name: str | None = flag("the files' name: loadtest-NAME.json, .png (default: the date and time)", metavar="NAME")
 
 

@@ -36,6 +36,7 @@ from demo.cli.flags import (
     flag,
     parse_flags,
     same_as,
+    summary,
 )
 from demo.cli.to_spec import spec_from_flags
 
@@ -141,7 +142,7 @@ class ProfileFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ModelFlags, model="sd1.5-arch")
     add_flags(p, ProfileFlags)
     add_flags(p, TorchFlags, "PyTorch backend")

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from bench.common import ms, workload_title
+from bench.common import ALL, KINDS, ms, workload_title
 from bench.contenders import EAGER
-from bench.jobs import ALL
 from bench.runner import PROFILED_UNET_CALLS
 from demo.backends.tensorrt.runtime import TENSORRT_KINDS
 
-# A benchmark results file's lists: measured rows, then entries with a reason why there is no row.
-KINDS = ("rows", "skipped", "failed", "discarded")
 # NVIDIA demoDiffusion 8.5 (TensorRT 8.5.2, A100, SD 1.5 UNet x 50, 512x512), ms, for the ablation's cumulative rows.
 PUBLISHED_A100_UNET = {"none": 1282.32, "+fMHA/fMHCA": 1047.26, "+LayerNorm": 979.72, "+GroupNorm": 874.51,
                        "+SplitGeLU": 856.47, "+Seq2Spatial": 805.97}

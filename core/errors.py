@@ -17,6 +17,11 @@ def field(name: str) -> str:
     return f"{_FIELD}{name}{_FIELD}"
 
 
+def render_fields(text: str, name: Callable[[str], str] = str) -> str:
+    """`text` with each field it names (field()) shown as `name(field)` says."""
+    return re.sub(f"{_FIELD}(\\w+){_FIELD}", lambda found: name(found.group(1)), text)
+
+
 class ToolkitError(Exception):
     """An error the commands print as one line, `<prog>: <heading>: <message>`, whose message may name fields."""
 
@@ -24,8 +29,7 @@ class ToolkitError(Exception):
 
     def render(self, name: Callable[[str], str] = str) -> str:
         """The message with each field it names as `name(field)` says."""
-        text = str(self.args[0]) if self.args else ""
-        return re.sub(f"{_FIELD}(\\w+){_FIELD}", lambda found: name(found.group(1)), text)
+        return render_fields(str(self.args[0]) if self.args else "", name)
 
     def __str__(self) -> str:
         return self.render()

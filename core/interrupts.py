@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 import signal
 import threading
 from typing import Iterator
@@ -50,3 +52,18 @@ def stop_on_signals() -> Iterator[None]:
         for signum, old in previous.items():
             signal.signal(signum, old)
         _received.clear()
+
+
+def run_main(prog: str, module: str) -> int:
+    """Import `module` (command `prog`'s) and run its main(). The import alone takes seconds on a busy machine, so
+    SIGINT and SIGTERM are answered first, with the command's one line and 128 + the signal's number; once main()
+    runs, the command's own handling (stop_on_signals) takes over."""
+
+    def interrupted(signum, _frame):
+        # Nothing is written before the command runs, so there is nothing to clean up: exit at once.
+        os.write(2, f"{prog}: interrupted\n".encode())
+        os._exit(128 + signum)
+
+    for signum in SIGNALS:
+        signal.signal(signum, interrupted)
+    return importlib.import_module(module).main()

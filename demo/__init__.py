@@ -23,7 +23,7 @@ import importlib
 _API = {"PipelineSpec": "demo.runtime.spec", "StageOverride": "demo.runtime.spec",
         "load_pipeline": "demo.runtime.loader", "plan_pipeline": "demo.runtime.loader",
         "Pipeline": "demo.runtime.loaded", "Result": "demo.runtime.loaded", "Request": "demo.request",
-        "EngineOptions": "demo.backends.tensorrt.options", "TorchOptions": "demo.backends.torch.settings"}
+        "EngineOptions": "demo.backends.tensorrt.options", "TorchOptions": "demo.backends.torch.options"}
 __all__ = list(_API)
 
 

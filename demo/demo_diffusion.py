@@ -9,6 +9,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the checkout's root, not demo/, when not installed
-    from demo.cli.generate import main
+    from demo.cli.entry import demo_diffusion
 
-    sys.exit(main())
+    sys.exit(demo_diffusion())

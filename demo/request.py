@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from core.errors import UsageError, at_least, field
-from demo.schedulers import check_steps, default_scheduler_name, make_scheduler
+from demo.schedulers import check_steps, default_scheduler_name, make_scheduler, scheduler_named
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -92,35 +92,34 @@ class Request:
         multiple of 8, where it brings one; else the model's native size), the model's own scheduler, a seed from
         `draw_seed`, the mode's strength; a UsageError where the image's own size is one the model cannot take."""
         native = source.native_image_size
-        height, width = self.height or native, self.width or native
-        if self.image is not None and None in (self.height, self.width):
+        given = self.height, self.width  # None: left to the image or the model (0 is given, and refused)
+        height, width = (native if value is None else value for value in given)
+        if self.image is not None and None in given:
             size = (self.image.height - self.image.height % 8, self.image.width - self.image.width % 8)
             low, high = source.image_size_range
-            if any(given is None and not low <= value <= high for given, value in zip((self.height, self.width), size)):
+            if any(value is None and not low <= own <= high for value, own in zip(given, size)):
                 raise UsageError(f"{field('image')} is {self.image.width}x{self.image.height}; model '{source.name}' "
                                  f"takes {low}..{high} pixels a side: give {field('height')} and {field('width')} to "
                                  "resize it")
-            height, width = self.height or size[0], self.width or size[1]
+            height, width = (own if value is None else value for value, own in zip(given, size))
         strength, image = self.strength, self.image
         if image is not None:
             strength = DEFAULT_STRENGTH[self.mode] if strength is None else strength
             image = image if image.mode == "RGB" else image.convert("RGB")  # as diffusers' image processor takes it
-        return replace(self, height=height, width=width, scheduler=self.scheduler or default_scheduler_name(source),
+        scheduler = scheduler_named(self.scheduler) if self.scheduler else default_scheduler_name(source)
+        return replace(self, height=height, width=width, scheduler=scheduler,
                        seed=self.seed if self.seed is not None else draw_seed(), image=image, strength=strength)
 
-    def check_inputs(self) -> None:
-        """What needs no model: an image for a mask or a strength, a mask of the image's proportions."""
-        if self.image is None:
-            for name in ("mask", "strength"):
-                if getattr(self, name) is not None:
-                    raise UsageError(f"{field(name)} needs {field('image')} (the image to start from)")
-        elif self.mask is not None:
-            check_mask(self.image, self.mask)
+    def unused(self) -> list[str]:
+        """What the request sets that its run does not use, each naming fields (core.errors.field)."""
+        if self.negative_prompt is not None and not self.guided:
+            return [f"{field('negative_prompt')} unused at {field('guidance_scale')} {self.guidance_scale}: there is "
+                    "no classifier-free guidance at 1 or below"]
+        return []
 
-    def check(self, source: ModelSource) -> None:
-        """A resolved request's values against their limits and the model: a one-line UsageError for the first bad
-        one."""
-        self.check_inputs()
+    def check_inputs(self) -> None:
+        """What needs no model, before anything loads: the counts and scales in range, a scheduler we have, an image
+        for a mask or a strength, a mask of the image's proportions (a one-line UsageError for the first bad one)."""
         at_least("batch_size", self.batch_size, 1)
         if not isinstance(self.prompt, str):
             if not self.prompt:
@@ -132,17 +131,31 @@ class Request:
         at_least("denoising_steps", self.denoising_steps, 1)
         if not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0):
             raise UsageError(f"{field('guidance_scale')} must be a finite number, 0 or more, got {self.guidance_scale}")
-        if not 0 <= self.seed <= MAX_SEED:
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"{field('seed')} must be 0..{MAX_SEED}, got {self.seed}")
+        if self.scheduler is not None:
+            scheduler_named(self.scheduler)
+        if self.image is None:
+            for name in ("mask", "strength"):
+                if getattr(self, name) is not None:
+                    raise UsageError(f"{field(name)} needs {field('image')} (the image to start from)")
+            return
+        if self.mask is not None:
+            check_mask(self.image, self.mask)
+        strength = DEFAULT_STRENGTH[self.mode] if self.strength is None else self.strength
+        if not 0 < strength <= 1:
+            raise UsageError(f"{field('strength')} must be more than 0 and at most 1, got {strength}")
+        if int(self.denoising_steps * strength) < 1:  # the steps diffusers runs: int(steps x strength)
+            raise UsageError(f"{field('strength')} {strength} leaves none of the {self.denoising_steps} denoising "
+                             f"steps to run; raise {field('strength')} or {field('denoising_steps')}")
+
+    def check(self, source: ModelSource) -> None:
+        """A resolved request's values against their limits and the model: a one-line UsageError for the first bad
+        one."""
+        self.check_inputs()
         check_steps(make_scheduler(self.scheduler, source), self.scheduler, self.denoising_steps)
         check_image_size(source, self.height, self.width)
         check_mode(source, self.mode)
-        if self.image is not None:
-            if not 0 < self.strength <= 1:
-                raise UsageError(f"{field('strength')} must be more than 0 and at most 1, got {self.strength}")
-            if int(self.denoising_steps * self.strength) < 1:  # the steps diffusers runs: int(steps x strength)
-                raise UsageError(f"{field('strength')} {self.strength} leaves none of the {self.denoising_steps} "
-                                 f"denoising steps to run; raise {field('strength')} or {field('denoising_steps')}")
 
 
 def check_image_size(source: ModelSource, height: int, width: int) -> None:
@@ -189,20 +202,32 @@ def check_mask(image: Image, mask: Image) -> None:
                          f"{image.height}: the mask must have the image's proportions (it is resized with it)")
 
 
-def load_image(name: str, path: str) -> Image:
-    """The image file `path` given for the field `name`, loaded (a one-line UsageError where it is missing or not an
-    image PIL can read)."""
-    from PIL import Image
+def load_image(name: str, path: str, mode: str = "RGB") -> Image:
+    """The image file `path` given for the field `name`, as diffusers' load_image gives it: turned upright by its EXIF
+    orientation (a phone's portrait photo is stored sideways), in `mode` (RGB; a mask: L); beyond diffusers, 16-bit
+    grayscale is scaled to 8 bits instead of clipped. A one-line UsageError where it is missing, not an image PIL
+    reads, truncated, or more pixels than PIL decodes safely."""
+    import warnings
+
+    from PIL import Image, ImageOps
 
     try:
-        image = Image.open(path)
-        image.load()
+        with warnings.catch_warnings():  # PIL only warns between its limit and twice it: refuse those too
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(path)
+            image.load()
+        image = ImageOps.exif_transpose(image)
     except FileNotFoundError:
         raise UsageError(f"{field(name)} {path}: no such file") from None
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:  # a folder, not an image, truncated, huge
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise UsageError(f"{field(name)} {path}: more than the {Image.MAX_IMAGE_PIXELS} pixels an image may have "
+                         "here") from None
+    except (OSError, ValueError, SyntaxError) as exc:  # a folder, not an image, truncated, a damaged header
         reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UsageError(f"{field(name)} {path}: cannot be read as an image ({reason})") from None
-    return image
+    if image.mode.startswith("I"):  # 16-bit grayscale (I;16, or I as PIL opens 16-bit PNGs)
+        image = image.convert("I").point(lambda value: value * (1 / 257)).convert("L")
+    return image.convert(mode)
 
 
 def batch_key(request: Request) -> tuple:

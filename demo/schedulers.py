@@ -28,13 +28,22 @@ def default_scheduler_name(source) -> str:
     )
 
 
+def scheduler_named(given: str) -> str:
+    """Our name of the scheduler `given` names, in any case, by our name or diffusers' class name (a UsageError where
+    it names none)."""
+    folded = str(given).casefold()
+    for name, class_name in SCHEDULERS.items():
+        if folded in (name.casefold(), class_name.casefold()):
+            return name
+    raise UsageError(f"{field('scheduler')} '{given}' is unknown; choose one of {', '.join(SCHEDULERS)} (or "
+                     "diffusers' class name)")
+
+
 def make_scheduler(name: str, source):
-    """diffusers' scheduler class `name`, configured from the model's scheduler config."""
+    """diffusers' scheduler `name` (as scheduler_named takes it), configured from the model's scheduler config."""
     import diffusers
 
-    if name not in SCHEDULERS:
-        raise UsageError(f"unknown scheduler '{name}'; choose one of {', '.join(SCHEDULERS)}")
-    return getattr(diffusers, SCHEDULERS[name]).from_config(source.config("scheduler"))
+    return getattr(diffusers, SCHEDULERS[scheduler_named(name)]).from_config(source.config("scheduler"))
 
 
 def _distinct_timesteps(scheduler, steps: int) -> int:
@@ -46,14 +55,17 @@ def _distinct_timesteps(scheduler, steps: int) -> int:
     return len(set(scheduler.timesteps.tolist()))
 
 
-def check_steps(scheduler, name: str, steps: int) -> None:
+def check_steps(scheduler, name: str, steps: int, steps_field: str = "denoising_steps") -> None:
     """A UsageError where the scheduler cannot run `steps` distinct steps: above its limit diffusers' schedulers
-    refuse, repeat the last timestep (PNDM, Euler) or collapse to one (DPM++2M, UniPC)."""
-    if _distinct_timesteps(scheduler, steps) >= steps:
+    refuse, repeat the last timestep (PNDM, Euler) or collapse to one (DPM++2M, UniPC). A count above the training
+    timesteps is refused outright (no more steps than the model was trained with add anything), before a schedule
+    that long is built. The error names `steps_field`, the field that gave the count."""
+    training = scheduler.config.num_train_timesteps
+    if steps <= training and _distinct_timesteps(scheduler, steps) >= steps:
         return
-    low, high = 1, steps - 1  # the most steps it runs distinctly, by bisection
+    low, high = 1, min(steps, training + 1) - 1  # the most steps it runs distinctly, by bisection
     while low < high:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if _distinct_timesteps(scheduler, middle) >= middle else (low, middle - 1)
-    raise UsageError(f"{field('denoising_steps')} {steps} is more than scheduler {name} can take for this model: at "
+    raise UsageError(f"{field(steps_field)} {steps} is more than scheduler {name} can take for this model: at "
                      f"most {low} (it has {scheduler.config.num_train_timesteps} training timesteps)")

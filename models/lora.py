@@ -10,10 +10,13 @@ read_lora, model_targets and lora_deltas are pure: they read files and tensors a
 take the same deltas as the torch backend (LoraFusion: fused into the loaded modules in place, out again bit for
 bit).
 
-The key formats (one file may mix them):
+A LoRA is a safetensors file, or a folder holding one by diffusers' name (pytorch_lora_weights.safetensors, what
+save_lora_weights and save_lora_adapter write). The key formats (one file may mix them):
 - diffusers / PEFT: `<component>.<module>.lora_A.weight` / `.lora_B.weight`, the component `unet`, `text_encoder` or
-  `text_encoder_2`; a text encoder's module with or without `text_model.`. An adapter config in the file's metadata
-  (diffusers' `lora_adapter_metadata`: lora_alpha, alpha_pattern, use_rslora) scales as PEFT does.
+  `text_encoder_2`; a text encoder's module with or without `text_model.`. A file none of whose keys has a component
+  prefix is the UNet's alone (what diffusers' unet.save_lora_adapter writes and unet.load_lora_adapter(prefix=None)
+  reads). An adapter config in the file's metadata (diffusers' `lora_adapter_metadata`: lora_alpha, alpha_pattern,
+  use_rslora; unprefixed in a UNet-only file) scales as PEFT does.
 - older diffusers: `.lora.down.weight` / `.lora.up.weight`, `.lora_linear_layer.down.weight` / `.up.weight`, the
   attention processors' `<attention>.processor.to_q_lora.down.weight` (to_k, to_v, to_out), and `<module>.alpha`.
 - kohya (A1111): `lora_unet_<module>`, `lora_te_` / `lora_te1_` (text_encoder), `lora_te2_` (text_encoder_2), the
@@ -70,6 +73,10 @@ UNSUPPORTED = {  # key fragment -> why such a file is refused
 }
 LORA_METADATA = "lora_adapter_metadata"  # diffusers' safetensors metadata key: the components' PEFT LoraConfigs
 PEFT_DEFAULT_ALPHA = 8  # peft's LoraConfig.lora_alpha where a config gives none
+# diffusers' LORA_WEIGHT_NAME_SAFE and LORA_WEIGHT_NAME: the file its load_lora_weights takes from a folder, and the
+# pickled one it falls back to (torch.load runs code: not read here)
+LORA_WEIGHT_NAME_SAFE, LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors", "pytorch_lora_weights.bin"
+SAFETENSORS_HEADER_LIMIT = 100_000_000  # safetensors' own bound on a header's size
 Targets = Mapping[str, Mapping[str, tuple[int, ...]]]  # component -> lora_targets of its module
 
 
@@ -89,21 +96,67 @@ class LoraLayer:
 
 
 @dataclass(frozen=True)
+class AdapterConfig:
+    """What scales a component's deltas in its PEFT LoraConfig (diffusers' metadata), checked when read."""
+
+    lora_alpha: float
+    alpha_pattern: tuple[tuple[re.Pattern, float], ...]  # compiled as PEFT matches them, in the file's order
+    use_rslora: bool
+
+    def alpha(self, path: str) -> float:
+        """The alpha PEFT gives module `path`: the first alpha_pattern matching the path's end, else lora_alpha."""
+        return next((alpha for pattern, alpha in self.alpha_pattern if pattern.match(path)), self.lora_alpha)
+
+
+@dataclass(frozen=True)
 class LoraFile:
-    path: str
+    path: str  # the file read (a folder's pytorch_lora_weights.safetensors)
     layers: tuple[LoraLayer, ...]
-    configs: Mapping[str, Mapping]  # component -> its PEFT LoraConfig fields, from diffusers' metadata
+    configs: Mapping[str, AdapterConfig]  # component -> its adapter config, from diffusers' metadata
+    prefixless: bool  # no key names its component: the UNet's alone
 
 
 def _refuse(path, message: str):
     raise UsageError(f"LoRA {path}: {message}")
 
 
+def _weights_file(path: Path) -> Path:
+    """The file a LoRA path names: itself, or a folder's pytorch_lora_weights.safetensors (as diffusers takes it)."""
+    if not path.is_dir():
+        return path
+    if (path / LORA_WEIGHT_NAME_SAFE).is_file():
+        return path / LORA_WEIGHT_NAME_SAFE
+    if (path / LORA_WEIGHT_NAME).exists():
+        _refuse(path, f"holds {LORA_WEIGHT_NAME}, a pickle, not {LORA_WEIGHT_NAME_SAFE}: only safetensors files are "
+                      "read (save its state dict with safetensors.torch.save_file)")
+    _refuse(path, f"is a folder without {LORA_WEIGHT_NAME_SAFE} (diffusers' LoRA file name): name the file itself")
+
+
+def _shortfall(path: Path) -> str | None:
+    """Why safetensors cannot open a file, where the file says more than safetensors does: it is empty, or shorter
+    than its own header says (a download or copy cut off)."""
+    size = path.stat().st_size
+    if size == 0:
+        return "is empty (0 bytes)"
+    with path.open("rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        if length > SAFETENSORS_HEADER_LIMIT or file.read(1) != b"{":  # no safetensors header at all
+            return None
+        needed = 8 + length
+        if size >= needed:
+            file.seek(8)
+            try:
+                entries = json.loads(file.read(length))
+                needed += max((entry["data_offsets"][1] for key, entry in entries.items() if key != "__metadata__"),
+                              default=0)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                return None
+    return f"is truncated: {size} bytes, where its header describes {needed}" if size < needed else None
+
+
 def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import SafetensorError, safe_open
 
-    if path.is_dir():
-        _refuse(path, "is a folder, not a .safetensors file")
     try:
         with safe_open(path, framework="pt") as file:
             return {key: file.get_tensor(key) for key in file.keys()}, file.metadata() or {}
@@ -112,35 +165,73 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     except OSError as exc:
         _refuse(path, f"cannot be read ({exc.strerror or exc})")
     except SafetensorError as exc:
-        _refuse(path, f"is not a safetensors file ({exc})")
+        _refuse(path, _shortfall(path) or f"is not a safetensors file ({exc})")
 
 
-def _adapter_configs(path: Path, metadata: Mapping[str, str]) -> dict[str, dict]:
-    """diffusers' metadata: {"<component>.<LoraConfig field>": value} as one JSON string."""
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _adapter_config(path: Path, component: str, fields: Mapping) -> AdapterConfig:
+    """A component's LoraConfig fields as PEFT would scale by them; a one-line refusal for one it would fail on or
+    misread (PEFT divides by lora_alpha's value and compiles each alpha_pattern key as a regular expression)."""
+    where = f"{LORA_METADATA} {component}."
+    for option in ("use_dora", "lora_bias"):
+        if fields.get(option):
+            _refuse(path, f"{where}{option} is set, which is not supported")
+    alpha = fields.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    if not _finite(alpha):
+        _refuse(path, f"{where}lora_alpha must be a finite number, got {json.dumps(alpha)}")
+    patterns = fields.get("alpha_pattern", {})
+    if not isinstance(patterns, dict):
+        _refuse(path, f"{where}alpha_pattern must be an object of module pattern -> alpha, got {json.dumps(patterns)}")
+    compiled = []
+    for pattern, value in patterns.items():
+        if not _finite(value):
+            _refuse(path, f"{where}alpha_pattern '{pattern}' must give a finite number, got {json.dumps(value)}")
+        try:
+            compiled.append((re.compile(rf"(.*\.)?({pattern})$"), value))
+        except re.error as exc:
+            _refuse(path, f"{where}alpha_pattern '{pattern}' is not a regular expression ({exc})")
+    rslora = fields.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        _refuse(path, f"{where}use_rslora must be true or false, got {json.dumps(rslora)}")
+    return AdapterConfig(alpha, tuple(compiled), rslora)
+
+
+def _adapter_configs(path: Path, metadata: Mapping[str, str], prefixless: bool) -> dict[str, AdapterConfig]:
+    """diffusers' metadata: {"<component>.<LoraConfig field>": value} as one JSON string (a UNet-only file's fields
+    unprefixed)."""
     if LORA_METADATA not in metadata:
         return {}
     try:
         fields = json.loads(metadata[LORA_METADATA])
+        if prefixless:
+            fields = {f"{UNET}.{key}": value for key, value in fields.items()}
         configs = {component: {key.removeprefix(f"{component}."): value for key, value in fields.items()
                                if key.startswith(f"{component}.")} for component in COMPONENTS}
     except (ValueError, AttributeError):
         _refuse(path, f"its {LORA_METADATA} metadata is not a JSON object")
-    for component, config in configs.items():
-        for option in ("use_dora", "lora_bias"):
-            if config.get(option):
-                _refuse(path, f"{component}'s adapter config sets {option}, which is not supported")
-    return {component: config for component, config in configs.items() if config}
+    return {component: _adapter_config(path, component, config) for component, config in configs.items() if config}
 
 
-def _key_part(key: str) -> tuple[str, str, str] | None:
-    """(component, module name, "down" / "up" / "alpha") for a LoRA key of a known format; None for another."""
+def _prefixed(key: str) -> bool:
+    """Whether a key names its component (kohya's lora_unet_..., diffusers' unet. ...)."""
+    return key.startswith(tuple(KOHYA_PREFIXES)) or key.partition(".")[0] in COMPONENTS
+
+
+def _key_part(key: str, prefixless: bool = False) -> tuple[str, str, str] | None:
+    """(component, module name, "down" / "up" / "alpha") for a LoRA key of a known format (`prefixless`: a diffusers
+    key of the UNet's without "unet."); None for another."""
     for prefix, component in KOHYA_PREFIXES.items():
         if key.startswith(prefix):
             name, _, suffix = key[len(prefix):].partition(".")
             part = "alpha" if suffix == "alpha" else KOHYA_SUFFIXES.get(f".{suffix}")
             return (component, name, part) if part else None
     component, _, rest = key.partition(".")
-    if component not in COMPONENTS:
+    if prefixless:
+        component, rest = UNET, key
+    elif component not in COMPONENTS:
         return None
     rest = rest.replace(".processor.", ".")
     if rest.endswith(".alpha"):
@@ -159,19 +250,21 @@ def _key_part(key: str) -> tuple[str, str, str] | None:
 
 
 def read_lora(path: str | Path) -> LoraFile:
-    """A LoRA safetensors file's layers, each module's down, up and alpha gathered from whichever format it is in; a
-    one-line UsageError for a file that is missing, unreadable, not safetensors, or holds keys of no format above."""
-    path = Path(path)
+    """A LoRA safetensors file's layers (or a folder's pytorch_lora_weights.safetensors'), each module's down, up and
+    alpha gathered from whichever format it is in; a one-line UsageError for a file that is missing, unreadable, not
+    safetensors, cut short, or holds keys of no format above or a pair that is none."""
+    path = _weights_file(Path(path))
     tensors, metadata = _read_tensors(path)
     if not tensors:
         _refuse(path, "holds no tensors")
+    prefixless = not any(map(_prefixed, tensors))
     parts: dict[tuple[str, str], dict[str, torch.Tensor]] = defaultdict(dict)
     unknown = []
     for key, tensor in tensors.items():
         reason = next((why for fragment, why in UNSUPPORTED.items() if fragment in key), None)
         if reason:
             _refuse(path, f"{reason} ('{key}')")
-        found = _key_part(key)
+        found = _key_part(key, prefixless)
         if found is None:
             unknown.append(key)
             continue
@@ -179,10 +272,14 @@ def read_lora(path: str | Path) -> LoraFile:
         if part in parts[component, name]:
             _refuse(path, f"names the {part} of {component} module {name} twice ('{key}')")
         parts[component, name][part] = tensor
+    unprefixed = [key for key in unknown if _key_part(key, prefixless=True)]
+    if unprefixed:
+        _refuse(path, f"key '{unprefixed[0]}' has no component prefix ({', '.join(f'{c}.' for c in COMPONENTS)}) "
+                      f"while other keys have one ({len(unprefixed)} such keys)")
     if unknown:
         _refuse(path, f"holds keys of no LoRA format known here, such as '{unknown[0]}' ({len(unknown)} in all; "
-                      "known: diffusers/PEFT lora_A/lora_B or lora.down/lora.up, kohya lora_unet_/lora_te_... with "
-                      "lora_down/lora_up and alpha)")
+                      "known: diffusers/PEFT unet./text_encoder.<module>.lora_A/lora_B or lora.down/lora.up, kohya "
+                      "lora_unet_/lora_te_... with lora_down/lora_up and alpha)")
     layers = []
     for (component, name), found in parts.items():
         missing = [part for part in ("down", "up") if part not in found]
@@ -195,11 +292,14 @@ def read_lora(path: str | Path) -> LoraFile:
                 or up.shape[2:] not in ((), (1, 1)):
             _refuse(path, f"{component} module {name}: down {list(down.shape)} and up {list(up.shape)} are no "
                           "low-rank pair")
+        if down.shape[0] == 0:  # PEFT refuses r = 0 too
+            _refuse(path, f"{component} module {name}: down {list(down.shape)} and up {list(up.shape)} have rank 0 "
+                          "(a LoRA's rank is at least 1)")
         alpha = found.get("alpha")
         if alpha is not None and (alpha.numel() != 1 or not math.isfinite(float(alpha.item()))):
             _refuse(path, f"{component} module {name}: its alpha is not one finite number")
         layers.append(LoraLayer(component, name, down, up, None if alpha is None else float(alpha.item())))
-    return LoraFile(str(path), tuple(layers), _adapter_configs(path, metadata))
+    return LoraFile(str(path), tuple(layers), _adapter_configs(path, metadata, prefixless), prefixless)
 
 
 # ---- the model side --------------------------------------------------------------------------------------------
@@ -289,22 +389,13 @@ def _name_table(component: str, paths) -> dict[str, str]:
     return table
 
 
-def _peft_alpha(config: Mapping, path: str) -> float:
-    """The alpha PEFT gives module `path` under this LoraConfig: the first alpha_pattern key matching the path's
-    end, else lora_alpha."""
-    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", path):
-            return alpha
-    return config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
-
-
 def _scaling(lora: LoraFile, layer: LoraLayer, path: str) -> float:
     """alpha / rank as PEFT computes it (alpha / sqrt(rank) under use_rslora); 1 without an alpha."""
     config = lora.configs.get(layer.component) if layer.alpha is None else None
     if config is None:
         return 1.0 if layer.alpha is None else layer.alpha / layer.rank
-    rank = math.sqrt(layer.rank) if config.get("use_rslora") else layer.rank
-    return _peft_alpha(config, path) / rank
+    rank = math.sqrt(layer.rank) if config.use_rslora else layer.rank
+    return config.alpha(path) / rank
 
 
 def _resolve(lora: LoraFile, targets: Targets, tables: Mapping[str, Mapping[str, str]]
@@ -317,8 +408,9 @@ def _resolve(lora: LoraFile, targets: Targets, tables: Mapping[str, Mapping[str,
             _refuse(lora.path, f"changes {layer.component}, which this model has not (a LoRA for another model?)")
         path = tables[layer.component].get(_flat(layer.name))
         if path is None:
-            _refuse(lora.path, f"{layer.component} has no Linear or Conv2d module '{layer.name}' (a LoRA for "
-                               "another model?)")
+            why = ("its keys have no component prefix, so they are the UNet's: a text encoder's need text_encoder. or "
+                   "text_encoder_2." if lora.prefixless else "a LoRA for another model?")
+            _refuse(lora.path, f"{layer.component} has no Linear or Conv2d module '{layer.name}' ({why})")
         if (layer.component, path) in seen:
             _refuse(lora.path, f"names {layer.component} module {path} twice ({seen[layer.component, path]}, "
                                f"{layer.name})")

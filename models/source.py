@@ -160,6 +160,8 @@ def _vae_folder(spec: str, source: ModelSource) -> Path:
     if not (folder / COMPONENTS["vae"][0]).is_file():
         raise UsageError(f"{field('vae')} {spec}: not a VAE folder (no {COMPONENTS['vae'][0]} in it or in its vae/)")
     config = validate_component(folder, "vae")
+    if config.get("_class_name") != "AutoencoderKL":  # what the VAE stages load (models/vae.py)
+        raise UsageError(f"{field('vae')} {spec}: its config names {config.get('_class_name')}, not an AutoencoderKL")
     channels = source.latent_channels
     if config.get("latent_channels") != channels:
         raise UsageError(f"{field('vae')} {spec}: its latents have {config.get('latent_channels')} channels, model "
@@ -173,7 +175,14 @@ def _download_from_hub(hub_id: str) -> Path:
     try:
         path = Path(DiffusionPipeline.download(hub_id))
     except Exception as exc:  # network, auth, missing repo: one clear line for the user
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UsageError(f"cannot fetch model '{hub_id}' from the hub: {first_line}") from exc
+        raise UsageError(f"cannot fetch model '{hub_id}' from the hub: {root_cause(exc)}") from exc
     validate_model_folder(path, hub_id)
     return path
+
+
+def root_cause(exc: BaseException) -> str:
+    """The first line of the innermost exception `exc` was raised from (the hub client's own message points at a
+    traceback the user never sees), with its type."""
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+    return f"{(str(exc).strip().splitlines() or ['no detail'])[0]} ({type(exc).__name__})"

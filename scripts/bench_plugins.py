@@ -5,6 +5,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout without installing
-    from bench.kernels import main
+    from bench.entry import bench_plugins
 
-    sys.exit(main())
+    sys.exit(bench_plugins())

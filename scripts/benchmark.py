@@ -5,6 +5,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout without installing
-    from bench.benchmark import main
+    from bench.entry import sd_benchmark
 
-    sys.exit(main())
+    sys.exit(sd_benchmark())

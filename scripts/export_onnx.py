@@ -8,6 +8,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the checkout's root, when not installed
-    from demo.cli.export_onnx import main
+    from demo.cli.entry import export_onnx
 
-    sys.exit(main())
+    sys.exit(export_onnx())

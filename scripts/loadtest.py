@@ -1,4 +1,5 @@
-"""Load-test sd-serve at one address: throughput, latency percentiles, errors, batch sizes; JSON and a chart.
+"""Load-test sd-serve at one address: throughput, latency percentiles, errors, batch sizes; JSON and a chart, in
+loadtest/ of the current directory unless --results-dir names another folder.
 
 See bench/loadtest.py and docs/serving.md.
 """
@@ -8,6 +9,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the checkout's root, when not installed
-    from bench.loadtest import main
+    from bench.entry import loadtest
 
-    sys.exit(main())
+    sys.exit(loadtest())

@@ -5,6 +5,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout without installing
-    from bench.profile_unet import main
+    from bench.entry import profile_unet
 
-    sys.exit(main())
+    sys.exit(profile_unet())

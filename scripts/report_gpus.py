@@ -6,6 +6,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout without installing
-    from bench.gpu_report import main
+    from bench.entry import report_gpus
 
-    sys.exit(main())
+    sys.exit(report_gpus())

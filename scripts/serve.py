@@ -8,6 +8,6 @@ from pathlib import Path
 
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the checkout's root, when not installed
-    from demo.cli.serve import main
+    from demo.cli.entry import sd_serve
 
-    sys.exit(main())
+    sys.exit(sd_serve())

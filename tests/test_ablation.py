@@ -136,7 +136,8 @@ def test_a_jobs_command_line_parses_back_into_the_flags_the_run_uses(tmp_path):
     BuildPlan.config_spec gives the run: build and run agree by construction."""
     from dataclasses import replace
 
-    from bench.jobs import ALL, BuildPlan, Job
+    from bench.common import ALL
+    from bench.jobs import BuildPlan, Job
     from demo.cli.build_engines import BuildFlags, build_spec, make_parser
     from demo.cli.flags import EngineFlags, ModelFlags, parse_flags
 
@@ -207,18 +208,18 @@ def test_runs_keep_the_table_order_and_nothing_built_is_an_error_that_writes_not
     with one line and writes no results."""
     import json
 
-    from bench import ablation
+    from bench import ablation, jobs, runner, tables
     from bench.common import STAGES
     from plugins.tuned import PLUGINS_AUTO, read_entry, write_entry
 
     ran = []
-    monkeypatch.setattr(ablation, "export_and_probe", lambda *_: {})
-    monkeypatch.setattr(ablation, "build_all", lambda plan, jobs, *_: ({}, {}))
-    monkeypatch.setattr(ablation, "run_config", lambda plan, source, request, runs, label, *_: ran.append(label) or {
+    monkeypatch.setattr(jobs, "export_and_probe", lambda *_: {})
+    monkeypatch.setattr(jobs, "build_all", lambda plan, jobs, *_: ({}, {}))
+    monkeypatch.setattr(runner, "run_config", lambda plan, source, request, runs, label, *_: ran.append(label) or {
         "label": label, "latency_ms": {s: 2.0 if label == "none" else 1.0 for s in STAGES},
         "plugin_layers": {}, "image": None, "unet_ms_by_kind": {"TensorRT": 5.0}})
     monkeypatch.setattr("PIL.Image.fromarray", lambda _: type("Image", (), {"save": lambda *_: None})())
-    monkeypatch.setattr(ablation, "ablation_table", lambda rows, *_: "")
+    monkeypatch.setattr(tables, "ablation_table", lambda rows, *_: "")
     monkeypatch.setattr(ablation, "ablation_chart", lambda *_: b"")
     results = tmp_path / "results"
     (tmp_path / "work").mkdir()  # export_and_probe, stood in for here, makes it
@@ -241,7 +242,7 @@ def test_runs_keep_the_table_order_and_nothing_built_is_an_error_that_writes_not
     assert read_entry(PLUGINS_AUTO, "8.0", defaults) == {"plugins": ["GroupNorm"]}
 
     every_job_failed = lambda plan, jobs, *_: ({}, {job: f"{job.folder} not built" for job in jobs})  # noqa: E731
-    monkeypatch.setattr(ablation, "build_all", every_job_failed)
+    monkeypatch.setattr(jobs, "build_all", every_job_failed)
     ran.clear()
     capsys.readouterr()
     status = ablation.main(argv[:-1] + ["--results-dir", str(tmp_path / "empty")])

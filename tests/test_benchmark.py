@@ -1,7 +1,7 @@
 """bench.benchmark (sd-benchmark) on the CPU: the tiny model end to end with the contenders a CPU can run (the
 others reported as skipped with their reasons), its JSON merged by report-gpus, rows kept across runs, failures
 reported without stopping the rest, usage errors, and the torch defaults it writes (only with --update-defaults)
-read back."""
+read back; and where scripts/loadtest.py writes by default."""
 
 import json
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bench import benchmark
+from bench import benchmark, runner
 from bench.benchmark import main, write_defaults
 from bench.common import slug
 from bench.contenders import DEFAULT_CONTENDERS, EAGER, contenders, resolve_here, select_contenders
@@ -86,7 +86,7 @@ def test_report_gpus_merges_the_benchmark_json(first_run, capsys):
     capsys.readouterr()
     assert report_gpus([str(results), "--no-published"]) == 0  # the directory: the markdown and PNG are no JSON
     table = capsys.readouterr().out
-    assert f"**{WORKLOAD}**" in table
+    assert "**tiny, DDIM, 48x64, batch 1, 2 steps**" in table  # the file's scheduler, for each of its rows
     lines = [line for line in table.splitlines() if line.startswith("| CPU")]
     assert {line.split(" | ")[1] for line in lines} == {EAGER, "diffusers-channels-last", "ours-defaults"}
 
@@ -117,14 +117,14 @@ def test_a_discarded_row_stays_discarded_until_its_contender_is_measured_again(t
 
 
 def test_a_failing_contender_is_reported_and_the_others_run(tmp_path, monkeypatch):
-    real = benchmark.run_contender
+    real = runner.run_contender
 
     def flaky(setup, contender, *rest):
         if contender.label == EAGER:
             raise RuntimeError("CUDA out of memory.\nTried to allocate 2.00 GiB")
         return real(setup, contender, *rest)
 
-    monkeypatch.setattr(benchmark, "run_contender", flaky)
+    monkeypatch.setattr(runner, "run_contender", flaky)
     status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,diffusers-channels-last")
     assert status == 0
     assert data["failed"] == [{"label": EAGER, "workload": WORKLOAD, "what": data["failed"][0]["what"],
@@ -136,14 +136,14 @@ def test_a_failing_contender_is_reported_and_the_others_run(tmp_path, monkeypatc
 
 
 def test_a_run_cut_short_leaves_the_rows_so_far(tmp_path, monkeypatch, capsys):
-    real = benchmark.run_contender
+    real = runner.run_contender
 
     def interrupted(setup, contender, *rest):
         if contender.label != EAGER:
             raise KeyboardInterrupt
         return real(setup, contender, *rest)
 
-    monkeypatch.setattr(benchmark, "run_contender", interrupted)
+    monkeypatch.setattr(runner, "run_contender", interrupted)
     status, _, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,diffusers-channels-last")
     assert status == 130 and capsys.readouterr().err == "sd-benchmark: interrupted\n"  # demo.cli.command.run_command
     data = json.loads((tmp_path / "results" / f"{STEM}.json").read_text())
@@ -306,3 +306,15 @@ def test_int8_engines_are_compared_with_their_fp16_ones(tmp_path, monkeypatch):
     kinds_header = next(line for line in table.splitlines() if line.startswith("| contender | fMHA |"))
     assert kinds_header.split(" | ")[-3:] == ["TensorRT int8", "TensorRT", "total |"]
     assert sum(line.startswith(("| tensorrt-auto | —", "| tensorrt-int8 | —")) for line in table.splitlines()) == 2
+
+
+def test_the_load_test_writes_into_loadtest_not_the_results_archive(tmp_path, monkeypatch, capsys):
+    from bench import loadtest
+
+    answered = [loadtest.Sample(0.1 * i, 900.0 + i, "64x64", 2) for i in range(4)]
+    monkeypatch.setattr(loadtest, "run_load", lambda *_: answered)  # a server that answered them all
+    monkeypatch.chdir(tmp_path)
+    assert loadtest.main(["--requests", "4", "--name", "t"]) == 0
+    assert json.loads((tmp_path / "loadtest" / "loadtest-t.json").read_text())["answered"] == 4
+    assert not (tmp_path / "results").exists()
+    assert "saved loadtest/loadtest-t.json" in capsys.readouterr().out

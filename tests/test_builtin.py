@@ -83,3 +83,25 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UsageError, match="cannot fetch model 'no-such-org/no-such-model' from the hub"):
         resolve_model("no-such-org/no-such-model")
+
+
+def test_a_hub_failure_names_its_root_cause(monkeypatch):
+    """The hub client's error ends "check out the root cause in the stacktrace above", a traceback no user sees:
+    the line names the root cause instead."""
+    import diffusers
+
+    from core.errors import UsageError
+    from models.source import resolve_model
+
+    def download(hub_id):
+        try:
+            raise ConnectionError("[Errno -2] Name or service not known")
+        except ConnectionError:
+            raise OSError(f"Cannot load model {hub_id}: not cached. Please check out the root cause in the "
+                          "stacktrace above.")
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "download", download)
+    with pytest.raises(UsageError) as raised:
+        resolve_model("some-org/some-model")
+    assert str(raised.value) == ("cannot fetch model 'some-org/some-model' from the hub: [Errno -2] Name or service "
+                                 "not known (ConnectionError)")

@@ -67,9 +67,10 @@ def _missing_unet(tmp_path, tiny):
     (["--height", "60"], "--height must be a multiple of 8"),
     (["--width", "1000"], "--width 1000 is outside model 'tiny' range 32..128"),
     (["--height", "16"], "--height 16 is outside model 'tiny' range"),
+    (["--width", "0"], "--width 0 is outside model 'tiny' range"),  # given, not left to the model
     (["--denoising-steps", "0"], "--denoising-steps must be at least 1"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--scheduler", "Heun"], "unknown scheduler 'Heun'"),
+    (["--scheduler", "Heun"], "--scheduler 'Heun' is unknown; choose one of DDIM, PNDM, Euler"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--backend", "onnx"], "unknown backend 'onnx'"),
     (["--batch-size", "two"], "invalid int value"),
@@ -129,6 +130,23 @@ def test_progress_and_a_prompt_the_tokenizer_cuts(tmp_path, capsys):
     assert "77 tokens; dropped: '" in warning and "9 9" in warning  # the last word's tokens, decoded
     assert "w 1" not in warning.split("dropped")[1][:8]  # the first words were kept
     assert "negative prompt" not in err
+
+
+@pytest.mark.parametrize("scheduler, ours", [("ddim", "DDIM"), ("eulerdiscretescheduler", "Euler")])
+def test_what_a_run_does_not_use_is_noted_and_schedulers_take_any_case(scheduler, ours, tmp_path, capsys):
+    """A refiner's split without a refiner, a negative prompt without guidance and another backend's flags are noted
+    as unused; a scheduler is named in any case, by our name or diffusers' class name."""
+    from demo.cli.generate import main
+
+    assert main(["a prompt", "--output-dir", str(tmp_path), "--denoising-steps", "1", "--high-noise-frac", "0.5",
+                 "--guidance-scale", "1", "--negative-prompt", "blurry", "--scheduler", scheduler,
+                 "--build-static-batch", "--num-warmup-runs", "0", "--backend", "torch"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: --build-static-batch unused by the torch backend",
+                     "note: --high-noise-frac unused without --refiner",
+                     "note: --negative-prompt unused at --guidance-scale 1.0: there is no classifier-free guidance "
+                     "at 1 or below"]
+    assert json.loads(next(tmp_path.glob("*.json")).read_text())["scheduler"] == ours
 
 
 def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):

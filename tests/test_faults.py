@@ -102,7 +102,9 @@ def a_file(tmp_path):
 DEMO_ERRORS = [
     (["--seed", str(2**64)], f"--seed must be 0..{2**64 - 1}, got {2**64}"),
     (["--seed", "-1"], f"--seed must be 0..{2**64 - 1}, got -1"),
-    (["--scheduler", "Bogus"], "unknown scheduler 'Bogus'"),
+    (["--scheduler", "Bogus"], "--scheduler 'Bogus' is unknown"),
+    (["--denoising-steps", "2147483647", "--scheduler", "ddim"],  # refused at once: no schedule that long is built
+     "--denoising-steps 2147483647 is more than scheduler DDIM can take for this model: at most 1000"),
     (["--guidance-scale", "nan"], "--guidance-scale must be a finite number, 0 or more, got nan"),
     (["--guidance-scale", "inf"], "--guidance-scale must be a finite number"),
     (["--num-warmup-runs", "-1"], "--num-warmup-runs must be 0 or more"),

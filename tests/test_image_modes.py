@@ -5,6 +5,8 @@ inpaint pipelines (SD and SDXL; 9-channel inpainting UNets, and the latent blend
 Input images are random pixels, masks neither all black nor all white, strengths mostly below 1."""
 
 import json
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -206,7 +208,22 @@ def files(tmp_path_factory):
     a_mask(32, 48).save(paths["wide"])
     random_image(400, 300).save(paths["big"])
     paths["text"].write_text("not an image")
+    paths["folder"] = folder / "a-folder.png"
+    paths["folder"].mkdir()
+    paths["truncated"] = folder / "truncated.png"
+    paths["truncated"].write_bytes(paths["image"].read_bytes()[:200])
+    paths["one"] = folder / "one-pixel.png"
+    random_image(1, 1).save(paths["one"])
+    paths["huge"] = folder / "huge.png"
+    paths["huge"].write_bytes(png_claiming(paths["image"].read_bytes(), 20000, 20000))
     return paths
+
+
+def png_claiming(png: bytes, width: int, height: int) -> bytes:
+    """The PNG `png` with a header claiming another size (its pixel data unchanged): what PIL reads first."""
+    start = png.index(b"IHDR")
+    chunk = b"IHDR" + struct.pack(">II", width, height) + png[start + 12:start + 17]
+    return png[:start] + chunk + struct.pack(">I", zlib.crc32(chunk)) + png[start + 21:]
 
 
 @pytest.mark.parametrize("args, mode, unet_calls", [
@@ -241,6 +258,12 @@ def test_demo_renders_from_an_input_image(args, mode, unet_calls, files, tmp_pat
     (["--mask-image", "MASK"], "--mask-image needs --input-image"),
     (["--input-image", "IMAGE", "--mask-image", "WIDE"], "the mask must have the image's proportions"),
     (["--input-image", "BIG"], "--input-image is 300x400; model 'tiny' takes 32..128 pixels a side: give --height"),
+    (["--input-image", "ONE"], "--input-image is 1x1; model 'tiny' takes 32..128 pixels a side: give --height"),
+    (["--input-image", "FOLDER"], "cannot be read as an image (Is a directory)"),
+    (["--input-image", "TRUNCATED"], "cannot be read as an image"),
+    (["--input-image", "HUGE"], "more than the 89478485 pixels an image may have here"),
+    (["--input-image", "IMAGE", "--mask-image", "TEXT"], "--mask-image TEXT: cannot be read as an image"),
+    (["--input-image", "IMAGE", "--mask-image", "NOWHERE"], "--mask-image NOWHERE: no such file"),
     (["--model", "tiny-inpaint"], "model 'tiny-inpaint' is an inpainting model"),
     (["--model", "tiny-inpaint", "--input-image", "IMAGE"], "it only inpaints, with --input-image and --mask-image"),
     (["--model", "tiny-xl", "--refiner", "tiny-xl-refiner", "--input-image", "IMAGE"],
@@ -252,11 +275,78 @@ def test_bad_image_inputs_are_one_line_before_loading(args, message, files, tmp_
     for model in ("tiny", "tiny-inpaint", "tiny-xl", "tiny-xl-refiner"):  # generated before, not said in the run
         resolve_model(model)
     capsys.readouterr()
-    names = {"NOWHERE": str(tmp_path / "missing.png"), "TEXT": str(files["text"]), "IMAGE": str(files["image"]),
-             "MASK": str(files["mask"]), "WIDE": str(files["wide"]), "BIG": str(files["big"])}
-    message = message.replace("NOWHERE", names["NOWHERE"])
+    names = {"NOWHERE": str(tmp_path / "missing.png"), "IMAGE": str(files["image"]), "MASK": str(files["mask"]),
+             **{name.upper(): str(files[name]) for name in ("text", "wide", "big", "one", "folder", "truncated",
+                                                            "huge")}}
+    message = message.replace("NOWHERE", names["NOWHERE"]).replace("TEXT", names["TEXT"])
     out = tmp_path / "out"
     assert main(["a prompt", "--output-dir", str(out), *[names.get(arg, arg) for arg in args]]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("demo-diffusion: error: ") and message in lines[0], lines
     assert not out.exists()
+
+
+# ---- image files as diffusers' load_image takes them ---------------------------------------------------------
+
+def test_image_files_are_read_upright_in_rgb_with_16_bit_scaled(tmp_path):
+    """A phone's portrait photo is stored sideways with an EXIF orientation: it is turned upright (diffusers'
+    load_image does too). Palette, RGBA and grayscale files become RGB; 16-bit grayscale is scaled to 8 bits (PIL's
+    own conversion would clip it to white)."""
+    from demo.request import load_image
+
+    pixels = np.zeros((8, 16, 3), np.uint8)
+    pixels[:, :8] = (255, 0, 0)  # stored: red left, blue right
+    pixels[:, 8:] = (0, 0, 255)
+    photo = Image.fromarray(pixels)
+    exif = photo.getexif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    photo.save(tmp_path / "portrait.png", exif=exif)
+    upright = np.asarray(load_image("image", str(tmp_path / "portrait.png")))
+    assert upright.shape == (16, 8, 3)
+    assert (upright[:8] == (255, 0, 0)).all() and (upright[8:] == (0, 0, 255)).all()  # red on top after turning
+
+    gray = np.arange(256, dtype=np.uint16).reshape(16, 16) * 257  # 0..65535 in even steps
+    Image.fromarray(gray).save(tmp_path / "gray16.png")
+    scaled = np.asarray(load_image("image", str(tmp_path / "gray16.png")))
+    assert scaled.shape == (16, 16, 3) and (scaled[..., 0] == np.arange(256).reshape(16, 16)).all()
+
+    colour = random_image(8, 8)
+    for name, image in (("palette", colour.convert("P")), ("rgba", colour.convert("RGBA")),
+                        ("gray", colour.convert("L"))):
+        image.save(tmp_path / f"{name}.png")
+        loaded = load_image("image", str(tmp_path / f"{name}.png"))
+        assert loaded.mode == "RGB" and loaded.size == (8, 8)
+        assert (np.asarray(loaded) == np.asarray(image.convert("RGB"))).all()
+    assert load_image("mask", str(tmp_path / "rgba.png"), "L").mode == "L"
+
+
+def test_a_portrait_photo_and_the_mask_drawn_on_it_as_displayed_inpaint_upright(tmp_path, capsys):
+    """The photo is stored 48x32 (landscape) with EXIF orientation 6; the mask is drawn on it as displayed, 32x48.
+    Unturned, the mask would be refused for its proportions, and the image drawn sideways."""
+    from demo.cli.generate import main
+
+    stored = random_image(32, 48)
+    exif = stored.getexif()
+    exif[0x0112] = 6
+    stored.save(tmp_path / "photo.png", exif=exif)
+    a_mask(48, 32).save(tmp_path / "mask.png")
+    out = tmp_path / "out"
+    assert main(["a castle", "--model", "tiny-inpaint", "--input-image", str(tmp_path / "photo.png"), "--mask-image",
+                 str(tmp_path / "mask.png"), "--output-dir", str(out), "--denoising-steps", "2", "--seed", "1",
+                 "--num-warmup-runs", "0"]) == 0, capsys.readouterr().err
+    report = json.loads(next(out.glob("*.json")).read_text())
+    assert (report["width"], report["height"]) == (32, 48)
+    assert Image.open(out / report["images"][0]).size == (32, 48)
+
+
+@pytest.mark.parametrize("fill", [0, 255], ids=["all black: keeps the image", "all white: re-draws all of it"])
+def test_masks_of_one_colour_are_valid(fill, files, tmp_path):
+    """As in diffusers: an all-black mask repaints nothing, an all-white one everything; neither is an error."""
+    from demo.cli.generate import main
+
+    Image.new("L", (WIDTH, HEIGHT), fill).save(tmp_path / "mask.png")
+    out = tmp_path / "out"
+    assert main(["a castle", "--model", "tiny-inpaint", "--input-image", str(files["image"]), "--mask-image",
+                 str(tmp_path / "mask.png"), "--output-dir", str(out), "--denoising-steps", "2", "--seed", "1",
+                 "--num-warmup-runs", "0"]) == 0
+    assert len(list(out.glob("*.png"))) == 1

@@ -203,12 +203,9 @@ def test_calibration_prompts_files(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--calibration-prompts", "p.txt"], "--calibration-prompts is for --int8"),
     (["--int8", "--build-enable-refit"], "--int8 engines cannot be refitted"),
-    (["--int8", "--calibration-prompts", "empty.txt"], "no prompts in it"),
-    (["--int8", "--calibration-prompts", "missing.txt"], "cannot read it"),
     (["--int8", "--calibration-steps", "0"], "--calibration-steps must be"),
 ])
 def test_int8_usage_errors_are_one_line(tmp_path, args, message):
-    (tmp_path / "empty.txt").write_text("# nothing\n")
     (tmp_path / "p.txt").write_text("a cat\n")
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engines.py"), "--model", "tiny",
                              "--backend", "tensorrt-rtx", "--target-cc", "8.6", *args], capture_output=True,
@@ -216,6 +213,37 @@ def test_int8_usage_errors_are_one_line(tmp_path, args, message):
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "onnx").exists() or not any((tmp_path / "onnx").iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--calibration-prompts", "missing.txt"], "--calibration-prompts missing.txt: no such file"),
+    (["--calibration-prompts", "empty.txt"], "--calibration-prompts empty.txt: no prompts in it (one a line)"),
+    (["--calibration-prompts", "binary.txt"], "--calibration-prompts binary.txt: not a text file"),
+    (["--calibration-prompts", "nul.txt"], "--calibration-prompts nul.txt: not a text file"),
+    (["--calibration-prompts", "folder"], "--calibration-prompts folder: a folder, not a file of prompts"),
+    # above the scheduler's 1000 training timesteps: the request's own check, naming the calibration's flag
+    (["--calibration-steps", "1001"], "--calibration-steps 1001 is more than scheduler "),
+])
+def test_bad_calibration_input_is_one_line_before_any_export(tiny, tmp_path, monkeypatch, capsys, args, message):
+    from demo.cli.build_engines import main
+    from models.base import StageModel
+
+    fake_tensorrt.install(monkeypatch, "8.6.0")
+
+    def export(*_, **__):
+        raise AssertionError("an ONNX export before the INT8 options were checked")
+
+    monkeypatch.setattr(StageModel, "export_onnx", export)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text("# comments and blank lines only\n\n")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)))  # not UTF-8
+    (tmp_path / "nul.txt").write_bytes(b"a cat\0\0\0\n")  # UTF-8, but binary
+    (tmp_path / "folder").mkdir()
+    status = main(["--model", "tiny", "--backend", "tensorrt", "--height", str(SIZE), "--width", str(SIZE), "--int8",
+                   *args])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith(f"build-engines: error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "onnx").exists()
 
 
 def test_tensorrt_for_rtx_builds_the_int8_unet(tiny, tmp_path):

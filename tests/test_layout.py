@@ -60,14 +60,19 @@ def test_no_module_imports_a_script():
     assert importers == []
 
 
-def test_console_commands_are_package_functions():
+def test_console_commands_are_entry_points_that_run_their_command():
+    """Each console script is an entry function (demo.cli.entry, bench.entry) that runs a command module's
+    main(argv) under the command's own name."""
     scripts = pyproject()["project"]["scripts"]
     assert set(scripts) == {"demo-diffusion", "build-engines", "export-onnx", "compare-backends", "sd-benchmark",
                             "sd-ablation", "report-gpus", "sd-serve"}
     for command, target in scripts.items():
         module, function = target.split(":")
-        source = (ROOT / Path(*module.split("."))).with_suffix(".py")
-        assert re.search(rf"^def {function}\(argv", source.read_text(), re.M), f"{command}: {target}"
+        source = (ROOT / Path(*module.split("."))).with_suffix(".py").read_text()
+        runs = re.search(rf'^def {function}\(\) -> int:\n    return run_main\("([^"]+)", "([^"]+)"\)$', source, re.M)
+        assert runs and runs.group(1) == command, f"{command}: {target}"
+        command_source = (ROOT / Path(*runs.group(2).split("."))).with_suffix(".py").read_text()
+        assert re.search(r"^def main\(argv", command_source, re.M) and f'PROG = "{command}"' in command_source
 
 
 @pytest.mark.parametrize("entry", COMMAND_FILES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -343,26 +343,169 @@ def test_lora_spec(text, expected):
     assert parse_lora_spec(text) == expected
 
 
+def test_lora_spec_prefers_a_path_that_exists_and_names_a_bad_scale(tmp_path):
+    """The whole text where that file exists (a name ending in ':2'); else a scale that is no number after a file
+    that exists is what is wrong, not the file."""
+    (tmp_path / "v:2").write_bytes(b"")
+    (tmp_path / "a.safetensors").write_bytes(b"")
+    assert parse_lora_spec(f"{tmp_path}/v:2") == (f"{tmp_path}/v:2", 1.0)
+    assert parse_lora_spec(f"{tmp_path}/v:2:0.5") == (f"{tmp_path}/v:2", 0.5)
+    with pytest.raises(UsageError) as error:
+        parse_lora_spec(f"{tmp_path}/a.safetensors:abc")
+    assert str(error.value) == f"loras {tmp_path}/a.safetensors:abc: the scale after the last ':' must be a number, " \
+                               "got 'abc'"
+    assert parse_lora_spec(f"{tmp_path}/b.safetensors:abc") == (f"{tmp_path}/b.safetensors:abc", 1.0)  # no such file
+
+
+def test_a_folder_is_read_as_diffusers_reads_it(sd, tmp_path):
+    """A folder holding pytorch_lora_weights.safetensors (what save_lora_weights writes), as load_lora_weights(folder)
+    takes it; what the pipeline reports is the file read."""
+    from diffusers.loaders import lora_base
+
+    from models import lora as ours
+
+    folder = tmp_path / "style"
+    folder.mkdir()
+    lora = write_lora(folder / lora_base.LORA_WEIGHT_NAME_SAFE, sd, "peft", seed=17)
+    sd.pipeline.set_loras([(folder, SCALE)])
+    ref = reference(sd, load_and_fuse(folder))
+    assert_weights_match(sd, ref)
+    assert_image_matches(sd, ref)
+    sd.pipeline.set_loras([])
+    assert read_lora(folder).path == str(lora)
+    assert (ours.LORA_WEIGHT_NAME_SAFE, ours.LORA_WEIGHT_NAME) == (lora_base.LORA_WEIGHT_NAME_SAFE,
+                                                                   lora_base.LORA_WEIGHT_NAME)
+
+
+def test_a_unet_lora_without_prefix_is_the_unets_as_diffusers_takes_it(sd, tmp_path):
+    """What diffusers' unet.save_lora_adapter writes: keys without "unet.", and the LoraConfig in the metadata without
+    it too (lora_alpha and an alpha_pattern here); diffusers' unet.load_lora_adapter(prefix=None) reads it so (its
+    pipeline's load_lora_weights skips such keys, with a warning)."""
+    import diffusers
+    from peft import LoraConfig
+
+    unet = diffusers.UNet2DConditionModel.from_pretrained(sd.source.path, subfolder="unet")
+    torch.manual_seed(18)
+    unet.add_adapter(LoraConfig(r=RANK, lora_alpha=8, alpha_pattern={"attn1.to_q": 2}, target_modules=SD_UNET,
+                                init_lora_weights=False))
+    unet.save_lora_adapter(str(tmp_path / "adapter"))
+    keys = safetensors.torch.load_file(str(tmp_path / "adapter" / "pytorch_lora_weights.safetensors")).keys()
+    assert keys and not any(key.startswith("unet.") for key in keys)
+    sd.pipeline.set_loras([(tmp_path / "adapter", SCALE)])
+
+    def fuse(pipe):
+        pipe.unet.load_lora_adapter(str(tmp_path / "adapter"), prefix=None, use_safetensors=True)
+        pipe.fuse_lora(components=["unet"], lora_scale=SCALE)
+
+    ref = reference(sd, fuse)
+    assert_weights_match(sd, ref)
+    assert_image_matches(sd, ref)
+    sd.pipeline.set_loras([])
+
+
+def test_the_same_file_five_times_adds_up_as_five_fused_adapters(sd, tmp_path):
+    """Valid, as diffusers takes it under five adapter names: the deltas add up (five times at 0.2: once at 1.0)."""
+    lora = write_lora(tmp_path / "lora.safetensors", sd, "kohya", seed=19, alphas=True)
+    sd.pipeline.set_loras([(lora, 1.0)])
+    once = sd.weights()
+    sd.pipeline.set_loras([(lora, 0.2)] * 5)
+    assert all(torch.allclose(once[key], value, rtol=1e-5, atol=1e-6) for key, value in sd.weights().items())
+
+    def fuse(pipe):
+        for index in range(5):
+            pipe.load_lora_weights(str(lora), adapter_name=f"copy{index}")
+        pipe.set_adapters([f"copy{index}" for index in range(5)], adapter_weights=[0.2] * 5)
+        pipe.fuse_lora()
+
+    assert_weights_match(sd, reference(sd, fuse), exact=False)
+    sd.pipeline.set_loras([])
+
+
+@pytest.mark.parametrize("form", ["peft", "kohya"])
+def test_a_lora_of_the_other_architecture_is_refused_before_the_model_loads(sd, xl, form, tmp_path, capsys,
+                                                                            no_loading):
+    """An SDXL LoRA on an SD 1.x model (its text_encoder_2 said first), an SD 1.x LoRA on an SDXL model."""
+    from demo.cli.generate import main
+
+    for model, other, message in [(xl, "tiny", "changes text_encoder_2, which this model has not (a LoRA for another "
+                                               "model?)"),
+                                  (sd, "tiny-xl", "(a LoRA for another model?)")]:
+        lora = write_lora(tmp_path / f"{model.source.name}.safetensors", model, form, seed=20, alphas=True)
+        assert main(["a castle", "--model", other, "--lora", str(lora), "--output-dir", str(tmp_path / "out")]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(f"demo-diffusion: error: LoRA {lora}: ") and line.endswith(message), line
+        assert not (tmp_path / "out").exists()
+
+
 def bad_files(tmp_path):
     """name -> (file, what the one line says)"""
-    def save(name, tensors):
-        safetensors.torch.save_file(tensors, str(tmp_path / name))
+    module = SD_UNET[0]
+
+    def save(name, tensors, metadata=None):
+        safetensors.torch.save_file(tensors, str(tmp_path / name), metadata)
         return tmp_path / name
+
+    def with_config(name, config):
+        return save(name, {f"unet.{module}.lora_A.weight": torch.ones(4, 64),
+                           f"unet.{module}.lora_B.weight": torch.ones(64, 4)},
+                    {"lora_adapter_metadata": json.dumps(config)})
 
     (tmp_path / "text.safetensors").write_text("not a safetensors file")
     (tmp_path / "folder.safetensors").mkdir()
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    whole = with_config("whole.safetensors", {}).read_bytes()
+    (tmp_path / "truncated.safetensors").write_bytes(whole[:-100])
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "pytorch_lora_weights.bin").write_bytes(b"")
     conv = "lora_unet_down_blocks_0_resnets_0_conv1"
     return {
         "missing": (tmp_path / "missing.safetensors", "no such file"),
+        "empty": (tmp_path / "empty.safetensors", "is empty (0 bytes)"),
+        "truncated": (tmp_path / "truncated.safetensors",
+                      f"is truncated: {len(whole) - 100} bytes, where its header describes {len(whole)}"),
         "not safetensors": (tmp_path / "text.safetensors", "is not a safetensors file"),
-        "a folder": (tmp_path / "folder.safetensors", "is a folder"),
+        "a folder": (tmp_path / "folder.safetensors", "is a folder without pytorch_lora_weights.safetensors"),
+        "a folder of a pickle": (tmp_path / "pickled", "holds pytorch_lora_weights.bin, a pickle, not "
+                                                       "pytorch_lora_weights.safetensors"),
         "no LoRA": (save("model.safetensors", {"conv_in.weight": torch.ones(2, 2)}),
-                    "holds keys of no LoRA format known here, such as 'conv_in.weight'"),
+                    "holds keys of no LoRA format known here, such as 'conv_in.weight' (1 in all; known: "
+                    "diffusers/PEFT unet./text_encoder.<module>.lora_A/lora_B"),
         "LoCon mid": (save("locon.safetensors", {f"{conv}.lora_down.weight": torch.ones(4, 32, 3, 3),
                                                  f"{conv}.lora_up.weight": torch.ones(32, 4, 1, 1),
                                                  f"{conv}.lora_mid.weight": torch.ones(4, 4, 3, 3)}), "lora_mid"),
         "half a pair": (save("half.safetensors", {"unet.mid_block.attentions.0.proj_in.lora_A.weight":
                                                   torch.ones(4, 16)}), "has no up weight"),
+        "ranks that differ": (save("pair.safetensors", {f"unet.{module}.lora_A.weight": torch.ones(4, 64),
+                                                        f"unet.{module}.lora_B.weight": torch.ones(64, 5)}),
+                              "down [4, 64] and up [64, 5] are no low-rank pair"),
+        "rank 0": (save("rank0.safetensors", {f"{conv}.lora_down.weight": torch.ones(0, 32, 3, 3),
+                                              f"{conv}.lora_up.weight": torch.ones(32, 0, 1, 1),
+                                              f"{conv}.alpha": torch.tensor(4.0)}),
+                   "down [0, 32, 3, 3] and up [32, 0, 1, 1] have rank 0"),
+        "lora_alpha a string": (with_config("abc.safetensors", {"unet.lora_alpha": "abc"}),
+                                'lora_adapter_metadata unet.lora_alpha must be a finite number, got "abc"'),
+        "lora_alpha null": (with_config("null.safetensors", {"unet.lora_alpha": None}),
+                            "lora_adapter_metadata unet.lora_alpha must be a finite number, got null"),
+        "alpha_pattern no regex": (with_config("paren.safetensors", {"unet.alpha_pattern": {"(": 2}}),
+                                   "lora_adapter_metadata unet.alpha_pattern '(' is not a regular expression"),
+        "alpha_pattern a list": (with_config("list.safetensors", {"unet.alpha_pattern": ["attn1.to_q"]}),
+                                 "lora_adapter_metadata unet.alpha_pattern must be an object of module pattern -> "
+                                 "alpha, got [\"attn1.to_q\"]"),
+        "an alpha_pattern alpha a string": (with_config("value.safetensors", {"unet.alpha_pattern": {"to_q": "2"}}),
+                                            "lora_adapter_metadata unet.alpha_pattern 'to_q' must give a finite "
+                                            'number, got "2"'),
+        "use_rslora a string": (with_config("rslora.safetensors", {"unet.use_rslora": "false"}),
+                                'lora_adapter_metadata unet.use_rslora must be true or false, got "false"'),
+        "a prefix missing beside others": (save("mixed.safetensors", {
+            f"unet.{module}.lora_A.weight": torch.ones(4, 64), f"unet.{module}.lora_B.weight": torch.ones(64, 4),
+            f"{SD_UNET[1]}.lora_A.weight": torch.ones(4, 64), f"{SD_UNET[1]}.lora_B.weight": torch.ones(64, 4)}),
+            f"key '{SD_UNET[1]}.lora_A.weight' has no component prefix (unet., text_encoder., text_encoder_2.) "
+            "while other keys have one"),
+        "a text encoder without its prefix": (save("te.safetensors", {
+            f"text_model.{TEXT[0]}.lora_A.weight": torch.ones(4, 32),
+            f"text_model.{TEXT[0]}.lora_B.weight": torch.ones(32, 4)}),
+            f"unet has no Linear or Conv2d module 'text_model.{TEXT[0]}' (its keys have no component prefix, so they "
+            "are the UNet's: a text encoder's need text_encoder. or text_encoder_2.)"),
         "another model": (save("other.safetensors", {"unet.down_blocks.0.resnets.0.conv1.lora_A.weight":
                                                      torch.ones(4, 16, 3, 3),
                                                      "unet.down_blocks.0.resnets.0.conv1.lora_B.weight":
@@ -408,14 +551,41 @@ def test_demo_takes_repeated_lora_flags(sd, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["not safetensors", "no LoRA", "LoCon mid", "another model",
-                                  "another model's component", "missing"])
+                                  "another model's component", "missing", "empty", "truncated", "a folder",
+                                  "a folder of a pickle", "ranks that differ", "rank 0", "lora_alpha a string",
+                                  "lora_alpha null", "alpha_pattern no regex", "alpha_pattern a list",
+                                  "a prefix missing beside others", "a text encoder without its prefix"])
 def test_demo_refuses_bad_lora_files_in_one_line_before_the_model_loads(case, tmp_path, capsys, no_loading):
     from demo.cli.generate import main
 
     path, message = bad_files(tmp_path)[case]
     assert main(["a castle", "--model", "tiny", "--lora", str(path), "--output-dir", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("demo-diffusion: error: LoRA ") and message in lines[-1]
+    assert lines[-1].startswith(f"demo-diffusion: error: LoRA {path}: ") and message in lines[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_sd_serve_refuses_a_rank_0_lora_in_one_line(tmp_path, capsys):
+    from demo.cli.serve import main
+    from tests.test_serve import free_ports
+
+    path, message = bad_files(tmp_path)["rank 0"]
+    http, grpc, metrics = free_ports(3)
+    assert main(["--model", "tiny", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
+                 str(metrics), "--lora", str(path)]) == 2
+    err = capsys.readouterr().err.split("...\n")[-1]  # after the built-in model's generation, on a cold cache
+    assert err == f"sd-serve: error: LoRA {path}: unet module down_blocks_0_resnets_0_conv1: {message} (a LoRA's " \
+                  "rank is at least 1)\n"
+
+
+def test_demo_says_the_scale_is_wrong_not_the_file(tmp_path, capsys, no_loading):
+    from demo.cli.generate import main
+
+    lora = tmp_path / "a.safetensors"
+    lora.write_bytes(b"")
+    assert main(["a castle", "--lora", f"{lora}:abc", "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"demo-diffusion: error: --lora {lora}:abc: the scale after the last ':' must be a number, got 'abc'")
     assert not (tmp_path / "out").exists()
 
 

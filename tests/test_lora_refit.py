@@ -345,6 +345,25 @@ def test_engines_built_without_refit_refuse_loras_in_one_line(trt, tmp_path, cap
     assert not out.exists()
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"unet.alpha_pattern": {"(": 2}}, "lora_adapter_metadata unet.alpha_pattern '(' is not a regular expression"),
+    ({"unet.lora_alpha": None}, "lora_adapter_metadata unet.lora_alpha must be a finite number, got null")])
+def test_refittable_engines_refuse_a_bad_adapter_config_in_one_line(trt, tmp_path, capsys, no_loading, config,
+                                                                   message):
+    from demo.cli.generate import main
+
+    loras_for(resolve_model("tiny"), tmp_path)
+    lora = tmp_path / "peft.safetensors"
+    safetensors.torch.save_file(safetensors.torch.load_file(str(lora)), str(lora),
+                                {"lora_adapter_metadata": json.dumps(config)})
+    out = tmp_path / "out"
+    assert main(["a castle", "--backend", "tensorrt", "--build-enable-refit", "--lora", str(lora), "--output-dir",
+                 str(out), "--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"demo-diffusion: error: LoRA {lora}: {message}")
+    assert not out.exists() and not (tmp_path / "engine").exists()
+
+
 def test_demo_refits_engines_and_reports_the_time(trt, tmp_path, monkeypatch):
     from demo.cli.generate import main
 

@@ -82,8 +82,16 @@ def test_another_vae_decodes_as_diffusers_does_with_it(tiny, other_vae):
 @pytest.mark.parametrize("make, message", [
     (lambda folder: None, "not a VAE folder"),
     (lambda folder: (folder / "config.json").write_text("{}"), "names class None"),
+    (lambda folder: shutil.copytree(resolve_model("tiny").path / "unet", folder, dirs_exist_ok=True),
+     "its config names UNet2DConditionModel, not an AutoencoderKL"),
+    (lambda folder: shutil.copytree(resolve_model("tiny").path / "vae", folder, dirs_exist_ok=True) and
+     (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                     "latent_channels": 16})),
+     "its latents have 16 channels, model 'tiny''s UNet takes 4"),
 ])
 def test_a_bad_vae_folder_is_one_line(make, message, tiny, tmp_path):
+    """Not a VAE, or a VAE of another family (other latent channels): one line. A VAE of another model with the
+    UNet's latent channels is taken (test above), as diffusers takes it, with its own scaling factor."""
     from core.errors import UsageError
 
     make(tmp_path)

@@ -1,4 +1,5 @@
-"""bench.gpu_report (report-gpus): reports from several GPUs merged into per-workload tables and one chart."""
+"""bench.gpu_report (report-gpus): reports from several GPUs merged into tables and one chart, a table per workload
+and scheduler."""
 
 import json
 from pathlib import Path
@@ -9,15 +10,18 @@ from PIL import Image
 from bench.charts import STAGE_COLOURS
 from bench.gpu_report import main
 from demo.runtime.report import LatencyReport
+from tests.conftest import ROOT
 
-SD15_512 = "sd1.5-arch, 512x512, batch 1, 50 steps"
+# The published rows' configuration (NVIDIA's TensorRT 8.5 demo: 50 steps of its default scheduler, LMSD).
+SD15_512 = "sd1.5-arch, LMSD, 512x512, batch 1, 50 steps"
 PUBLISHED_DEVICES = {"L40", "A10", "A30", "T4", "A100"}
 
 
-def demo_report(path: Path, device: str, backend: str, latency: tuple, size: int = 512) -> Path:
+def demo_report(path: Path, device: str, backend: str, latency: tuple, size: int = 512, scheduler: str = "LMSD",
+                model: str = "sd1.5-arch") -> Path:
     """A report exactly as demo_diffusion writes it."""
-    report = LatencyReport(model="sd1.5-arch", backend=backend, backend_reason="requested", device=device,
-                           precision="fp16", scheduler="PNDM", steps=50, unet_calls=51, guidance_scale=7.5, seed=0,
+    report = LatencyReport(model=model, backend=backend, backend_reason="requested", device=device,
+                           precision="fp16", scheduler=scheduler, steps=50, unet_calls=51, guidance_scale=7.5, seed=0,
                            batch_size=1, height=size, width=size, latent_shape=[1, 4, size // 8, size // 8],
                            latency_ms=dict(zip(("clip", "unet", "vae", "pipeline"), latency)))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +41,7 @@ def reports(tmp_path):
                        (6.07, 1320.75, 21.23, 1351.29))
     a10 = demo_report(tmp_path / "a10" / "sd1.5-arch-seed0.json", "NVIDIA A10", "tensorrt", (5.0, 1700.0, 38.0, 1750.0))
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"rows": [
+    bench.write_text(json.dumps({"scheduler": "LMSD", "rows": [  # once for all rows, as sd-benchmark writes it
         bench_row("NVIDIA H100", "diffusers + compile", (2.5, 420.0, 9.0, 435.0)),
         bench_row("NVIDIA H100", "ours torch", (4.0, 900.0, 20.0, 930.0), size=768),
         bench_row("NVIDIA H100", "tensorrt", (3.0, 1200.0, 30.0, 1240.0), batch_size=4, label_key="backend"),
@@ -79,10 +83,11 @@ def test_rows_grouped_by_workload_fastest_first_with_published_reference(reports
     assert capsys.readouterr().out == markdown
     found = tables(markdown)
     # Mismatched model/size/batch/steps never share a table.
-    assert list(found) == [SD15_512, "sd1.5-arch, 512x512, batch 4, 50 steps", "sd1.5-arch, 768x768, batch 1, 50 steps"]
-    assert [(r["GPU"], r["Backend"]) for r in found["sd1.5-arch, 768x768, batch 1, 50 steps"]] == [
+    assert list(found) == [SD15_512, "sd1.5-arch, LMSD, 512x512, batch 4, 50 steps",
+                           "sd1.5-arch, LMSD, 768x768, batch 1, 50 steps"]
+    assert [(r["GPU"], r["Backend"]) for r in found["sd1.5-arch, LMSD, 768x768, batch 1, 50 steps"]] == [
         ("NVIDIA H100", "ours torch")]
-    assert [(r["GPU"], r["Backend"]) for r in found["sd1.5-arch, 512x512, batch 4, 50 steps"]] == [
+    assert [(r["GPU"], r["Backend"]) for r in found["sd1.5-arch, LMSD, 512x512, batch 4, 50 steps"]] == [
         ("NVIDIA H100", "tensorrt")]
 
     main_table = found[SD15_512]
@@ -106,6 +111,69 @@ def test_rows_grouped_by_workload_fastest_first_with_published_reference(reports
     assert "\n† Published by NVIDIA for demoDiffusion with TensorRT 8.5" in markdown
 
 
+def test_schedulers_never_share_a_table(tmp_path, capsys):
+    ddim = demo_report(tmp_path / "ddim.json", "NVIDIA H200", "torch", (6.0, 350.0, 7.0, 365.0), scheduler="DDIM")
+    pndm = demo_report(tmp_path / "pndm.json", "NVIDIA H200", "torch", (6.0, 352.0, 7.0, 367.0), scheduler="PNDM")
+    rows = tmp_path / "rows.json"
+    own = {**bench_row("NVIDIA H100", "own scheduler", (1.0, 2.0, 3.0, 400.0)), "scheduler": "PNDM"}
+    rows.write_text(json.dumps({"scheduler": "DDIM", "rows": [bench_row("NVIDIA H100", "file's", (1, 2, 3, 410.0)),
+                                                              own]}))
+    unrecorded = tmp_path / "unrecorded.json"
+    unrecorded.write_text(json.dumps({"rows": [bench_row("NVIDIA A10", "unrecorded", (1, 2, 3, 900.0))]}))
+    assert run([ddim, pndm, rows, unrecorded]) == 0
+    found = tables(capsys.readouterr().out)
+    assert {title: [r["Backend"] for r in rows] for title, rows in found.items()} == {
+        "sd1.5-arch, DDIM, 512x512, batch 1, 50 steps": ["torch", "file's"],
+        "sd1.5-arch, PNDM, 512x512, batch 1, 50 steps": ["torch", "own scheduler"],
+        "sd1.5-arch, scheduler not recorded, 512x512, batch 1, 50 steps": ["unrecorded"]}
+
+
+def test_a_measurement_read_without_its_scheduler_is_shown_once(tmp_path, capsys):
+    ddim = demo_report(tmp_path / "ddim.json", "NVIDIA H200", "torch", (6.0, 350.0, 7.0, 365.0), scheduler="DDIM")
+    older = tmp_path / "older.json"  # the same row as a merge that recorded no scheduler wrote it
+    row = {key: value for key, value in json.loads(ddim.read_text()).items() if key != "scheduler"}
+    older.write_text(json.dumps({"rows": [{**row, "label": "torch"}]}))
+    assert run([older, ddim]) == 0
+    found = tables(capsys.readouterr().out)
+    assert {title: [r["Source"] for r in rows] for title, rows in found.items()} == {
+        "sd1.5-arch, DDIM, 512x512, batch 1, 50 steps": [str(ddim)]}
+
+
+def test_published_rows_only_beside_a_measured_row_of_their_configuration(tmp_path, capsys):
+    cpu = demo_report(tmp_path / "cpu" / "tiny-seed0.json", "CPU (x86_64)", "torch", (20.0, 900.0, 80.0, 1000.0),
+                      size=64, model="tiny")
+    ddim = demo_report(tmp_path / "ddim.json", "NVIDIA H200", "torch", (6.0, 350.0, 7.0, 365.0), scheduler="DDIM")
+    for inputs, titles in (([cpu], ["tiny, LMSD, 64x64, batch 1, 50 steps"]),
+                           ([cpu, ddim], ["sd1.5-arch, DDIM, 512x512, batch 1, 50 steps",
+                                          "tiny, LMSD, 64x64, batch 1, 50 steps"])):
+        assert run(inputs, {"md": tmp_path / "gpus.md"}) == 0
+        markdown = (tmp_path / "gpus.md").read_text()
+        assert list(tables(markdown)) == titles and "†" not in markdown, inputs
+    capsys.readouterr()
+    # Published rows read back from a merge count as published: alone they are no table either.
+    only_published = tmp_path / "published.json"
+    assert run([cpu], {"json": only_published}) == 0
+    rows = json.loads(only_published.read_text())["rows"]
+    only_published.write_text(json.dumps({"rows": [{**rows[0], "published": True}]}))
+    assert run([only_published]) == 2
+    assert capsys.readouterr().err == ("report-gpus: error: no measured row among the inputs: published rows are "
+                                       "shown only beside one\n")
+
+
+def test_the_repositorys_results_folder_reports_with_its_other_json_skipped(capsys):
+    results = ROOT / "results"
+    assert run([results]) == 0
+    captured = capsys.readouterr()
+    skipped = captured.err.splitlines()
+    assert f"report-gpus: skipped {results / 'ablation-nvidia-h200.json'}: not a latency report" in captured.err
+    assert all(line.startswith(f"report-gpus: skipped {results}/") and ": not a latency report (" in line
+               for line in skipped), skipped
+    found = tables(captured.out)
+    assert "sd1.5-arch, DDIM, 512x512, batch 1, 50 steps" in found
+    for title, rows in found.items():
+        assert any(r["Source"] != "published †" for r in rows), title
+
+
 def test_chart_is_a_png_with_a_panel_row_per_result(reports, tmp_path):
     out = {"png": tmp_path / "with.png"}
     assert run(reports, out) == 0
@@ -127,25 +195,40 @@ def test_merged_json_reads_back_as_input_without_duplicates(reports, tmp_path):
     assert run(reports, first) == 0
     rows = json.loads(first["json"].read_text())["rows"]
     assert sum(r["published"] for r in rows) == len(PUBLISHED_DEVICES)
-    # The merged rows plus the very reports they came from: every row once, published rows kept.
+    assert {r["scheduler"] for r in rows} == {"LMSD"}
+    # The merged rows plus the very reports they came from: every row once.
     again = {"md": tmp_path / "again.md"}
-    assert run([first["json"], *reports], again, "--no-published") == 0
+    assert run([first["json"], *reports], again) == 0
     assert again["md"].read_text() == first["md"].read_text()
 
 
 def test_no_published_leaves_out_the_reference_rows(reports, tmp_path):
+    merged = tmp_path / "merged.json"
+    assert run(reports, {"json": merged}) == 0
     out = {"md": tmp_path / "gpus.md"}
-    assert run(reports, out, "--no-published") == 0
+    assert run([merged], out, "--no-published") == 0  # the published rows of a merge too
     markdown = out["md"].read_text()
     assert [r["GPU"] for r in tables(markdown)[SD15_512]] == ["NVIDIA H100", "NVIDIA H200", "NVIDIA A10"]
     assert "Published by NVIDIA" not in markdown and "†" not in markdown
 
 
+def ablation_rows(path: Path) -> Path:
+    """Rows that are no latency report: sd-ablation's configurations, which name no device."""
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "scheduler": "DDIM", "rows": [
+        {"label": "none", "unet_calls": 50, "latency_ms": {"clip": 1.0, "unet": 400.0, "vae": 7.0, "pipeline": 410.0},
+         "plugins": []}]}))
+    return path
+
+
 def test_directory_input_skips_json_that_is_no_latency_report(reports, tmp_path, capsys):
-    (reports[0].parent / "bench_plugins.json").write_text(json.dumps({"device": "NVIDIA H200", "results": []}))
-    assert run([reports[0].parent, reports[0]], {"md": tmp_path / "gpus.md"}, "--no-published") == 0
+    folder = reports[0].parent
+    (folder / "bench_plugins.json").write_text(json.dumps({"device": "NVIDIA H200", "results": []}))
+    ablation_rows(folder / "ablation.json")
+    assert run([folder, reports[0]], {"md": tmp_path / "gpus.md"}, "--no-published") == 0
     assert [r["GPU"] for r in tables((tmp_path / "gpus.md").read_text())[SD15_512]] == ["NVIDIA H200"]
-    assert "skipped" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines() == [
+        f"report-gpus: skipped {folder / name}: not a latency report (neither a demo-diffusion report nor rows with "
+        "device and latency_ms)" for name in ("ablation.json", "bench_plugins.json")]
 
 
 def _not_json(d):
@@ -156,6 +239,10 @@ def _not_json(d):
 def _not_a_report(d):
     (d / "bad.json").write_text(json.dumps({"device": "NVIDIA H200", "results": []}))
     return d / "bad.json", "not a latency report"
+
+
+def _ablation(d):
+    return ablation_rows(d / "bad.json"), "not a latency report"
 
 
 def _missing_stage(d):
@@ -182,8 +269,8 @@ def _directory_without_reports(d):
     return d / "empty", "no latency report"
 
 
-@pytest.mark.parametrize("bad_input", [_not_json, _not_a_report, _missing_stage, _row_missing_height, _missing_file,
-                                       _directory_without_reports])
+@pytest.mark.parametrize("bad_input", [_not_json, _not_a_report, _ablation, _missing_stage, _row_missing_height,
+                                       _missing_file, _directory_without_reports])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_input, reports, tmp_path, capsys):
     bad, reason = bad_input(tmp_path)
     out_dir = tmp_path / "out"

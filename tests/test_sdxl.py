@@ -147,7 +147,7 @@ def test_base_then_refiner_matches_diffusers_ensemble_of_experts(tiny_xl, xl_sta
     assert len(base_steps) + len(refiner_steps) == pipeline.unet_calls(6) == 6 and len(refiner_steps) > 0
 
 
-def test_demo_renders_with_the_refiner(tmp_path):
+def test_demo_renders_with_the_refiner(tmp_path, capsys):
     from demo.cli.generate import main
 
     out = tmp_path / "out"
@@ -155,6 +155,12 @@ def test_demo_renders_with_the_refiner(tmp_path):
                  "--output-dir", str(out), "--denoising-steps", "4", "--seed", "4", "--num-warmup-runs", "0"]) == 0
     report = json.loads((out / "tiny-xl-seed4.json").read_text())
     assert report["model"] == "tiny-xl + tiny-xl-refiner" and report["unet_calls"] == 4
+    # What makes the image again, and the time of each model's part.
+    assert report["high_noise_frac"] == 0.5 and 0 < report["refiner_unet_calls"] < 4
+    latency = report["latency_ms"]
+    assert 0 < latency["refiner_unet"] < latency["unet"] and 0 < latency["refiner_clip"] < latency["clip"]
+    table, refined = capsys.readouterr().out, report["refiner_unet_calls"]
+    assert f"UNet x {4 - refined} " in table and f"Refiner x {refined} " in table and "Refiner CLIP" in table
 
 
 @pytest.mark.parametrize("args, message", [
@@ -162,6 +168,8 @@ def test_demo_renders_with_the_refiner(tmp_path):
     (["--model", "tiny-xl", "--refiner", "tiny-xl-refiner", "--high-noise-frac", "1.5"],
      "--high-noise-frac must be between 0 and 1"),
     (["--model", "tiny-xl", "--refiner", "tiny"], "--refiner tiny is not an SDXL model"),
+    (["--model", "tiny-xl", "--refiner", "tiny-xl-inpaint"],
+     "--refiner tiny-xl-inpaint: its UNet takes 9 channels, the base's latents have 4"),
 ])
 def test_refiner_usage_errors(args, message, tmp_path, capsys, no_loading):
     from demo.cli.generate import main

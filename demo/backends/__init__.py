@@ -6,5 +6,6 @@ backend, or the stage."""
 from demo.backends.tensorrt.flavour import FLAVOURS
 
 AUTO = "auto"  # a backend, a plugin set or a compile mode left to what runs best here
-REFERENCE_BACKEND = "torch"  # the backend every other is compared with (compare-backends, INT8 calibration)
-BACKENDS = (AUTO, REFERENCE_BACKEND, *FLAVOURS)  # what a spec's backend may be (registry.REGISTRY: an object each)
+TORCH = "torch"  # the torch backend's name
+REFERENCE_BACKEND = TORCH  # the backend every other is compared with (compare-backends, INT8 calibration)
+BACKENDS = (AUTO, TORCH, *FLAVOURS)  # what a spec's backend may be (registry.REGISTRY: an object each)

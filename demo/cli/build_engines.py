@@ -18,7 +18,7 @@ from pathlib import Path
 from core.atomic import atomic_write_bytes, check_writable_file
 from demo.backends.tensorrt.flavour import FLAVOURS, flavour
 from demo.cli.command import run_command
-from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags
+from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags, summary
 from demo.cli.to_spec import spec_from_flags
 from demo.runtime.spec import PRECISIONS, PipelineSpec
 from models import STAGE_NAMES
@@ -54,7 +54,7 @@ class BuildFlags:
 
 
 def make_parser() -> Parser:
-    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ModelFlags)
     add_flags(p, BuildFlags)
     add_flags(p, EngineFlags, "ONNX and TensorRT engines")
@@ -75,15 +75,17 @@ def build_spec(flags) -> PipelineSpec:
 
 
 def build(flags) -> int:
-    # The runtime loads torch: --help and the flags' own errors answer without it.
-    from demo.runtime.loader import plan_pipeline
-    from demo.runtime.report import precision_name
-
     build_flags = flags[BuildFlags]
     flavour(build_flags.backend)  # a TensorRT flavour: what builds engines
     if build_flags.report:
         check_writable_file("report file", Path(build_flags.report))
-    plan = plan_pipeline(build_spec(flags), runs=False, progress=print)
+    spec = build_spec(flags)
+    spec.check()
+    # The runtime loads torch (seconds): what needs no model is answered above, without it.
+    from demo.runtime.loader import plan_pipeline
+    from demo.runtime.report import precision_name
+
+    plan = plan_pipeline(spec, runs=False, progress=print)  # on stdout, before the table (docs/engines.md)
     start = time.perf_counter()
     stats = plan.build()
     settings = [plan.base.settings_of(model) for model in plan.base.models]

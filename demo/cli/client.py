@@ -6,8 +6,9 @@
     python scripts/client.py "a castle" --input-image photo.png --strength 0.6
     python scripts/client.py "a castle" --input-image photo.png --mask-image mask.png
 
-Bad flags are one line and exit 2; a server that cannot be reached, or that refused or failed the request, one line
-(its own, naming the input it refused) and exit 1.
+Bad flags (a seed outside 0..2**64-1, an output directory that cannot be written, ...) are one line and exit 2, before
+anything is sent; a server that cannot be reached, or that refused or failed the request, one line (its own, naming the
+input it refused) and exit 1.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from core.atomic import write_new_set
+from core.atomic import check_writable_directory, write_new_set
 from core.errors import RunFailure
 from demo.cli.command import run_command
 from demo.cli.flags import DemoFlags, ImageFlags, Parser, RequestFlags, add_flags, flag, parse_flags, same_as
@@ -80,14 +81,16 @@ def save_png(directory: Path, stem: str, image) -> Path:
 
 def run(flags) -> int:
     client_flags, images = flags[ClientFlags], flags[ImageFlags]
-    image = None if images.input_image is None else load_image("image", images.input_image).convert("RGB")
-    mask = None if images.mask_image is None else load_image("mask", images.mask_image)
+    image = None if images.input_image is None else load_image("image", images.input_image)
+    mask = None if images.mask_image is None else load_image("mask", images.mask_image, "L")
     request = Request(**dataclasses.asdict(flags[ClientRequestFlags]), image=image, mask=mask,
                       strength=images.strength)
-    request.check_inputs()  # as the CLI checks them; the server checks the rest
+    request.check_inputs()  # as the CLI checks them (the seed's range: the wire's UINT64 would wrap -1 around)
+    output_dir = Path(flags[OutputFlags].output_dir)
+    check_writable_directory("output directory", output_dir)  # before the server makes the image
     values = {**dataclasses.asdict(request), "seed": request.seed if request.seed is not None else random_seed(),
               "image": None if image is None else np.asarray(image),
-              "mask": None if mask is None else np.asarray(mask.convert("L"))}  # grayscale, as the CLI's is made
+              "mask": None if mask is None else np.asarray(mask)}
     module, client = None, None
     try:
         module, client = connect(client_flags.url, client_flags.protocol)
@@ -97,8 +100,7 @@ def run(flags) -> int:
     finally:
         if client is not None:
             client.close()
-    path = save_png(Path(flags[OutputFlags].output_dir), f"{MODEL_NAMES[mode_of(values)]}-seed{values['seed']}",
-                    pixels)
+    path = save_png(output_dir, f"{MODEL_NAMES[mode_of(values)]}-seed{values['seed']}", pixels)
     print(f"saved {path} ({pixels.shape[1]}x{pixels.shape[0]}, seed {values['seed']}, ran in a batch of {batch_size})")
     return 0
 

@@ -1,5 +1,5 @@
-"""Compare a TensorRT backend with the torch backend on one GPU: per stage on identical inputs, and the
-whole pipeline with the same seed and scheduler.
+"""Compare a TensorRT backend with the torch backend on one GPU: per stage on identical inputs, and the whole
+pipeline with the same seed and scheduler.
 
     compare-backends --model sd1.5-arch --backend tensorrt --json out.json
 
@@ -16,10 +16,11 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.atomic import atomic_write_bytes
+from core.atomic import atomic_write_bytes, check_writable_file
 from core.errors import UsageError, field
+from demo.backends.tensorrt.flavour import FLAVOURS
 from demo.cli.command import run_command
-from demo.cli.flags import EngineFlags, ModelFlags, Parser, RequestFlags, add_flags, flag, parse_flags
+from demo.cli.flags import EngineFlags, ModelFlags, Parser, RequestFlags, add_flags, flag, parse_flags, summary
 from demo.cli.to_spec import request_from_flags, spec_from_flags
 from demo.request import TEXT_TO_IMAGE
 
@@ -33,7 +34,7 @@ class CompareFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ModelFlags)
     add_flags(p, RequestFlags)
     add_flags(p, CompareFlags)
@@ -42,23 +43,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(flags) -> int:
-    # The runtime loads torch: --help and the flags' own errors answer without it.
+    compare_flags = flags[CompareFlags]
+    if compare_flags.backend not in FLAVOURS:
+        raise UsageError(f"{field('backend')} must name a TensorRT flavour to compare with torch ({', '.join(FLAVOURS)}"
+                         f"), got '{compare_flags.backend}'")
+    if compare_flags.json:
+        check_writable_file("--json", Path(compare_flags.json))
+    request = request_from_flags(flags)
+    spec = spec_from_flags(flags, backend=compare_flags.backend, batch_size=request.batch_size, modes=(TEXT_TO_IMAGE,))
+    spec.check()
+    request.check_inputs()
+    # The runtime loads torch (seconds): what needs no model is answered above, without it.
     import numpy as np
     import torch
 
-    from demo.backends.registry import REFERENCE
     from demo.pipelines import image_psnr, to_uint8
     from demo.runtime.loader import plan_pipeline
     from demo.runtime.report import precision_name
     from demo.runtime.spec import reference_spec
     from models.stages import stage_batch
 
-    compare_flags = flags[CompareFlags]
-    request = request_from_flags(flags)
-    spec = spec_from_flags(flags, backend=compare_flags.backend, batch_size=request.batch_size, modes=(TEXT_TO_IMAGE,))
     plan = plan_pipeline(spec, request=request)
-    if plan.backend is REFERENCE:
-        raise UsageError(f"{field('backend')} must name a TensorRT flavour to compare with torch")
     request, device = plan.request, plan.device
     reference = plan_pipeline(replace(reference_spec(plan.spec), precision=precision_name(plan.dtype)), request=request)
     with reference.load() as torch_pipeline, plan.load() as engine_pipeline:

@@ -20,7 +20,8 @@ from core.artifacts import artifact_bytes
 from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
 from demo.cli.build_engines import BuildFlags
 from demo.cli.command import run_command
-from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags, same_as
+from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags, same_as, summary
+from models import check_stage_names
 from plugins.contract import PLUGIN_KEYS
 
 PROG = "export-onnx"
@@ -37,23 +38,13 @@ class ExportFlags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = Parser(prog=PROG, description=summary(__doc__))
     add_flags(parser, ModelFlags)
     add_flags(parser, ExportFlags)
     return run_command(PROG, lambda: export(parse_flags(parser, argv)))
 
 
 def export(flags) -> int:
-    # Models and the passes load torch: --help and the flags' own errors answer without it.
-    import torch
-
-    from demo.runtime.logs import configure_library_logging
-    from models import check_stage_names
-    from models.plugin_passes import format_report_line, read_pass_report
-    from models.plugin_set import parse_plugin_set
-    from models.source import resolve_model
-    from models.stages import STAGE_MODELS, check_model_stages, text_to_image_stages
-
     model, export_flags = flags[ModelFlags], flags[ExportFlags]
     stages = [name for name in (export_flags.stages or "").split(",") if name]
     if export_flags.stages is not None:
@@ -61,6 +52,15 @@ def export(flags) -> int:
     check_writable_directory("ONNX directory", Path(export_flags.onnx_dir))
     if export_flags.report_json:
         check_writable_file("--report-json", Path(export_flags.report_json))
+    # Models and the passes load torch (seconds): the flags' own errors are answered above, without it.
+    import torch
+
+    from demo.runtime.logs import configure_library_logging
+    from models.plugin_passes import format_report_line, read_pass_report
+    from models.plugin_set import parse_plugin_set
+    from models.source import resolve_model
+    from models.stages import STAGE_MODELS, check_model_stages, text_to_image_stages
+
     configure_library_logging(model.verbose)
     source = resolve_model(model.model, vae=model.vae)
     check_model_stages(source, stages)

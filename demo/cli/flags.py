@@ -44,6 +44,11 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def summary(doc: str) -> str:
+    """A command's --help description: the first paragraph of its module docstring, whole."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 def flag(help: str | Callable[[], str], default: Any = None, *, name: str | None = None, metavar: str | None = None,
          choices: tuple | None = None, positional: bool = False, repeatable: bool = False) -> Any:
     """A dataclass field that declares its flag: `--field-name` unless `name` says otherwise; booleans that
@@ -157,9 +162,10 @@ class TorchFlags:
 
 @dataclass(frozen=True)
 class LoraFlags:
-    lora: tuple[str, ...] | None = flag("fuse this LoRA file (.safetensors: diffusers/PEFT or kohya keys) into the "
-                                        "UNet and text encoders, its delta times SCALE (default 1.0); repeatable, the "
-                                        "deltas add up; engines take it by refit, with --build-enable-refit",
+    lora: tuple[str, ...] | None = flag("fuse this LoRA (a .safetensors file of diffusers/PEFT or kohya keys, or a "
+                                        "diffusers LoRA folder) into the UNet and text encoders, its delta times SCALE "
+                                        "(default 1.0); repeatable, the deltas add up; engines take it by refit, with "
+                                        "--build-enable-refit",
                                         metavar="PATH[:SCALE]", repeatable=True)
 
 

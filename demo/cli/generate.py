@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from core.atomic import check_writable_directory, write_new_set
-from core.errors import RunFailure, at_least
+from core.errors import RunFailure, at_least, render_fields
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
     SHARED_ENGINE_FLAGS,
@@ -79,20 +79,22 @@ def save_outputs(directory: Path, stem: str, images, report) -> list[Path]:
 
 
 def run(flags) -> int:
-    # The runtime loads torch: --help and the flags' own errors answer without it.
-    from tqdm import tqdm
-
-    from demo.runtime.loader import plan_pipeline, to_stderr
-
     demo, images = flags[DemoFlags], flags[ImageFlags]
     at_least("num_warmup_runs", demo.num_warmup_runs, 0)
     check_writable_directory("output directory", Path(demo.output_dir))  # made when the images are saved
     request = request_from_flags(flags)
     spec = spec_from_flags(flags, batch_size=request.batch_size)
+    spec.check()
+    request.check_inputs()
+    # The runtime loads torch (seconds): what needs no model is answered above, without it.
+    from tqdm import tqdm
+
+    from demo.runtime.loader import plan_pipeline, to_stderr
+
     plan = plan_pipeline(spec, request=request)
     request = plan.request
-    if plan.unused:
-        to_stderr(f"note: {', '.join(map(flag_name, plan.unused))} unused by the {plan.backend.name} backend")
+    for note in plan.notes + request.unused():
+        to_stderr(f"note: {render_fields(note, flag_name)}")
     plan.log(f"[{PROG}] model {plan.source.name} ({plan.source.path}), backend {plan.backend.name} "
              f"({plan.backend_reason}), {plan.device} {plan.dtype}")
     if plan.base.reason:  # where the backend's settings came from, where it says

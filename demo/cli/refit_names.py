@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from demo.cli.flags import summary
 from plugins.contract import CONVENTIONS
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("engine", type=Path, help="a refittable engine (built with --build-enable-refit)")
     parser.add_argument("onnx", type=Path, help="the optimized ONNX it was built from (its .provenance.json beside)")
     parser.add_argument("--backend", default="tensorrt", help="TensorRT flavour (default: %(default)s)")

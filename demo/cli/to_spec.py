@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from core.errors import UsageError, field
 from demo.backends.tensorrt.options import EngineOptions
@@ -32,14 +33,19 @@ def options_of(flags, options_type: type):
 
 
 def parse_lora_spec(text: str) -> tuple[str, float]:
-    """--lora's PATH[:SCALE] as (path, scale); no number after the last colon: all of it is the path, at scale 1."""
+    """--lora's PATH[:SCALE] as (path, scale). A path may hold colons: the whole text is the path where it exists, or
+    where what follows the last colon is no number and what precedes it does not exist either (read_lora then names it
+    missing); a UsageError where what precedes the last colon exists and what follows is not a finite number."""
     path, colon, tail = text.rpartition(":")
-    try:
-        scale = float(tail) if colon else None
-    except ValueError:
-        scale = None
-    if scale is None:
+    if not colon or Path(text).exists():
         return text, 1.0
+    try:
+        scale = float(tail)
+    except ValueError:
+        if Path(path).exists():
+            raise UsageError(f"{field('loras')} {text}: the scale after the last ':' must be a number, got "
+                             f"'{tail}'") from None
+        return text, 1.0  # no such file either way: the whole text is named as missing
     if not math.isfinite(scale):
         raise UsageError(f"{field('loras')} {text}: the scale must be a finite number, got {tail}")
     return path, scale
@@ -76,6 +82,6 @@ def request_from_flags(flags: Flags) -> Request:
     if ImageFlags not in flags:
         return request
     images = flags[ImageFlags]
-    image = None if images.input_image is None else load_image("image", images.input_image).convert("RGB")
-    mask = None if images.mask_image is None else load_image("mask", images.mask_image)
+    image = None if images.input_image is None else load_image("image", images.input_image)
+    mask = None if images.mask_image is None else load_image("mask", images.mask_image, "L")
     return dataclasses.replace(request, image=image, mask=mask, strength=images.strength)

@@ -12,7 +12,7 @@ from models.lora import COMPONENTS, LoraFile, read_lora
 if TYPE_CHECKING:
     from demo.backends.base import LoraApplier, Stage
 
-LoraSpec = tuple[str | Path | LoraFile, float]  # a file (or what read_lora read from it) and its scale
+LoraSpec = tuple[str | Path | LoraFile, float]  # a file or LoRA folder (or what read_lora read from it), its scale
 
 
 class StageLoras:

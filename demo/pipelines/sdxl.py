@@ -59,6 +59,9 @@ class SDXLPipeline(Text2ImagePipeline):
         return torch.tensor(rows, device=self.device)
 
 
+REFINER_CLIP, REFINER_UNET = "refiner_clip", "refiner_unet"  # the refiner's part of the "clip" and "unet" times
+
+
 class ExpertsPipeline:
     """SDXL base then refiner, an ensemble of experts as diffusers runs it (denoising_end, then denoising_start):
     the base denoises the high-noise timesteps (down to `high_noise_frac` of the way), the refiner the rest from
@@ -81,8 +84,12 @@ class ExpertsPipeline:
 
     def unet_calls(self, steps: int, strength: float = 1.0) -> int:
         """As Text2ImagePipeline.unet_calls (an ensemble runs text-to-image only: `strength` is 1)."""
+        return sum(self.unet_calls_each(steps))
+
+    def unet_calls_each(self, steps: int) -> tuple[int, int]:
+        """The base's UNet calls and the refiner's."""
         base, refiner, _ = self.split(steps)
-        return len(base) + len(refiner)
+        return len(base), len(refiner)
 
     def set_loras(self, loras: Sequence[LoraSpec]) -> float | None:
         """The base's: a LoRA is made for one UNet (the refiner's differs)."""
@@ -97,9 +104,11 @@ class ExpertsPipeline:
         self.base.prepare(batch)
         self.refiner.prepare(batch)
         with timer.measure("pipeline"):
+            # "clip" and "unet" time both models' stages, REFINER_CLIP and REFINER_UNET the refiner's part of them.
             with timer.measure("clip"):
                 base_conditioning = self.base.encode_prompt(batch)
-                refiner_conditioning = self.refiner.encode_prompt(batch)
+                with timer.measure(REFINER_CLIP):
+                    refiner_conditioning = self.refiner.encode_prompt(batch)
             generator = batch.generator()
             base_steps, refiner_steps, start = self.split(batch.head.denoising_steps)
             latents = self.base.prepare_latents(batch, generator, base_steps)
@@ -107,8 +116,9 @@ class ExpertsPipeline:
                 latents = self.base.denoise(batch, latents, base_conditioning, generator, base_steps, progress)
                 if hasattr(self.refiner.scheduler, "set_begin_index"):
                     self.refiner.scheduler.set_begin_index(start)
-                latents = self.refiner.denoise(batch, latents, refiner_conditioning, generator, refiner_steps,
-                                               progress)
+                with timer.measure(REFINER_UNET):
+                    latents = self.refiner.denoise(batch, latents, refiner_conditioning, generator, refiner_steps,
+                                                   progress)
             with timer.measure("vae"):
                 images = self.refiner.decode(latents)
             if pixels:

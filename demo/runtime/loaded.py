@@ -151,6 +151,12 @@ class Pipeline:
         self._use_scheduler(family, request.scheduler)
         return family.unet_calls(request.denoising_steps, 1.0 if request.strength is None else request.strength)
 
+    def refiner_unet_calls(self, request: Request) -> int:
+        """The refiner's part of unet_calls (a pipeline with a refiner)."""
+        family = self.family(request.mode)
+        self._use_scheduler(family, request.scheduler)
+        return family.unet_calls_each(request.denoising_steps)[1]
+
     def dropped_text(self, text: str) -> str | None:
         """What of `text` the text encoder's token limit cuts off (None: all of it fits)."""
         return next(iter(self.families.values())).dropped_text(text)
@@ -181,6 +187,8 @@ class Pipeline:
             latency_ms=timer.milliseconds(), versions=library_versions(self.backend),
             plugins=list(described.plugins), options=list(described.options), options_reason=plan.base.reason,
             strength=None if request.mode == TEXT_TO_IMAGE else request.strength,
+            high_noise_frac=None if plan.refiner is None else plan.spec.high_noise_frac,
+            refiner_unet_calls=None if plan.refiner is None else self.refiner_unet_calls(request),
             loras=[{"path": lora.path, "scale": scale} for lora, scale in self.loras],
             lora_refit_ms=self.lora_refit_ms)
 

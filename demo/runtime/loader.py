@@ -27,7 +27,7 @@ from demo.runtime.calibrate import calibration_spec, record_unet_activations
 from demo.runtime.loaded import Pipeline
 from demo.runtime.logs import configure_library_logging
 from demo.runtime.memory import check_memory
-from demo.runtime.spec import PipelineSpec
+from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from demo.schedulers import check_steps, make_scheduler
 from models.base import StageModel
 from models.lora import LoraFile, check_loras, model_targets, read_lora
@@ -73,7 +73,7 @@ class PipelinePlan:
     base: StagePlan
     refiner: StagePlan | None
     loras: list[tuple[LoraFile, float]]
-    unused: list[str]  # the spec's fields set away from their defaults that this backend does not use
+    notes: list[str]  # what the spec sets that this pipeline does not use, each naming fields (core.errors.field)
     log: Log
     progress: Log
     request: Request | None = None  # the one request the plan was sized for (plan_pipeline), resolved
@@ -88,8 +88,8 @@ class PipelinePlan:
         defaults = {"scheduler": self.spec.scheduler}
         if request.image is None:
             defaults.update(height=self.spec.height, width=self.spec.width)
-        request = replace(request, **{name: getattr(request, name) or value for name, value in defaults.items()})
-        return request.resolved(self.source)
+        left_out = {name: value for name, value in defaults.items() if getattr(request, name) is None}
+        return replace(request, **left_out).resolved(self.source)
 
     def check(self, request: Request) -> None:
         """A UsageError where the loaded pipeline cannot run a resolved request: the request's own checks against the
@@ -132,14 +132,13 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
         backend.check_loras(spec_options(spec, backend))
     loras = [(read_lora(path), scale) for path, scale in spec.loras]
     source = resolve_model(spec.model, vae=spec.vae)
-    if spec.scheduler is not None:
-        make_scheduler(spec.scheduler, source)  # a name it has
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = backend.default_dtype(device) if spec.precision == "auto" else DTYPES[spec.precision]
     if request is not None:
         request = replace(request, scheduler=request.scheduler or spec.scheduler).resolved(source)
         request.check(source)
-        spec = replace(spec, height=spec.height or request.height, width=spec.width or request.width,
+        spec = replace(spec, height=request.height if spec.height is None else spec.height,
+                       width=request.width if spec.width is None else spec.width,
                        modes=spec.modes or (request.mode,))
     modes = spec.modes or (modes_of(source) if runs else (TEXT_TO_IMAGE,))
     for mode in modes if runs else ():
@@ -149,7 +148,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
         check_steps(make_scheduler(request.scheduler, refiner), request.scheduler, request.denoising_steps)
     if loras:
         check_loras(loras, model_targets(source))
-    height, width = spec.height or source.native_image_size, spec.width or source.native_image_size
+    height, width = (source.native_image_size if value is None else value for value in (spec.height, spec.width))
     check_image_size(source, height, width)
     workload = Workload(spec.batch_size, height, width, spec.guided, spec.max_batch_size)
     if runs:
@@ -166,7 +165,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
         refiner_plan = stage_plan(backend, replace(spec, engine=engine, stage_overrides=()), refiner,
                                   text_to_image_stages(refiner), workload, device, dtype, record)
     return PipelinePlan(spec, backend, reason, device, dtype, tuple(modes), base, refiner_plan, loras,
-                        unused_fields(spec, backend), log, progress, request)
+                        unused_notes(spec, backend), log, progress, request)
 
 
 def load_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, log: Log | None = None,
@@ -192,6 +191,10 @@ def resolve_refiner(spec: PipelineSpec, source: ModelSource, modes) -> ModelSour
     if not refiner.is_xl or "text_encoder_2" not in refiner.components:
         raise UsageError(f"{field('refiner')} {spec.refiner} is not an SDXL model (its model_index.json names "
                          f"{refiner.index.get('_class_name')})")
+    channels = refiner.config("unet")["in_channels"]
+    if refiner.inpainting or channels != source.latent_channels:  # it takes the base's latents alone
+        raise UsageError(f"{field('refiner')} {spec.refiner}: its UNet takes {channels} channels, the base's latents "
+                         f"have {source.latent_channels}; a refiner denoises latents alone (not an inpainting model)")
     return refiner
 
 
@@ -230,14 +233,15 @@ def stage_plan(backend: Backend, spec: PipelineSpec, source: ModelSource, names,
     return StagePlan(source, [STAGE_MODELS[name](source) for name in names], settings, reason)
 
 
-def unused_fields(spec: PipelineSpec, backend: Backend) -> list[str]:
-    """The fields of the spec's options for other backends that are set away from their defaults."""
-    unused = []
-    for options in (spec.engine, spec.torch):
-        if not isinstance(options, backend.options_type):
-            unused += [item.name for item in dataclasses.fields(options)
-                       if getattr(options, item.name) != item.default]
-    return unused
+def unused_notes(spec: PipelineSpec, backend: Backend) -> list[str]:
+    """What the spec sets away from its defaults that this pipeline does not use: the options of other backends, a
+    refiner's split without a refiner."""
+    unused = [item.name for options in (spec.engine, spec.torch) if not isinstance(options, backend.options_type)
+              for item in dataclasses.fields(options) if getattr(options, item.name) != item.default]
+    notes = [f"{', '.join(map(field, unused))} unused by the {backend.name} backend"] if unused else []
+    if spec.refiner is None and spec.high_noise_frac != DEFAULT_HIGH_NOISE_FRAC:
+        notes.append(f"{field('high_noise_frac')} unused without {field('refiner')}")
+    return notes
 
 
 def activation_recorder(spec: PipelineSpec, device: torch.device):

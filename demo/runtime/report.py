@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from demo.backends.base import Backend
+from demo.pipelines.sdxl import REFINER_CLIP, REFINER_UNET
 
 
 @dataclass
@@ -38,6 +39,8 @@ class LatencyReport:
     input_image: str | None = None  # image-to-image and inpainting: the files given, and the strength
     mask_image: str | None = None
     strength: float | None = None
+    high_noise_frac: float | None = None  # with an SDXL refiner: the part of the schedule the base denoised
+    refiner_unet_calls: int | None = None  # with a refiner: its part of unet_calls (latency_ms splits the same way)
     loras: list[dict] = field(default_factory=list)  # the LoRA files fused in: path and scale each
     lora_refit_ms: float | None = None  # engines: how long refitting them for the LoRAs took (None: no refit)
     images: list[str] = field(default_factory=list)
@@ -48,10 +51,17 @@ class LatencyReport:
         return self.batch_size / (self.latency_ms["pipeline"] / 1e3)
 
     def table(self) -> str:
-        rows = [("CLIP", self.latency_ms["clip"])]
-        if "vae_encoder" in self.latency_ms:  # image-to-image and inpainting
-            rows.append(("VAE-Enc", self.latency_ms["vae_encoder"]))
-        rows += [(f"UNet x {self.unet_calls}", self.latency_ms["unet"]), ("VAE-Dec", self.latency_ms["vae"])]
+        ms = self.latency_ms
+        refiner = {REFINER_CLIP: ms.get(REFINER_CLIP, 0.0), REFINER_UNET: ms.get(REFINER_UNET, 0.0)}
+        rows = [("CLIP", ms["clip"] - refiner[REFINER_CLIP])]
+        if REFINER_CLIP in ms:
+            rows.append(("Refiner CLIP", refiner[REFINER_CLIP]))
+        if "vae_encoder" in ms:  # image-to-image and inpainting
+            rows.append(("VAE-Enc", ms["vae_encoder"]))
+        rows.append((f"UNet x {self.unet_calls - (self.refiner_unet_calls or 0)}", ms["unet"] - refiner[REFINER_UNET]))
+        if REFINER_UNET in ms:
+            rows.append((f"Refiner x {self.refiner_unet_calls}", refiner[REFINER_UNET]))
+        rows.append(("VAE-Dec", ms["vae"]))
         line = "|-----------------|--------------|"
         out = [line, "|     Module      |   Latency    |", line]
         out += [f"| {name:^15} | {ms:9.2f} ms |" for name, ms in rows]

@@ -12,6 +12,7 @@ from demo.backends import AUTO, BACKENDS, REFERENCE_BACKEND
 from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import TorchOptions
 from demo.request import MODES
+from demo.schedulers import scheduler_named
 from models import check_stage_names
 
 PRECISIONS = ("auto", "fp16", "fp32")  # auto: the backend's own (engines fp16; torch fp16 on a GPU, fp32 on a CPU)
@@ -62,6 +63,8 @@ class PipelineSpec:
             raise UsageError(f"unknown backend '{self.backend}'; choose one of {', '.join(BACKENDS)}")
         if self.precision not in PRECISIONS:
             raise UsageError(f"{field('precision')} must be one of {', '.join(PRECISIONS)}, got '{self.precision}'")
+        if self.scheduler is not None:
+            scheduler_named(self.scheduler)
         at_least("batch_size", self.batch_size, 1)
         if self.max_batch_size is not None:
             at_least("max_batch_size", self.max_batch_size, 1)

@@ -3,18 +3,21 @@ back. The command that writes the images as PNGs is demo.cli.client (scripts/cli
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
-from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAMES, inputs_of
+from demo.serve.schema import BATCH_SIZE, IMAGE, MODEL_NAMES, inputs_of
 
 PROTOCOLS = ("http", "grpc")
 
 
 class ServeError(Exception):
-    """The server answered a request with an error (the message is its one line) or could not be reached."""
+    """The server answered a request with an error (the message is its one line) or could not be reached. `status`:
+    the server's HTTP status ("400") or gRPC code ("StatusCode.INVALID_ARGUMENT"), None where it did not answer."""
+
+    def __init__(self, message: str, status: str | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def connect(url: str, protocol: str = "http", concurrency: int = 1):
@@ -51,10 +54,10 @@ def request_inputs(module, values: dict, mode: str) -> list:
 
 
 def server_message(exc: Exception) -> str:
-    """The one line a failed request's error carries: Triton wraps the server's message in a traceback."""
-    text = str(exc.message() if hasattr(exc, "message") and callable(exc.message) else exc)
-    found = re.findall(r"RequestFailed: (.+)", text)
-    return found[-1].strip() if found else (text.strip().splitlines() or [type(exc).__name__])[0]
+    """The first line of the server's answer: sd-serve's errors are one line; Triton's own (a wrong type or shape) may
+    run on."""
+    text = str(exc.message() if callable(getattr(exc, "message", None)) else exc)
+    return (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
 def mode_of(values: dict) -> str:
@@ -66,16 +69,14 @@ def mode_of(values: dict) -> str:
 
 def generate(module, client, values: dict):
     """(image HxWx3 uint8, the number of requests its pipeline call ran) for one request, from the model its fields
-    ask for (mode_of); ServeError with the server's one line where it failed."""
+    ask for (mode_of); ServeError with the server's one line and status where it failed."""
     mode = mode_of(values)
-    outputs = [module.InferRequestedOutput(name) for name in (IMAGE, BATCH_SIZE, ERROR)]
+    outputs = [module.InferRequestedOutput(name) for name in (IMAGE, BATCH_SIZE)]
     try:
         result = client.infer(MODEL_NAMES[mode], request_inputs(module, values, mode), outputs=outputs)
     except OSError as exc:  # HTTP: nothing listening, the connection dropped
         raise ServeError(f"cannot reach the server: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 -- tritonclient's InferenceServerException: what the server answered
-        raise ServeError(server_message(exc)) from None
-    error = result.as_numpy(ERROR).reshape(-1)[0].decode()
-    if error:
-        raise ServeError(error)
+        status = exc.status() if callable(getattr(exc, "status", None)) else None
+        raise ServeError(server_message(exc), None if status is None else str(status)) from None
     return result.as_numpy(IMAGE)[0], int(result.as_numpy(BATCH_SIZE).reshape(-1)[0])

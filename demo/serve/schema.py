@@ -43,9 +43,12 @@ INPUTS = (
     Input("strength", np.float32, "strength", modes=IMAGE_MODES),
 )
 INPUT_OF_FIELD = {item.field: item.name for item in INPUTS}
-# Outputs: the image, HxWx3 8-bit RGB; how many requests its pipeline call ran (1: alone); and where its batch went
-# on without it, why it failed (else empty): PyTriton 0.7 fails a batch only whole (see docs/serving.md).
-IMAGE, BATCH_SIZE, ERROR = "image", "batch_size", "error"
+# Outputs: the image, HxWx3 8-bit RGB, and how many requests its pipeline call ran (1: alone).
+IMAGE, BATCH_SIZE = "image", "batch_size"
+# A failed request's answer, beside placeholder outputs: the one line, and the Triton error code that triton_model.py
+# answers it with instead of the outputs (no output declares them, so no client ever receives them as such).
+ERROR, ERROR_CODE = "error", "error_code"
+BAD_REQUEST, FAILED, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "UNAVAILABLE"  # HTTP 400, 500, 503
 
 
 def inputs_of(mode: str) -> tuple[Input, ...]:

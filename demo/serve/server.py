@@ -3,58 +3,66 @@ Inference Server (PyTriton), models txt2img, img2img and inpaint (those the mode
 device, each in a process of its own (workers.py), requests batched dynamically. The command is demo.cli.serve.
 
 Everything is prepared (engines built or loaded, LoRAs fused, graphs captured and compiled at every batch size) before
-Triton starts, so /v2/health/ready answers only then. SIGTERM or SIGINT: new requests are refused, those in flight
-finish, the process exits 143 / 130 within 30 s. Needs the `serve` extra (docs/serving.md).
+Triton starts, so /v2/health/ready answers only then. Each request is answered on its own: its image, or Triton's error
+with one line (400 for a bad request, 500 for a failed run, 503 while stopping; triton_model.py). SIGTERM or SIGINT:
+new requests are refused, those in flight finish (or fail once drain_seconds are up), the process exits 143 / 130.
+Needs the `serve` extra (docs/serving.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import http.client
 import itertools
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from PIL import Image
 
-from core.errors import RunFailure, UsageError, at_least, field
+from core.errors import RunFailure, UsageError, field, render_fields
 from demo.request import INPAINTING, TEXT_TO_IMAGE, Request
 from demo.runtime.loader import load_pipeline, plan_pipeline, to_stderr
 from demo.runtime.spec import PipelineSpec
 from demo.serve.batching import ServedPipeline, run_requests
-from demo.serve.schema import BATCH_SIZE, ERROR, IMAGE, MODEL_NAMES, RequestRejected, inputs_of, parse_request
+from demo.serve.options import PORTS, ServeOptions, check_servable
+from demo.serve.schema import (
+    BAD_REQUEST,
+    BATCH_SIZE,
+    ERROR,
+    ERROR_CODE,
+    FAILED,
+    IMAGE,
+    MODEL_NAMES,
+    UNAVAILABLE,
+    RequestRejected,
+    inputs_of,
+    parse_request,
+)
 from demo.serve.workers import SERVER_SWITCH_INTERVAL_S, WorkerPool, start_workers
 
 PROG = "sd-serve"
-# Triton waits this long for requests in flight at a stop, so that with its own exit the process is gone in 30 s.
-DRAIN_SECONDS = 20
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """How the server listens and batches (the spec says what it serves)."""
-
-    gpus: str | None = None  # e.g. "0,1" (None: every GPU; the CPU where there is none)
-    host: str = "127.0.0.1"  # this machine only
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    # 0: a pipeline call takes hundreds of ms, so under load requests queue (and batch) while the pipelines run;
-    # a delay would add only latency, to a request that finds a pipeline idle (H100, 2026-11-26).
-    max_queue_delay_ms: float = 0.0
-    verbose: bool = False
+# Stopping, Triton waits this long for clients to close their HTTP connections (idle keep-alive ones too), every
+# request being answered by then, while the models unload (stop_triton): 2.3 s for three on the 2-core CPU machine.
+TRITON_EXIT_TIMEOUT_S = 5
+# A pipeline call's answer once its process is ended (a drain cut short).
+CUT_OFF_TIMEOUT_S = 10
 
 
 def serving_devices(text: str | None) -> list[torch.device]:
@@ -74,31 +82,71 @@ def serving_devices(text: str | None) -> list[torch.device]:
     return [torch.device("cuda", i) for i in ids]
 
 
-def check_servable(spec: PipelineSpec, options: ServeOptions) -> None:
-    """A UsageError for what a server cannot serve: requests are batched dynamically, so engines need a batch range."""
-    at_least("max_batch_size", spec.max_batch_size, 1)
-    at_least("batch_size", spec.batch_size, 1)
-    if spec.batch_size > spec.max_batch_size:
-        raise UsageError(f"{field('batch_size')} must be at most {field('max_batch_size')} ({spec.max_batch_size}), "
-                         f"got {spec.batch_size}")
-    at_least("max_queue_delay_ms", options.max_queue_delay_ms, 0)
-    if spec.engine.build_static_batch or spec.use_cuda_graph:
-        raise UsageError(f"sd-serve batches requests dynamically: engines need a batch range; drop "
-                         f"{field('build_static_batch')} and {field('use_cuda_graph')}")
+def port_lock_path(port: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"sd-serve-port-{port}.lock"
+
+
+@contextlib.contextmanager
+def claim_ports(options: ServeOptions) -> Iterator[None]:
+    """Within: this process's claim on its ports, an exclusive lock per port in the temporary folder, which the system
+    releases however the process ends. Two servers started together on the same ports each found them free, prepared,
+    and then the second one's PyTriton took the first one's Triton for its own (and unloaded its models at exit);
+    now the second one is refused here, before anything loads. Then check_ports_free, for other programs."""
+    with contextlib.ExitStack() as stack:
+        for name in PORTS:
+            port = getattr(options, name)
+            if not stack.enter_context(port_lock(port_lock_path(port))):
+                raise UsageError(f"{field(name)} {port}: another sd-serve on this machine has it")
+        check_ports_free(options)
+        yield
+
+
+@contextlib.contextmanager
+def port_lock(path: Path) -> Iterator[bool]:
+    """Within: whether this process holds the lock file `path` (False: another one does). The file is removed at the
+    end, so that ports once served leave no files behind; a lock taken on a file that was removed meanwhile is taken
+    again on the new one. Read-only, and created only where missing: a lock file another user made stays usable (flock
+    needs no write access, and a sticky /tmp may refuse O_CREAT on others' files)."""
+    while True:
+        try:
+            try:
+                descriptor = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UsageError(f"cannot open the port lock {path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            yield False
+            return
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(descriptor).st_ino:
+            break
+        os.close(descriptor)  # its holder removed it as we opened it
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still locked: whoever opened it meanwhile sees it gone, and takes a new one
+        os.close(descriptor)
 
 
 def check_ports_free(options: ServeOptions) -> None:
     """A UsageError now for an address or port Triton could not listen on, rather than its timeout later."""
-    ports = {field(name): getattr(options, name) for name in ("http_port", "grpc_port", "metrics_port")}
-    if len(set(ports.values())) != len(ports):
-        raise UsageError(f"the ports must differ, got {', '.join(f'{k} {v}' for k, v in ports.items())}")
-    for option, port in ports.items():
+    for name in PORTS:
+        port = getattr(options, name)
         with socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton binds
             try:
                 probe.bind((options.host, port))
             except OSError as exc:
-                raise UsageError(f"{option} {port} on {options.host}: cannot listen ({exc.strerror or exc})") from None
+                raise UsageError(f"{field(name)} {port} on {options.host}: cannot listen ({exc.strerror or exc})") \
+                    from None
 
 
 
@@ -156,45 +204,70 @@ def serve(spec: PipelineSpec, options: ServeOptions, name: Callable[[str], str] 
     if not options.verbose:  # PyTriton logs each failed batch's traceback; the request's log line says why it failed
         logging.getLogger("pytriton").setLevel(logging.ERROR)
     check_servable(spec, options)
-    check_ports_free(options)
-    devices = serving_devices(options.gpus)
-    plan = plan_pipeline(spec, devices[0], progress=progress)  # what checks requests here; nothing loads here
-    unused = plan.unused + (["batch_size"] if not plan.backend.capabilities.artifacts
-                            and spec.batch_size != PipelineSpec.batch_size else [])  # the engines' optimum
-    if unused:
-        progress(f"note: {', '.join(map(name, unused))} unused by the {plan.backend.name} backend")
-    triton_api = import_pytriton()
-    check_python_backend()
-    progress(f"[{PROG}] model {plan.source.name}, backend {plan.backend.name} ({plan.backend_reason}), on "
-             f"{', '.join(map(str, devices))}")
-    spec = plan.spec
-    workers = start_workers(devices, lambda device: functools.partial(prepare_device, spec, device), options.verbose)
-    progress(f"[{PROG}] prepared: {', '.join(f'{worker.device} in process {worker.pid}' for worker in workers)}")
-    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)  # this process's threads now mostly hand batches on
-    try:
-        return serve_forever(triton_api, Server(WorkerPool(workers), plan, options.verbose), plan.modes,
-                             spec.max_batch_size, options)
-    finally:
-        for worker in workers:
-            worker.close()
+    with claim_ports(options):
+        devices = serving_devices(options.gpus)
+        plan = plan_pipeline(spec, devices[0], progress=progress)  # what checks requests here; nothing loads here
+        notes = plan.notes + ([f"{field('batch_size')} unused by the {plan.backend.name} backend"]
+                              if not plan.backend.capabilities.artifacts and spec.batch_size != PipelineSpec.batch_size
+                              else [])  # the engines' optimum
+        for note in notes:
+            progress(f"note: {render_fields(note, name)}")
+        triton_api = import_pytriton()
+        check_python_backend()
+        progress(f"[{PROG}] model {plan.source.name}, backend {plan.backend.name} ({plan.backend_reason}), on "
+                 f"{', '.join(map(str, devices))}")
+        spec = plan.spec
+        workers = start_workers(devices, lambda device: functools.partial(prepare_device, spec, device),
+                                options.verbose)
+        progress(f"[{PROG}] prepared: {', '.join(f'{worker.device} in process {worker.pid}' for worker in workers)}")
+        sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)  # this process's threads now mostly hand batches on
+        try:
+            signum, signalled = serve_forever(triton_api, Server(WorkerPool(workers), plan, options.verbose),
+                                              plan.modes, spec.max_batch_size, options)
+        finally:
+            for worker in workers:
+                worker.close()
+    progress(f"[{PROG}] stopped in {time.monotonic() - signalled:.1f} s")  # the signal to the process's end, all of it
+    return 128 + signum
 
 
 class Server:
     """What Triton calls: an inference callable per model, which its instances (one per device) share, each
-    answering a batch of requests on a device's pipeline lent by the pool."""
+    answering a batch of requests on a device's pipeline lent by the pool; and how many batches it is answering, for
+    a stop to wait for."""
 
     def __init__(self, pool, plan, verbose: bool):
         self.pool, self.plan, self.verbose = pool, plan, verbose
         self._ids = itertools.count(1)
         self._batches = itertools.count(1)
         self._lock = threading.Lock()  # the counters, shared by the instances' threads
+        self._changed = threading.Condition()  # the batches in flight and the stop, below
+        self._in_flight = 0
+        self._stopping: str | None = None  # why new batches are refused
+        self._cut_off: str | None = None  # why the batches still running failed
 
     def callable_for(self, mode: str):
         return lambda requests: self.answer(mode, requests)
 
     def answer(self, mode: str, requests) -> list[dict]:
-        """Triton's batch of requests, answered: raises only where all of them failed (Triton then fails each one
-        with the message); otherwise a failed request's `error` output says why (PyTriton fails a batch only whole)."""
+        """Triton's batch of requests, each answered on its own (outputs_of, failure): refused while the server stops;
+        an exception of the server's own fails each request with one line, its traceback in the server's log."""
+        with self._changed:
+            if self._stopping:
+                return [failure(self._stopping, UNAVAILABLE) for _ in requests]
+            self._in_flight += 1
+        try:
+            return self._answer(mode, requests)
+        except Exception as exc:  # noqa: BLE001 -- never PyTriton's traceback for an answer
+            traceback.print_exception(exc, file=sys.stderr)
+            return [failure(f"the server failed this request ({type(exc).__name__}; its log says more)", FAILED)
+                    for _ in requests]
+        finally:
+            with self._changed:
+                self._in_flight -= 1
+                self._changed.notify_all()
+
+    def _answer(self, mode: str, requests) -> list[dict]:
         parsed = []
         for request in requests:
             try:
@@ -203,40 +276,68 @@ class Server:
                 parsed.append(exc)
         with self.pool.lend() as served:
             outcomes = run_requests(parsed, served, on_failure=self._failed)
+        cut_off = self._cut_off
+        for outcome in outcomes:
+            if cut_off and outcome.request is not None and outcome.error is not None:
+                outcome.error = cut_off  # not the pipeline process's end, which the stop caused
         calls = sorted({outcome.call for outcome in outcomes if outcome.call is not None})
         with self._lock:
             ids = [next(self._ids) for _ in outcomes]
             batch_ids = {call: next(self._batches) for call in calls}
         for request_id, outcome in zip(ids, outcomes):
             self._log(request_id, outcome, batch_ids.get(outcome.call), served.device)
-        if all(outcome.error for outcome in outcomes):
-            raise RequestFailed("; ".join(dict.fromkeys(outcome.error for outcome in outcomes)))
-        no_image = np.zeros((1, 0, 0, 3), np.uint8)
-        return [{IMAGE: no_image if outcome.image is None else outcome.image[None],
-                 BATCH_SIZE: np.array([[outcome.batch_size]], np.int32),
-                 ERROR: np.array([[(outcome.error or "").encode()]], np.bytes_)} for outcome in outcomes]
+        return [outputs_of(outcome, UNAVAILABLE if cut_off else FAILED) for outcome in outcomes]
+
+    def stop_accepting(self, reason: str) -> None:
+        """From now on every batch is refused with `reason` (UNAVAILABLE)."""
+        with self._changed:
+            self._stopping = reason
+
+    def drain(self, seconds: float) -> bool:
+        """Waits up to `seconds` for the batches in flight; whether they all finished."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._in_flight == 0, timeout=seconds)
+
+    def cut_off(self, reason: str) -> None:
+        """The batches in flight fail with `reason` (UNAVAILABLE): the devices' processes are ended, which ends
+        their pipeline calls."""
+        self._cut_off = reason
+        for worker in self.pool.workers:
+            worker.kill()
 
     def _failed(self, exc: BaseException) -> None:
         if self.verbose:
             traceback.print_exception(exc, file=sys.stderr)
 
     def _log(self, request_id: int, outcome, batch_id: int | None, device) -> None:
-        """One line per request: its id, shape, the batch it ran in (the server's count of pipeline calls), the
-        call's ms and the pipeline's own (the rest: the hand-off to the device's process and back)."""
+        """One line per request: its id, shape, the pipeline call it ran in (the server's count of them) and how many
+        requests that call ran, the call's ms and the pipeline's own (the rest: the hand-off to the device's process
+        and back)."""
         request = outcome.request
         what = "" if request is None else (f" {request.height}x{request.width} steps {request.denoising_steps} "
                                            f"seed {request.seed}")
         if outcome.error is not None:
             line = f"request {request_id}{what} failed: {outcome.error}"
         else:
-            line = (f"request {request_id}{what}: batch {batch_id} of {outcome.batch_size} on {device}, "
+            line = (f"request {request_id}{what}: call {batch_id}, a batch of {outcome.batch_size}, on {device}, "
                     f"{outcome.milliseconds:.1f} ms (pipeline {outcome.pipeline_milliseconds:.1f} ms)")
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
 
 
-class RequestFailed(Exception):
-    """Every request of a Triton batch failed; the message says why (Triton returns it as each one's error)."""
+def outputs_of(outcome, failed_code: str) -> dict:
+    """A request's outputs: its image, or its error (a rejected request's BAD_REQUEST, else `failed_code`)."""
+    if outcome.error is not None:
+        return failure(outcome.error, BAD_REQUEST if outcome.request is None else failed_code)
+    return {IMAGE: outcome.image[None], BATCH_SIZE: np.array([[outcome.batch_size]], np.int32),
+            ERROR: np.array([[b""]], np.bytes_), ERROR_CODE: np.array([[b""]], np.bytes_)}
 
+
+def failure(line: str, code: str) -> dict:
+    """A failed request's outputs: the error and its Triton code, which triton_model.py answers it with. The image is
+    a 1x1 placeholder, never sent: a zero-size one broke PyTriton's serialization of the whole batch ("memoryview:
+    cannot cast view with zeros in shape or strides"), failing the good requests batched with a bad one."""
+    return {IMAGE: np.zeros((1, 1, 1, 3), np.uint8), BATCH_SIZE: np.zeros((1, 1), np.int32),
+            ERROR: np.array([[line.encode()]], np.bytes_), ERROR_CODE: np.array([[code.encode()]], np.bytes_)}
 
 
 def put_triton_libraries_first() -> None:
@@ -253,10 +354,9 @@ def put_triton_libraries_first() -> None:
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libraries))
 
 
-
 def bind_model(triton, mode: str, infer_funcs: list, max_batch_size: int, max_queue_delay_ms: float) -> str:
-    """`mode`'s model bound on `triton` (its inputs schema.inputs_of's; its outputs the image, the batch size and the
-    error), a Triton instance per inference function, batched dynamically; returns the model's name."""
+    """`mode`'s model bound on `triton` (its inputs schema.inputs_of's; its outputs the image and the batch size), a
+    Triton instance per inference function, batched dynamically; returns the model's name."""
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
     triton.bind(
@@ -265,39 +365,111 @@ def bind_model(triton, mode: str, infer_funcs: list, max_batch_size: int, max_qu
         inputs=[Tensor(name=item.name, dtype=item.dtype, shape=item.shape, optional=item.optional)
                 for item in inputs_of(mode)],
         outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
-                 Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,)),
-                 Tensor(name=ERROR, dtype=np.bytes_, shape=(1,))],
+                 Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,))],
         config=ModelConfig(max_batch_size=max_batch_size, batcher=DynamicBatcher(
             max_queue_delay_microseconds=int(max_queue_delay_ms * 1000))),
     )
     return MODEL_NAMES[mode]
 
 
+def answer_errors_alone(model_store: Path, names) -> None:
+    """Each bound model's Python model made triton_model.py, which answers each failed request with Triton's error of
+    its own code and its one line, over PyTriton's proxy model (renamed pytriton_model.py, which it imports).
+    PyTriton writes the model store at bind; Triton loads it as it starts."""
+    for name in names:
+        version = model_store / name / "1"
+        (version / "model.py").rename(version / "pytriton_model.py")
+        shutil.copyfile(Path(__file__).with_name("triton_model.py"), version / "model.py")
 
-def serve_forever(triton_api, server: Server, modes, max_batch_size: int, serve: ServeOptions) -> int:
+
+def stop_triton(triton, options: ServeOptions, names) -> None:
+    """Triton stopped, its models unloaded on the way: once stopping, it takes no new HTTP connections, waits up to its
+    exit timeout for those open to close (a client's idle keep-alive one too), and then gets only what is left of that
+    timeout to unload its models; left with none, it aborted ("Exit timeout expired", then "terminate called ...") and
+    the process lived 30 s. So as soon as it stops taking connections, the models are unloaded through gRPC (which it
+    still serves); requests on connections still open get the models' 503 until then."""
+    deadline = time.monotonic() + TRITON_EXIT_TIMEOUT_S
+    unloading = threading.Thread(target=unload_once_stopping, args=(triton, options, names, deadline), daemon=True)
+    unloading.start()
+    triton.stop()  # removes PyTriton's workspace
+    unloading.join(max(0.0, deadline - time.monotonic()))
+
+
+def local_host(host: str) -> str:
+    """Where this machine reaches an address Triton listens on."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def takes_http_connections(host: str, port: int) -> bool:
+    """Whether Triton answers a new HTTP connection; the connection is closed after, so that no stop waits for it."""
+    connection = http.client.HTTPConnection(host, port, timeout=1)
+    try:
+        connection.request("GET", "/v2/health/live")
+        return connection.getresponse().status == 200
+    except OSError:  # refused, reset, closed unanswered: stopping
+        return False
+    finally:
+        connection.close()
+
+
+def unload_once_stopping(triton, options: ServeOptions, names, deadline: float) -> None:
+    """The models unloaded through gRPC once Triton takes no more HTTP connections (its stop has begun), before
+    `deadline`; where it is gone by then, nothing."""
+    import tritonclient.grpc
+    from pytriton.client.auth import create_auth_headers
+
+    host = local_host(options.host)
+    while takes_http_connections(host, options.http_port):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    headers = create_auth_headers(triton.get_access_token(), "grpc")
+    client = tritonclient.grpc.InferenceServerClient(f"[{host}]:{options.grpc_port}" if ":" in host else
+                                                     f"{host}:{options.grpc_port}")
+    try:
+        for name in names:
+            client.unload_model(name, headers=headers, client_timeout=max(0.1, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            index = client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
+            if all(model.get("state") not in ("READY", "UNLOADING") for model in index if model["name"] in names):
+                return
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 -- Triton ended first (it unloads them itself when no connection is open)
+        pass
+    finally:
+        client.close()
+
+
+def serve_forever(triton_api, server: Server, modes, max_batch_size: int, serve: ServeOptions) -> tuple[int, float]:
     """Start Triton with a model for each of `modes` bound to the pipelines, then wait for SIGTERM or SIGINT (handled
-    here: a process started in the background ignores SIGINT) or for Triton to die; stop it, draining the requests in
-    flight, and return the exit status (128 + the signal)."""
+    here: a process started in the background ignores SIGINT) or for Triton to die. Stopping: new requests are
+    refused, those in flight finish or, past serve.drain_seconds, fail; the models are unloaded and Triton stopped.
+    Returns the signal and when it came (time.monotonic)."""
+    from pytriton.utils.workspace import Workspace
+
     put_triton_libraries_first()
-    received: list[int] = []
+    received: list[tuple[int, float]] = []
     stop = threading.Event()
 
     def on_signal(signum, _frame):
-        received.append(signum)
+        received.append((signum, time.monotonic()))
         stop.set()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
     config = triton_api.TritonConfig(http_address=serve.host, grpc_address=serve.host, metrics_address=serve.host,
-                                   http_port=serve.http_port, grpc_port=serve.grpc_port,
-                                   metrics_port=serve.metrics_port, exit_timeout_secs=DRAIN_SECONDS)
+                                     http_port=serve.http_port, grpc_port=serve.grpc_port,
+                                     metrics_port=serve.metrics_port, exit_timeout_secs=TRITON_EXIT_TIMEOUT_S)
+    workspace = Workspace()  # in ~/.cache/pytriton, as PyTriton makes it; made here to know its model store
     # The model written into a local model store before Triton starts, which loads it then: /v2/health/ready answers
     # only once the model is there (by default PyTriton loads it into a running server, ready before it is).
-    triton = triton_api.Triton(config=config, triton_lifecycle_policy=triton_api.TritonLifecyclePolicy(
-        launch_triton_on_startup=False, local_model_store=True))
+    policy = triton_api.TritonLifecyclePolicy(launch_triton_on_startup=False, local_model_store=True)
+    triton = triton_api.Triton(config=config, workspace=workspace, triton_lifecycle_policy=policy)
     try:
         names = [bind_model(triton, mode, [server.callable_for(mode) for _ in server.pool.workers],  # one per device
                             max_batch_size, serve.max_queue_delay_ms) for mode in modes]
+        answer_errors_alone(workspace.model_store_path, names)
+        check_ports_free(serve)  # again: another program may have taken one while the pipelines were prepared
         try:
             triton.run()
         except Exception as exc:  # noqa: BLE001 -- PyTriton's start-up failures (a timeout, a dead server) as one line
@@ -310,9 +482,17 @@ def serve_forever(triton_api, server: Server, modes, max_batch_size: int, serve:
             for worker in server.pool.workers:
                 if not worker.alive():
                     raise RunFailure(f"the pipeline process for {worker.device} exited")
-        progress(f"[{PROG}] {signal.Signals(received[0]).name}: refusing new requests, finishing those in flight")
-        started = time.monotonic()
-    finally:
-        triton.stop()  # waits for the requests in flight; removes PyTriton's workspace
-    progress(f"[{PROG}] stopped in {time.monotonic() - started:.1f} s")
-    return 128 + received[0]
+        signal_name = signal.Signals(received[0][0]).name
+        server.stop_accepting(f"sd-serve is stopping ({signal_name}); send the request again elsewhere or later")
+        progress(f"[{PROG}] {signal_name}: refusing new requests, finishing those in flight (at most "
+                 f"{serve.drain_seconds:g} s)")
+        if not server.drain(serve.drain_seconds):
+            progress(f"[{PROG}] requests still running after {serve.drain_seconds:g} s: failing them")
+            server.cut_off(f"sd-serve stopped ({signal_name}) before this request finished: it waits "
+                           f"{serve.drain_seconds:g} s for those in flight")
+            server.drain(CUT_OFF_TIMEOUT_S)
+    except BaseException:
+        triton.stop()  # removes PyTriton's workspace
+        raise
+    stop_triton(triton, serve, names)
+    return received[0]

@@ -15,6 +15,7 @@ from typing import Callable
 
 from core.artifacts import cached_build
 from core.errors import UsageError, field
+from demo.schedulers import check_steps, make_scheduler
 from models.quantize import Calibration, Int8Request
 from models.source import ModelSource
 
@@ -38,17 +39,26 @@ RecordActivations = Callable[[ModelSource, tuple[str, ...], int, str, float, int
 
 def read_calibration_prompts(path: str | None) -> tuple[str, ...]:
     """The prompts of a calibration prompts file (one a line; blank lines and lines starting with # skipped), or
-    the built-in set; a UsageError for a file that cannot be read or holds none."""
+    the built-in set; a UsageError for a file that is missing, a folder, not text, unreadable or holds none."""
     if path is None:
         return DEFAULT_PROMPTS
+    named = f"{field('calibration_prompts')} {path}"
+    not_text = f"{named}: not a text file (it takes UTF-8 text, a prompt a line)"
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{field('calibration_prompts')} {path}: cannot read it ({exc.__class__.__name__}: "
-                         f"{exc})") from None
+    except FileNotFoundError:
+        raise UsageError(f"{named}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{named}: a folder, not a file of prompts") from None
+    except UnicodeDecodeError:
+        raise UsageError(not_text) from None
+    except OSError as exc:
+        raise UsageError(f"{named}: cannot read it: {exc.strerror or exc}") from None
+    if "\0" in text:  # binary that happens to decode as UTF-8
+        raise UsageError(not_text)
     prompts = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
     if not prompts:
-        raise UsageError(f"{field('calibration_prompts')} {path}: no prompts in it (one a line)")
+        raise UsageError(f"{named}: no prompts in it (one a line)")
     return prompts
 
 
@@ -71,7 +81,9 @@ def int8_request(source: ModelSource, prompts: tuple[str, ...], steps: int, sche
                  height: int, width: int, onnx_dir: Path, record: RecordActivations,
                  progress: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
                  log: Callable[[str], None] = lambda *_: None) -> Int8Request:
-    """What the INT8 ONNX is made from; its calibration is read from `onnx_dir`, or recorded there first by `record`."""
+    """What the INT8 ONNX is made from (its steps checked against its scheduler now); its calibration is read from
+    `onnx_dir`, or recorded there first by `record`."""
+    check_steps(make_scheduler(scheduler, source), scheduler, steps, "calibration_steps")  # before any export
     key = calibration_key(source, prompts, steps, scheduler, guidance_scale, height, width)
     path = onnx_dir / "unet.calibration.json"
 

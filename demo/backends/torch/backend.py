@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 
+from demo.backends import TORCH
 from demo.backends.base import Backend, Capabilities, Description
 from demo.backends.torch.options import TorchOptions
 from demo.backends.torch.settings import TorchSettings, resolve_torch_settings
@@ -20,7 +21,7 @@ def accel_options(settings: TorchSettings) -> tuple[str, ...]:
 
 
 class TorchBackend(Backend):
-    name = "torch"
+    name = TORCH
     capabilities = Capabilities(artifacts=False, refit=False, cuda_graphs=True, layer_timings=False, cpu=True)
     options_type = TorchOptions
 

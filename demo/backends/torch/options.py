@@ -3,7 +3,7 @@ before torch loads."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from core.errors import UsageError, field
 from demo.backends import AUTO
@@ -25,3 +25,22 @@ class TorchOptions:
         if self.compile != AUTO and self.compile not in COMPILE_MODES:
             raise UsageError(f"unknown {field('compile')} mode '{self.compile}'; choose auto or one of "
                              f"{', '.join(COMPILE_MODES)}")
+
+
+@dataclass(frozen=True)
+class TorchSettings:
+    """What the torch backend runs with: its options resolved against the tuned defaults (torch/settings.py)."""
+
+    plugins: tuple[str, ...] = ()  # plugins.contract.PLUGIN_KEYS, sorted
+    channels_last: bool = False
+    cuda_graph: bool = False
+    compile: str = "none"
+
+    def describe(self) -> str:
+        parts = [f"plugins {','.join(self.plugins)}" if self.plugins else "no plugins"]
+        parts += [name for name, on in (("channels-last", self.channels_last), ("CUDA graphs", self.cuda_graph)) if on]
+        parts.append(f"compile {self.compile}" if self.compile != "none" else "eager")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "plugins": list(self.plugins)}

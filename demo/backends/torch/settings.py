@@ -18,34 +18,15 @@ no GPU), FALLBACK: the plain diffusers modules, nothing changed.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from core.errors import UsageError, field
-from demo.backends.torch.options import COMPILE_MODES, GRAPHING_COMPILE_MODES, TorchOptions
+from demo.backends.torch.options import COMPILE_MODES, GRAPHING_COMPILE_MODES, TorchOptions, TorchSettings
 from models.plugin_set import local_compute_capability, parse_plugin_set
 from plugins import torch_ops
 from plugins.tuned import TORCH_DEFAULTS, TUNED_DEFAULTS_FILE, find_entry
-
-
-@dataclass(frozen=True)
-class TorchSettings:
-    plugins: tuple[str, ...] = ()  # plugins.contract.PLUGIN_KEYS, sorted
-    channels_last: bool = False
-    cuda_graph: bool = False
-    compile: str = "none"
-
-    def describe(self) -> str:
-        parts = [f"plugins {','.join(self.plugins)}" if self.plugins else "no plugins"]
-        parts += [name for name, on in (("channels-last", self.channels_last), ("CUDA graphs", self.cuda_graph)) if on]
-        parts.append(f"compile {self.compile}" if self.compile != "none" else "eager")
-        return ", ".join(parts)
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "plugins": list(self.plugins)}
-
 
 # The conservative default where the table has no entry: diffusers' modules as they are.
 FALLBACK = TorchSettings()
