@@ -2,16 +2,16 @@
 
     sd-benchmark [PROMPT] [--contenders LABEL,...] [--extra-shapes] [--runs 5] [--update-defaults]
 
-Contenders (bench/contenders.py): diffusers' own modules, the strongest PyTorch peer (channels-last +
-torch.compile reduce-overhead), our torch backend at its best and with each toggle off, TensorRT with and
-without our plugins. Everyone gets the same request (the request flags every command takes: the model's
-native size and own scheduler, batch 1, 50 steps, guidance 7.5 and a random seed unless given; the seed and
-scheduler used are recorded); --extra-shapes adds 1.5x the size at batch 1, and batch 4. Per contender: load,
-then get ready (torch.compile compiling and CUDA-graph capture, engine builds), timed apart; --warmup-runs
-untimed runs; --runs timed runs, whose CLIP, UNet, VAE and pipeline medians are reported, with the peak of
-torch.cuda.max_memory_allocated (reset per contender), device memory in use, and the image's PSNR and largest
-pixel difference against diffusers-eager's for the same request. A contender that cannot run here is reported
-as skipped, one that fails as failed, each with its one-line reason; the others go on.
+Contenders (bench/contenders.py): diffusers' own modules, the strongest PyTorch peer (channels-last + torch.compile
+reduce-overhead), our torch backend at its best and with each toggle off, TensorRT with and without our plugins.
+Everyone gets the same request (the request flags every command takes: the model's native size, own scheduler and
+own guidance scale, batch 1, 50 steps and a random seed unless given; the seed, scheduler and guidance scale used
+are recorded); --extra-shapes adds 1.5x the size at batch 1, and batch 4. Per contender: load, then get ready
+(torch.compile compiling and CUDA-graph capture, engine builds), timed apart; --warmup-runs untimed runs; --runs
+timed runs, whose CLIP, UNet, VAE and pipeline medians are reported, with the peak of
+torch.cuda.max_memory_allocated (reset per contender), device memory in use, and the image's PSNR and largest pixel
+difference against diffusers-eager's for the same request. A contender that cannot run here is reported as skipped,
+one that fails as failed, each with its one-line reason; the others go on.
 
 Writes, into --results-dir (file names carry a GPU slug), after every contender: benchmark-<gpu>.json (rows in
 the shape report-gpus merges; rows already there for other contenders or workloads are kept, --fresh drops

@@ -26,3 +26,7 @@ def profile_unet() -> int:
 
 def bench_plugins() -> int:
     return run_main("bench_plugins", "bench.kernels")
+
+
+def sd_quality() -> int:
+    return run_main("sd-quality", "bench.quality")

@@ -43,7 +43,7 @@ class LoadFlags:
                              metavar="HxW,...")
     prompt: str = same_as(RequestFlags, "prompt")
     denoising_steps: int = same_as(RequestFlags, "denoising_steps")
-    guidance_scale: float = same_as(RequestFlags, "guidance_scale")
+    guidance_scale: float | None = same_as(RequestFlags, "guidance_scale")
     seed: int = flag("request i gets seed SEED + i (default: %(default)s)", 0)
     # Not results/: that is the curated archive, which a run adds to only when asked to.
     results_dir: str = flag("where the JSON and the chart go (default: %(default)s, in the current directory)",
@@ -136,7 +136,8 @@ def summarize(samples: list[Sample], flags: LoadFlags, client_flags: ClientFlags
     latencies = [s.latency_ms for s in answered]
     return {
         "url": client_flags.url, "protocol": client_flags.protocol, "date": datetime.datetime.now().isoformat(),
-        "concurrency": flags.concurrency, "steps": flags.denoising_steps, "guidance_scale": flags.guidance_scale,
+        "concurrency": flags.concurrency, "steps": flags.denoising_steps,
+        "guidance_scale": flags.guidance_scale,  # None: not sent, so the served model's own
         "sizes": sorted({s.size for s in samples}), "requests": len(samples), "answered": len(answered),
         "errors": len(samples) - len(answered),
         "error_messages": dict(Counter(s.error for s in samples if s.error is not None).most_common(10)),

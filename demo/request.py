@@ -1,8 +1,9 @@
 """The one request model: what one generation asks for (Request), and every check of it against a model.
 
 The CLI's flags, sd-serve's inputs and the Python API's keyword arguments all become a Request. A request is
-resolved against the model (what it leaves out filled in: size, scheduler, seed, strength) and then checked; the
-checks name the fields they refuse with core.errors.field, which each face shows by its own name for the field.
+resolved against the model (what it leaves out filled in: size, scheduler, guidance scale, seed, strength) and then
+checked; the checks name the fields they refuse with core.errors.field, which each face shows by its own name for the
+field.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def random_seed() -> int:
     return random.randrange(2**31)
 
 
-def is_guided(guidance_scale: float) -> bool:
-    """Classifier-free guidance runs above a scale of 1 (at 1 or below it would change nothing)."""
-    return guidance_scale > 1.0
+def is_guided(guidance_scale: float | None) -> bool:
+    """Classifier-free guidance runs above a scale of 1 (at 1 or below it would change nothing). None, the model's own
+    scale (models.source.ModelSource.default_guidance_scale), guides: every model's is above 1."""
+    return guidance_scale is None or guidance_scale > 1.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Request:
     height: int | None = None  # None: the input image's own size, else the model's native size
     width: int | None = None
     denoising_steps: int = 50
-    guidance_scale: float = 7.5  # <= 1: no classifier-free guidance
+    guidance_scale: float | None = None  # None: the model's own; <= 1: no classifier-free guidance
     scheduler: str | None = None  # None: the model's own (demo.schedulers.SCHEDULERS)
     seed: int | None = None  # None: a random one, reported
     image: Image | None = None  # image-to-image and inpainting: the input image (RGB)
@@ -89,8 +91,9 @@ class Request:
 
     def resolved(self, source: ModelSource, draw_seed: Callable[[], int] = random_seed) -> Request:
         """The request with what it leaves to the model filled in: the size (the input image's own, rounded down to a
-        multiple of 8, where it brings one; else the model's native size), the model's own scheduler, a seed from
-        `draw_seed`, the mode's strength; a UsageError where the image's own size is one the model cannot take."""
+        multiple of 8, where it brings one; else the model's native size), the model's own scheduler and guidance
+        scale, a seed from `draw_seed`, the mode's strength; a UsageError where the image's own size is one the model
+        cannot take."""
         native = source.native_image_size
         given = self.height, self.width  # None: left to the image or the model (0 is given, and refused)
         height, width = (native if value is None else value for value in given)
@@ -107,7 +110,8 @@ class Request:
             strength = DEFAULT_STRENGTH[self.mode] if strength is None else strength
             image = image if image.mode == "RGB" else image.convert("RGB")  # as diffusers' image processor takes it
         scheduler = scheduler_named(self.scheduler) if self.scheduler else default_scheduler_name(source)
-        return replace(self, height=height, width=width, scheduler=scheduler,
+        guidance_scale = source.default_guidance_scale if self.guidance_scale is None else self.guidance_scale
+        return replace(self, height=height, width=width, scheduler=scheduler, guidance_scale=guidance_scale,
                        seed=self.seed if self.seed is not None else draw_seed(), image=image, strength=strength)
 
     def unused(self) -> list[str]:
@@ -129,7 +133,7 @@ class Request:
                 raise UsageError(f"{field('negative_prompt')} must be one, or one per prompt ({len(self.prompt)}), "
                                  f"got {len(self.negative_prompt)}")
         at_least("denoising_steps", self.denoising_steps, 1)
-        if not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0):
+        if self.guidance_scale is not None and not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0):
             raise UsageError(f"{field('guidance_scale')} must be a finite number, 0 or more, got {self.guidance_scale}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"{field('seed')} must be 0..{MAX_SEED}, got {self.seed}")

@@ -1,8 +1,10 @@
-"""Built-in models: real diffusers architectures with deterministic random weights.
+"""Built-in models: `shapes`, trained and shipped (models/shapes), and real diffusers architectures with
+deterministic random weights.
 
-They need no network and no checkpoint, so the demo, the tests and the benchmarks run anywhere.
-Their weights are random, so they draw noise-like images; the architectures are real.
-A built-in model is written once as a diffusers-format directory and then loaded like any other.
+They need no network and no checkpoint, so the demo, the tests and the benchmarks run anywhere. `shapes` draws what
+its prompt says (simple scenes); the others have random weights, so they draw noise-like images, but their
+architectures are real. A generated built-in is written once as a diffusers-format directory and then loaded like
+any other.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Callable
 
 from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
 from core.errors import UsageError
+from models import shapes
 from models.validate import check_weight_file
 
 # Bump when the generated files change, so cached directories (and artifacts keyed by them) are rebuilt.
@@ -208,6 +211,16 @@ BUILTIN_MODELS["tiny-xl-refiner"] = {
 for _base in ("tiny", "tiny-xl"):
     BUILTIN_MODELS[f"{_base}-inpaint"] = {**BUILTIN_MODELS[_base], "inpainting": True,
                                           "unet": {**BUILTIN_MODELS[_base]["unet"], "in_channels": 9}}
+# Built-ins trained rather than generated: shipped in the package as a diffusers folder (models/shapes).
+SHIPPED_MODELS = {"shapes": shapes.MODEL_DIR}
+BUILTIN_NAMES = ("shapes", *BUILTIN_MODELS)  # what --model takes by name, the one that draws its prompt first
+
+
+def shipped_damage(name: str) -> str | None:
+    """Why a shipped built-in's files are not the recorded ones (None: they are)."""
+    return {"shapes": shapes.damage}[name]()
+
+
 XL_PAD = "!"  # SDXL's second tokenizer pads with "!" where the first pads with its end-of-text token
 
 
@@ -239,11 +252,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in codes)))
 
 
-def generate_bpe_vocabulary(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A CLIP BPE vocabulary and merge list learned deterministically from _CORPUS."""
+def generate_bpe_vocabulary(vocab_size: int, corpus: str = _CORPUS) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A CLIP BPE vocabulary and merge list learned deterministically from `corpus` (merging stops at `vocab_size`
+    entries or once every word of the corpus is one token)."""
     alphabet = list(_bytes_to_unicode().values())
     vocab = alphabet + [c + "</w>" for c in alphabet]
-    words = Counter(re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", _CORPUS.lower()))
+    words = Counter(re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", corpus.lower()))
     # Each word as a tuple of symbols; the last one carries CLIP's end-of-word marker.
     splits = {w: tuple(w[:-1]) + (w[-1] + "</w>",) for w in words}
     merges: list[tuple[str, str]] = []
@@ -276,12 +290,17 @@ def generate_bpe_vocabulary(vocab_size: int) -> tuple[dict[str, int], list[tuple
     return {tok: i for i, tok in enumerate(vocab)}, merges
 
 
-def _tokenizer(spec: dict, pad: str):
+def bpe_tokenizer(vocab_size: int, max_length: int, pad: str = EOS, corpus: str = _CORPUS):
+    """A CLIPTokenizer over generate_bpe_vocabulary's vocabulary, padding with `pad`."""
     from transformers import CLIPTokenizer
 
-    vocab, merges = generate_bpe_vocabulary(spec["vocab_size"])
+    vocab, merges = generate_bpe_vocabulary(vocab_size, corpus)
     return CLIPTokenizer(vocab=vocab, merges=merges, bos_token=BOS, eos_token=EOS, pad_token=pad, unk_token=EOS,
-                         model_max_length=spec["text_encoder"]["max_position_embeddings"])
+                         model_max_length=max_length)
+
+
+def _tokenizer(spec: dict, pad: str):
+    return bpe_tokenizer(spec["vocab_size"], spec["text_encoder"]["max_position_embeddings"], pad)
 
 
 def build_builtin_model(name: str, directory: Path) -> None:

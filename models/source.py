@@ -14,8 +14,9 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.errors import UsageError, field
-from models.builtin import BUILTIN_MODELS, builtin_model_dir
+from core.errors import RunFailure, UsageError, field
+from models import shapes
+from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES, SHIPPED_MODELS, builtin_model_dir, shipped_damage
 from models.validate import (
     COMPONENTS,
     is_xl_index,
@@ -26,6 +27,9 @@ from models.validate import (
 )
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# The classifier-free guidance scale a request that gives none gets, on every model but those that say otherwise
+# (ModelSource.default_guidance_scale).
+DEFAULT_GUIDANCE_SCALE = 7.5
 
 
 def default_cache_dir() -> Path:
@@ -128,6 +132,14 @@ class ModelSource:
         """Supported height/width in pixels: half to twice the native size (256..1024 for SD 1.5)."""
         return self.native_image_size // 2, self.native_image_size * 2
 
+    @property
+    def default_guidance_scale(self) -> float:
+        """The guidance scale a request that gives none gets: the shipped `shapes` model's own (its folder, by name or
+        by path), else DEFAULT_GUIDANCE_SCALE."""
+        if self.path.resolve() == SHIPPED_MODELS["shapes"].resolve():
+            return shapes.GUIDANCE_SCALE
+        return DEFAULT_GUIDANCE_SCALE
+
 
 def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = None) -> ModelSource:
     """Turn a --model value (and a --vae folder) into a ModelSource; raises UsageError with the reason when it
@@ -139,6 +151,12 @@ def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = No
 def _resolve_model(spec: str, cache_dir: Path) -> ModelSource:
     if spec in BUILTIN_MODELS:
         return ModelSource(spec, builtin_model_dir(spec, cache_dir / "builtin"))
+    if spec in SHIPPED_MODELS:
+        reason = shipped_damage(spec)
+        if reason:
+            raise RunFailure(f"the built-in model '{spec}' shipped with the package is damaged ({reason}): reinstall "
+                             "the package")
+        return ModelSource(spec, SHIPPED_MODELS[spec])
     path = Path(spec).expanduser()
     if path.is_dir():
         validate_model_folder(path, spec)
@@ -146,7 +164,7 @@ def _resolve_model(spec: str, cache_dir: Path) -> ModelSource:
     if _HUB_ID.match(spec) and not path.exists():
         return ModelSource(spec, _download_from_hub(spec))
     raise UsageError(
-        f"unknown model '{spec}': not a built-in ({', '.join(BUILTIN_MODELS)}), "
+        f"unknown model '{spec}': not a built-in ({', '.join(BUILTIN_NAMES)}), "
         "not a diffusers-format directory, not a hub id"
     )
 

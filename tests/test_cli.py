@@ -38,7 +38,7 @@ def test_demo_writes_png_table_and_report(tmp_path):
     assert report["backend"] == "torch" and report["scheduler"] == "DDIM" and report["steps"] == 4
     # What the image can be made again from.
     assert report["prompt"] == "a photo of a cat" and report["negative_prompt"] is None and report["seed"] == 0
-    assert report["guidance_scale"] == 7.5
+    assert report["guidance_scale"] == 7.5  # no --guidance-scale: tiny's own, as every model's but shapes'
     assert report["latent_shape"] == [2, 4, 32, 24]  # tiny's VAE downsamples by 2
     assert set(report["latency_ms"]) >= {"clip", "unet", "vae", "pipeline"}
     assert report["latency_ms"]["pipeline"] >= report["latency_ms"]["unet"] > 0
@@ -54,6 +54,19 @@ def test_demo_writes_png_table_and_report(tmp_path):
                                                                                  "tiny-seed0-run2-1.png"]
     assert pngs[0].read_bytes() == before
     assert not list(out.glob(".*"))  # no temporary files left behind
+
+
+def test_shapes_runs_at_its_own_guidance_scale_unless_told(tmp_path, capsys):
+    """`--model shapes` without --guidance-scale runs at the model's own 4 (7.5 over-saturates its colours), and the
+    report that makes the image again records it; a negative prompt at it is used (no note)."""
+    from demo.cli.generate import main
+
+    out = tmp_path / "out"
+    assert main(["a small green triangle on the right on a yellow background", "--model", "shapes", "--output-dir",
+                 str(out), "--seed", "0", "--denoising-steps", "1", "--height", "64", "--width", "64",
+                 "--negative-prompt", "blurry", "--num-warmup-runs", "0", "--backend", "torch"]) == 0
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert json.loads((out / "shapes-seed0.json").read_text())["guidance_scale"] == 3.0
 
 
 def _missing_unet(tmp_path, tiny):

@@ -310,6 +310,34 @@ def test_refitted_engines_draw_the_fused_torch_image_and_go_back_exactly(trt, tm
     assert pipeline.set_loras([]) is None  # nothing to change: no refit
 
 
+def test_the_shipped_outline_lora_refits_shapes_engines_and_the_picture_shows_it(trt, tmp_path):
+    """A LoRA that means something, on refittable `shapes` engines (its convolutions and linear layers): the
+    detector reads the base engines' square as filled and the refitted engines' as an outline, the rest unchanged;
+    without the LoRA the engines draw the base image again, bit for bit."""
+    from models.shapes import OUTLINE_LORA
+    from models.shapes.detector import read_image
+    from models.shapes.scenes import Scene
+
+    options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"),
+                            build_static_batch=True, optimization_level=0, build_enable_refit=True)
+    spec = PipelineSpec(model="shapes", backend="tensorrt", precision="fp32", plugins="none",
+                        modes=("text-to-image",), scheduler="DDIM", engine=options)
+    scene = Scene("square", "red", "white", "center", "large")
+    with load_pipeline(spec, CPU, progress=QUIET) as pipeline:
+        def draw():
+            return pipeline(scene.prompt, seed=1, denoising_steps=20, guidance_scale=4.0).images[0]
+
+        base = draw()
+        assert pipeline.set_loras([(OUTLINE_LORA, 1.0)]) > 0
+        outlined = draw()
+        pipeline.set_loras([])
+        again = draw()
+    expected = scene.__dict__
+    assert read_image(base).as_dict() == expected
+    assert read_image(outlined).as_dict() == {**expected, "style": "outline"}
+    assert np.array_equal(np.asarray(again), np.asarray(base))
+
+
 def test_a_refit_refuses_an_onnx_exported_again_since_the_engine_was_built(trt, tmp_path):
     source = resolve_model("tiny")
     loras = loras_for(source, tmp_path)

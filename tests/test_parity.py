@@ -46,7 +46,8 @@ def test_matches_diffusers_v_prediction_without_guidance(v_prediction_dir, tiny_
 def test_seed_changes_image(tiny, tiny_stages):
     pipeline = Text2ImagePipeline(tiny, tiny_stages, "DDIM", torch.device("cpu"), torch.float32)
     timer = StageTimer(torch.device("cpu"))
-    images = [to_uint8(pipeline(Request(PROMPTS[0], "", height=64, width=64, denoising_steps=3, seed=seed), timer))
+    images = [to_uint8(pipeline(Request(PROMPTS[0], "", height=64, width=64, denoising_steps=3, guidance_scale=7.5,
+                                        seed=seed), timer))
               for seed in (0, 1, 0)]
     assert not np.array_equal(images[0], images[1])
     assert np.array_equal(images[0], images[2])

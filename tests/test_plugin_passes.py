@@ -268,6 +268,18 @@ def test_tiny_unet_has_every_plugin(tiny_fp32, tiny_expected):
     assert not {"Softmax", "InstanceNormalization", "LayerNormalization", "Erf"} & {n.op_type for n in graph.node}
 
 
+def test_shapes_unet_has_every_plugin_and_computes_the_same(tmp_path):
+    """The trained built-in carries every pattern the passes rewrite, so every plugin runs on the model whose images
+    sd-quality reads."""
+    from models.source import resolve_model
+
+    model = STAGE_MODELS["unet"](resolve_model("shapes"))
+    expected = expected_passes(_network("unet", model.load_module()))
+    assert all(expected["counts"][key]["replaced"] > 0 for key in PLUGIN_KEYS)
+    prepare(model, tmp_path)
+    check_stage(model, tmp_path, expected, sample(model, 2, 128, 96))
+
+
 # ---- tiny-xl: SDXL's stages (two text encoders, added conditions, linear projections, 2-layer blocks) -------
 
 XL_STAGES = ("clip", "clip2", "unet", "vae")

@@ -137,6 +137,16 @@ def test_a_request_leaves_out_what_the_server_or_model_fills_in(tiny):
         parse_request({**inputs(prompt="a"), "seed": np.array([[1], [2]], np.uint64)}, plan_for())
 
 
+def test_a_request_without_guidance_gets_the_served_models_own():
+    """shapes' server runs a request that leaves out guidance_scale at the model's 4 (tiny's: 7.5, above); a given
+    one is kept."""
+    from demo.serve.schema import parse_request
+
+    plan = plan_for(model="shapes")
+    assert parse_request(inputs(prompt="a red circle"), plan).guidance_scale == 3.0
+    assert parse_request(inputs(prompt="a red circle", guidance_scale=7.5), plan).guidance_scale == 7.5
+
+
 def test_engines_serve_their_size_and_guided_requests_only(tiny, monkeypatch):
     from demo.backends.tensorrt.options import EngineOptions
     from demo.serve.schema import RequestRejected, parse_request

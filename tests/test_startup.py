@@ -30,6 +30,9 @@ FIRST_ANSWERS = [
     ("bench.ablation", ["--help"], 0),
     ("bench.ablation", ["--build-gpus", "0"], 2),
     ("bench.gpu_report", ["--help"], 0),
+    ("bench.quality", ["--help"], 0),
+    ("bench.quality", ["--cases", "0"], 2),
+    ("bench.quality", ["--reference", "no-such-report.json"], 2),
     ("demo.cli.serve", ["--help"], 0),
     ("demo.cli.serve", ["--http-port", "70000"], 2),
     ("demo.cli.serve", ["--scheduler", "bogus"], 2),
@@ -89,7 +92,7 @@ def test_a_signal_during_the_imports_ends_with_one_line(signum, status, tmp_path
 @pytest.mark.parametrize("module", ["demo.cli.generate", "demo.cli.build_engines", "demo.cli.export_onnx",
                                     "demo.cli.compare_backends", "demo.cli.serve", "demo.cli.client",
                                     "demo.cli.refit_names", "bench.benchmark", "bench.ablation", "bench.gpu_report",
-                                    "bench.profile_unet", "bench.kernels", "bench.loadtest"])
+                                    "bench.profile_unet", "bench.kernels", "bench.loadtest", "bench.quality"])
 def test_every_help_description_is_whole_sentences(module, capsys):
     """--help's description ends where its sentence does (compare-backends' once stopped mid-sentence)."""
     import importlib

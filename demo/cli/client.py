@@ -48,7 +48,7 @@ class ClientRequestFlags:
     height: int | None = flag("image height in pixels, a multiple of 8 (default: the server's)")
     width: int | None = flag("image width in pixels, a multiple of 8 (default: the server's)")
     denoising_steps: int = same_as(RequestFlags, "denoising_steps")
-    guidance_scale: float = same_as(RequestFlags, "guidance_scale")
+    guidance_scale: float | None = same_as(RequestFlags, "guidance_scale")
     scheduler: str | None = flag("one of the CLI's schedulers (default: the server's)")
     seed: int | None = same_as(RequestFlags, "seed")
 

@@ -29,8 +29,10 @@ from demo.backends.torch.options import COMPILE_MODES, TorchOptions
 from demo.request import DEFAULT_PROMPT, DEFAULT_STRENGTH, Request
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from demo.schedulers import SCHEDULERS
-from models.builtin import BUILTIN_MODELS
+from models import shapes
+from models.builtin import BUILTIN_NAMES
 from models.plugin_set import PLUGINS_HELP
+from models.source import DEFAULT_GUIDANCE_SCALE
 from plugins.contract import CONVENTIONS
 
 Group = TypeVar("Group")
@@ -68,7 +70,7 @@ def same_as(group: type, name: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelFlags:
-    model: str = flag(f"built-in ({', '.join(BUILTIN_MODELS)}), a diffusers-format directory, or a hub id (default: "
+    model: str = flag(f"built-in ({', '.join(BUILTIN_NAMES)}), a diffusers-format directory, or a hub id (default: "
                       "%(default)s)", SPEC.model)
     vae: str | None = flag("decode with another VAE: an AutoencoderKL folder, or a model folder with one in vae/ "
                            "(default: the model's own)", SPEC.vae, metavar="DIR")
@@ -87,8 +89,9 @@ class RequestFlags:
     height: int | None = flag("image height in pixels, a multiple of 8 (default: model's native)", REQUEST.height)
     width: int | None = flag("image width in pixels, a multiple of 8 (default: model's native)", REQUEST.width)
     denoising_steps: int = flag("scheduler steps (default: %(default)s)", REQUEST.denoising_steps)
-    guidance_scale: float = flag("classifier-free guidance scale; <= 1 disables guidance (default: %(default)s)",
-                                 REQUEST.guidance_scale)
+    guidance_scale: float | None = flag("classifier-free guidance scale; <= 1 disables guidance (default: the model's "
+                                        f"own: {shapes.GUIDANCE_SCALE:g} for shapes, {DEFAULT_GUIDANCE_SCALE:g} "
+                                        "otherwise)", REQUEST.guidance_scale)
     scheduler: str | None = flag(f"one of {', '.join(SCHEDULERS)} (default: the model's own)", REQUEST.scheduler)
     seed: int | None = flag("random seed (default: a random one, reported)", REQUEST.seed)
 

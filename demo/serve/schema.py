@@ -23,7 +23,8 @@ class Input:
     name: str
     dtype: type  # numpy's
     field: str  # the Request field it sets
-    optional: bool = True  # left out: the request's default (the server's, for size and scheduler)
+    optional: bool = True  # left out: the request's default (the server's, for size and scheduler; the model's, for
+    # the guidance scale: demo.request.Request.resolved)
     shape: tuple[int, ...] = (1,)  # Triton's, less the batch dimension (-1: any size)
     modes: tuple[str, ...] = MODES  # the models that take it
 

@@ -80,12 +80,12 @@ def engine_settings(options: EngineOptions, source: ModelSource, flavour: str, w
 
 def int8_settings(options: EngineOptions, source: ModelSource, workload: Workload, record_activations):
     """The INT8 request of `int8` (None without it), checked now: calibration renders of the calibration prompts at the
-    engines' size, calibration_steps steps of the model's own scheduler, the default guidance; so an INT8 engine, like
-    an fp16 one, serves any steps, scheduler and guidance without a rebuild."""
+    engines' size, calibration_steps steps of the model's own scheduler and guidance scale (what a request that gives
+    none gets); so an INT8 engine, like an fp16 one, serves any steps, scheduler and guidance without a rebuild."""
     if not options.int8:
         return None
     return int8_request(source, read_calibration_prompts(options.calibration_prompts), options.calibration_steps,
-                        default_scheduler_name(source), Request.guidance_scale, workload.height, workload.width,
+                        default_scheduler_name(source), source.default_guidance_scale, workload.height, workload.width,
                         Path(options.onnx_dir), record_activations)
 
 

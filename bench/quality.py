@@ -1,0 +1,649 @@
+"""Measure how well a model draws what its prompts name: a fixed set of `shapes` scenes rendered with any backend and
+settings demo-diffusion takes, each image read back by a deterministic detector.
+
+    sd-quality [--model shapes] [--backend B] [--lora FILE[:SCALE]] [--cases N] [--no-edits] [--reference REPORT.json]
+
+The set, version QUALITY_SET_VERSION, is drawn from a fixed seed: 200 text-to-image cases (a scene's prompt and a
+seed; every shape, colour, background, position and size many times), 24 inpainting cases (a drawn scene whose
+object is repainted in another colour through a mask over it) and 24 image-to-image cases at strength 0.6 (a drawn
+scene, prompted with its object in another colour). The detector reads each image; the table gives, per
+kind, the share of cases whose reading has each attribute the prompt names, the share with all of them, and the share
+drawn as outlines (what the outline LoRA changes). With --reference, an earlier run's figures on the cases both ran
+stand beside this run's, with the share of images whose reading changed, per attribute and overall (cases matched by
+id).
+
+Writes into --output-dir (default quality/): quality-<model>-<backend>-<precision>[-lora-<name>].json (what ran, on
+what, the per-case readings and the summary; -run2, -run3 ... after the name where it is taken, unless --json names
+the file) and its chart (.png, with matplotlib: the `bench` extra); with --save-images, <name>-images/ (a PNG per case
+and grid.png, the first 16 text-to-image cases with their prompts). Nothing is written before every case has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench.common import log, slug
+from core.atomic import (
+    atomic_directory,
+    atomic_write_bytes,
+    check_writable_directory,
+    check_writable_file,
+    discard_directory,
+)
+from core.errors import RunFailure, UsageError, at_least, render_fields
+from demo.backends import TORCH
+from demo.cli.command import flag_name, run_command
+from demo.cli.flags import (
+    SHARED_ENGINE_FLAGS,
+    SPEC,
+    DemoFlags,
+    EngineFlags,
+    LoraFlags,
+    ModelFlags,
+    Parser,
+    RequestFlags,
+    TorchFlags,
+    add_flags,
+    flag,
+    parse_flags,
+    same_as,
+    summary,
+)
+from demo.cli.to_spec import spec_from_flags
+from demo.request import DEFAULT_STRENGTH, IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Request, is_guided
+from demo.runtime.spec import PRECISIONS
+
+if TYPE_CHECKING:
+    import numpy as np
+    from PIL.Image import Image
+
+    from models.shapes.scenes import Scene
+
+PROG = "sd-quality"
+say = partial(log, PROG)
+
+QUALITY_SET_VERSION = 1  # bump it whenever the cases change: reports of different versions are never compared
+SET_SIZES = {TEXT_TO_IMAGE: 200, INPAINTING: 24, IMAGE_TO_IMAGE: 24}  # the whole set, in the order it renders
+IMAGE_TO_IMAGE_STRENGTH = 0.6  # enough of the schedule to recolour the object, little enough to keep the layout
+# What an inpainting case is judged on: the new colour inside the mask, and what the mask must not change.
+INPAINTING_JUDGED = ("colour", "shape", "position", "background")
+DEFAULT_STEPS = 30
+DEFAULT_CASES_PER_CALL = 8
+GRID_CASES = 16
+GRID_CELL = 256  # pixels a side of each image in the grid (upscaled: the model draws 128)
+PROGRESS_EVERY_S = 5.0
+SECTION_TITLES = {
+    TEXT_TO_IMAGE: "text-to-image",
+    INPAINTING: "inpainting: the object repainted in another colour through a mask",
+    IMAGE_TO_IMAGE: f"image-to-image at strength {IMAGE_TO_IMAGE_STRENGTH}: the scene, its object in another colour",
+}
+EXACT_LABELS = {TEXT_TO_IMAGE: "exact match (all five right)",
+                INPAINTING: "edit right (new colour; shape, position, background kept)",
+                IMAGE_TO_IMAGE: "exact match (all five right)"}
+OUTLINE_LABEL = "drawn as outlines"
+
+
+@dataclass(frozen=True)
+class QualityFlags:
+    cases: int | None = flag(f"the first N of the {SET_SIZES[TEXT_TO_IMAGE]} text-to-image cases and proportionally "
+                             "fewer edits (at least one of each kind), for quick runs (default: the whole set)",
+                             metavar="N")
+    no_edits: bool = flag("text-to-image cases only (no inpainting or image-to-image)", False)
+    reference: str | None = flag("an earlier sd-quality JSON of the same set version: its figures beside this run's, "
+                                 "and the share of images whose reading changed, per attribute and overall (cases "
+                                 "matched by id)", metavar="REPORT.json")
+    output_dir: str = flag("where the JSON, its chart and the images go (default: %(default)s)", "quality")
+    json_path: str | None = flag("the JSON's path, replaced if it exists; the chart and the images take its name "
+                                 "(default: <output-dir>/quality-<model>-<backend>-<precision>[-lora-<name>].json, "
+                                 "never replacing one)", name="--json", metavar="PATH")
+    save_images: bool = flag("also write each case's image, and a grid of the first 16 text-to-image cases with "
+                             "their prompts", False)
+
+
+@dataclass(frozen=True)
+class RenderFlags:
+    """How every case renders: demo-diffusion's request flags, less what the set decides (prompt, seed, size)."""
+
+    negative_prompt: str | None = same_as(RequestFlags, "negative_prompt")
+    denoising_steps: int = same_as(RequestFlags, "denoising_steps")
+    guidance_scale: float | None = same_as(RequestFlags, "guidance_scale")
+    scheduler: str | None = same_as(RequestFlags, "scheduler")
+    backend: str = same_as(DemoFlags, "backend")
+    precision: str = flag("auto (the backend's own: engines fp16; torch fp16 on a GPU, fp32 on a CPU), fp16 or fp32 "
+                          "(default: %(default)s)", SPEC.precision, choices=PRECISIONS)
+    max_batch_size: int = flag("the most text-to-image cases one pipeline call renders, each from its own seed (an "
+                               "edit is a call of its own); engines of one batch (--build-static-batch, "
+                               "--use-cuda-graph) take 1 (default: %(default)s)", DEFAULT_CASES_PER_CALL)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=PROG, description=summary(__doc__))
+    add_flags(p, ModelFlags, model="shapes")
+    add_flags(p, QualityFlags, "the cases and the outputs")
+    add_flags(p, RenderFlags, "rendering", denoising_steps=DEFAULT_STEPS)
+    add_flags(p, LoraFlags, "LoRA")
+    add_flags(p, EngineFlags, "ONNX and TensorRT engines")
+    shared = ", ".join("--" + name.replace("_", "-") for name in SHARED_ENGINE_FLAGS)
+    add_flags(p, TorchFlags, "PyTorch backend", description=f"unset, each comes from the torch defaults measured "
+              f"on this GPU's compute capability; {shared} apply to it too")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_command(PROG, lambda: run(parse_flags(build_parser(), argv), shlex.join([PROG, *argv])))
+
+
+# ---- the case set ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """One case: what its prompt asks for (`scene`: the reading a right image gives) and its seed; an edit's input
+    image is `source` drawn with its jitter (`jitter_seed`), an inpainting case's mask a rectangle over its object."""
+
+    id: str
+    mode: str
+    scene: Scene
+    seed: int
+    source: Scene | None = None
+    jitter_seed: int | None = None
+
+    @property
+    def prompt(self) -> str:
+        return self.scene.prompt
+
+    @property
+    def strength(self) -> float | None:
+        """An edit's: inpainting repaints the masked part from noise (its default, 1.0)."""
+        return {IMAGE_TO_IMAGE: IMAGE_TO_IMAGE_STRENGTH, INPAINTING: DEFAULT_STRENGTH[INPAINTING]}.get(self.mode)
+
+    def input_image(self) -> Image | None:
+        from models.shapes.scenes import render
+
+        return None if self.source is None else render(self.source, random.Random(self.jitter_seed))
+
+    def mask_box(self) -> tuple[int, int, int, int] | None:
+        from models.shapes.scenes import object_box
+
+        return object_box(self.source) if self.mode == INPAINTING else None
+
+    def mask_image(self) -> Image | None:
+        from PIL import Image, ImageDraw
+
+        from models.shapes.scenes import SIZE
+
+        box = self.mask_box()
+        if box is None:
+            return None
+        mask = Image.new("L", (SIZE, SIZE), 0)
+        ImageDraw.Draw(mask).rectangle((box[0], box[1], box[2] - 1, box[3] - 1), fill=255)  # right, bottom exclusive
+        return mask
+
+    def description(self) -> dict:
+        """What makes the case: its prompt and seed, an edit's input scene, jitter, mask and strength."""
+        described = {"id": self.id, "mode": self.mode, "prompt": self.prompt, "seed": self.seed}
+        if self.source is not None:
+            described.update(input=self.source.prompt, jitter_seed=self.jitter_seed, strength=self.strength)
+        if self.mode == INPAINTING:
+            described["mask"] = list(self.mask_box())
+        return described
+
+
+def case_id(mode: str, index: int) -> str:
+    return f"{mode}-{index:03d}"
+
+
+def _deck(rng: random.Random, values: list, count: int) -> list:
+    """`count` values drawn as from shuffled decks of `values`: every run of len(values) holds each once, so any
+    prefix of the set is balanced too."""
+    drawn = []
+    while len(drawn) < count:
+        drawn += rng.sample(values, len(values))
+    return drawn[:count]
+
+
+def _balanced_scenes(rng: random.Random, count: int) -> list[Scene]:
+    from models.shapes.scenes import COLOURS, POSITIONS, SHAPES, SIZES, Scene
+
+    pairs = [(colour, background) for colour in COLOURS for background in COLOURS if colour != background]
+    columns = (_deck(rng, list(SHAPES), count), _deck(rng, pairs, count), _deck(rng, list(POSITIONS), count),
+               _deck(rng, list(SIZES), count))
+    return [Scene(shape, colour, background, position, size)
+            for shape, (colour, background), position, size in zip(*columns)]
+
+
+def quality_cases() -> list[Case]:
+    """The whole set of QUALITY_SET_VERSION, the same on every machine: the text-to-image cases, then the inpainting
+    and the image-to-image ones (each prompting its input scene with the object in a colour neither it nor the
+    background has)."""
+    from models.shapes.scenes import COLOURS
+
+    rng = random.Random(f"shapes-quality-v{QUALITY_SET_VERSION}")
+    cases = [Case(case_id(TEXT_TO_IMAGE, index), TEXT_TO_IMAGE, scene, rng.randrange(2**31))
+             for index, scene in enumerate(_balanced_scenes(rng, SET_SIZES[TEXT_TO_IMAGE]))]
+    for mode in (INPAINTING, IMAGE_TO_IMAGE):
+        for index, source in enumerate(_balanced_scenes(rng, SET_SIZES[mode])):
+            colour = rng.choice([c for c in COLOURS if c not in (source.colour, source.background)])
+            cases.append(Case(case_id(mode, index), mode, source.with_(colour=colour), rng.randrange(2**31), source,
+                              rng.randrange(2**31)))
+    return cases
+
+
+def run_counts(text_cases: int | None, edits: bool) -> dict[str, int]:
+    """How many cases of each kind a run takes: the first `text_cases` text-to-image ones (None: all) and as large a
+    share of each edit kind, rounded up."""
+    total = SET_SIZES[TEXT_TO_IMAGE]
+    text_cases = total if text_cases is None else text_cases
+    return {mode: text_cases if mode == TEXT_TO_IMAGE else math.ceil(size * text_cases / total) if edits else 0
+            for mode, size in SET_SIZES.items()}
+
+
+def run_case_ids(counts: dict[str, int]) -> list[str]:
+    return [case_id(mode, index) for mode, count in counts.items() for index in range(count)]
+
+
+def select_cases(cases: list[Case], counts: dict[str, int]) -> list[Case]:
+    wanted = set(run_case_ids(counts))
+    return [case for case in cases if case.id in wanted]
+
+
+# ---- judging -----------------------------------------------------------------------------------------------------
+
+def judged(mode: str, attributes: list[str]) -> list[str]:
+    return list(INPAINTING_JUDGED) if mode == INPAINTING else attributes
+
+
+def summarise(cases: list[dict]) -> dict:
+    """Per kind of case: how many, the share right of each attribute the prompt names, the share with every judged
+    one right (exact_match), and the share drawn as outlines. `cases`: the report's per-case entries."""
+    result = {}
+    for mode in SET_SIZES:
+        entries = [case for case in cases if case["mode"] == mode]
+        if not entries:
+            continue
+        attributes = list(entries[0]["expected"])
+        if mode != TEXT_TO_IMAGE:  # an edit's new colour first, then what it keeps
+            attributes.sort(key=lambda name: name != "colour")
+        right = [{name: case["reading"][name] == case["expected"][name] for name in attributes} for case in entries]
+        result[mode] = {
+            "cases": len(entries),
+            "judged": judged(mode, attributes),
+            "accuracy": {name: sum(r[name] for r in right) / len(entries) for name in attributes},
+            "exact_match": sum(all(r[name] for name in judged(mode, attributes)) for r in right) / len(entries),
+            "outline_share": sum(case["reading"]["style"] == "outline" for case in entries) / len(entries),
+        }
+    return result
+
+
+def changed_readings(cases: list[dict], reference_cases: list[dict]) -> dict:
+    """Of the cases both runs have (matched by id): how many, and per reading field and overall ("any") the share
+    whose reading differs."""
+    earlier = {case["id"]: case["reading"] for case in reference_cases}
+    both = [(case["reading"], earlier[case["id"]]) for case in cases if case["id"] in earlier]
+    if not both:
+        return {"cases": 0, "share": {}}
+    fields = list(both[0][0])
+    differs = [{name: now[name] != before.get(name) for name in fields} for now, before in both]
+    share = {name: sum(d[name] for d in differs) / len(both) for name in fields}
+    share["any"] = sum(any(d.values()) for d in differs) / len(both)
+    return {"cases": len(both), "share": share}
+
+
+def summary_lines(mode: str, figures: dict) -> list[tuple[str, float]]:
+    """A kind's figures as (label, share) lines, in the table's and the chart's order."""
+    def label(name: str) -> str:
+        if mode == TEXT_TO_IMAGE:
+            return name
+        return "new colour" if name == "colour" else f"{name} kept"
+
+    return ([(label(name), share) for name, share in figures["accuracy"].items()]
+            + [(EXACT_LABELS[mode], figures["exact_match"]), (OUTLINE_LABEL, figures["outline_share"])])
+
+
+def _percent(share: float | None) -> str:
+    return "—" if share is None else f"{100 * share:.1f}%"
+
+
+def _cases(count: int) -> str:
+    return f"{count} case" if count == 1 else f"{count} cases"
+
+
+def quality_table(report: dict) -> str:
+    """The report as markdown: a table per kind of case (beside the reference's figures where there is one), then the
+    readings that changed against it."""
+    reference = report.get("reference")
+    settings = report["settings"]
+    loras = ", ".join(f"{Path(lora['path']).name} x {lora['scale']}" for lora in settings["loras"])
+    parts = [f"sd-quality, case set v{report['set_version']}: {report['model']} on {settings['backend']} "
+             f"({settings['precision']}, {settings['device']}), {settings['scheduler']}, {settings['steps']} steps, "
+             f"guidance {settings['guidance_scale']}" + (f", LoRA {loras}" if loras else "")
+             + (f"; reference: {reference['path']}" if reference else "")]
+    for mode, figures in report["summary"].items():
+        earlier = reference["summary"].get(mode) if reference else None
+        earlier_lines = dict(summary_lines(mode, earlier)) if earlier else {}
+        head = f"| {SECTION_TITLES[mode]}, {_cases(figures['cases'])} | this run |"
+        rule = "| --- | ---: |"
+        if reference:
+            head += f" reference ({_cases(earlier['cases'] if earlier else 0)}) |"
+            rule += " ---: |"
+        lines = [head, rule]
+        for label, share in summary_lines(mode, figures):
+            lines.append(f"| {label} | {_percent(share)} |" + (f" {_percent(earlier_lines.get(label))} |"
+                                                                if reference else ""))
+        parts.append("\n".join(lines))
+    if reference:
+        changed = reference["changed"]
+        lines = [f"| readings changed against the reference, {changed['cases']} images in both | share |",
+                 "| --- | ---: |"]
+        lines += [f"| {name if name != 'any' else 'any attribute'} | {_percent(share)} |"
+                  for name, share in changed["share"].items()]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def quality_chart(report: dict) -> bytes:
+    """Per kind of case, a bar for each line of the table; the reference's beside this run's where there is one."""
+    from matplotlib.figure import Figure
+
+    reference = report.get("reference")
+    modes = list(report["summary"])
+    heights = [len(summary_lines(mode, report["summary"][mode])) + 1 for mode in modes]
+    figure = Figure(figsize=(10, 0.3 * sum(heights) + 1.5), dpi=100, layout="constrained")
+    axes = figure.subplots(len(modes), 1, squeeze=False, height_ratios=heights)[:, 0]
+    runs = [("this run", report["summary"], "#4c72b0")]
+    if reference:
+        runs.append(("reference", reference["summary"], "#bbbbbb"))
+    bar = 0.8 / len(runs)
+    for ax, mode in zip(axes, modes):
+        labels = [label for label, _ in summary_lines(mode, report["summary"][mode])]
+        for offset, (name, figures, colour) in enumerate(runs):
+            shares = dict(summary_lines(mode, figures[mode])) if mode in figures else {}
+            places = [y + (offset - (len(runs) - 1) / 2) * bar for y in range(len(labels))]
+            values = [100 * shares.get(label, 0.0) for label in labels]
+            ax.barh(places, values, bar, color=colour, label=name)
+            for y, value, label in zip(places, values, labels):
+                if label in shares:
+                    ax.text(value, y, f" {value:.1f}", va="center", fontsize=7)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.set_ylim(len(labels) - 0.5, -0.5)
+        ax.set_xlim(0, 112)
+        ax.set_title(f"{SECTION_TITLES[mode]}, {_cases(report['summary'][mode]['cases'])}", fontsize=9, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("% of cases")
+    settings = report["settings"]
+    figure.suptitle(f"sd-quality v{report['set_version']}: {report['model']}, {settings['backend']} "
+                    f"{settings['precision']}, {settings['steps']} steps", fontsize=10)
+    if reference:
+        axes[0].legend(fontsize=8, loc="lower right")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def grid_image(images: list[Image], cases: list[dict]) -> Image:
+    """The images in rows of four, each upscaled with its prompt beneath, and what the detector read differently."""
+    import textwrap
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=14)
+    columns, caption = 4, 76
+    rows = math.ceil(len(images) / columns)
+    grid = Image.new("RGB", (columns * GRID_CELL, rows * (GRID_CELL + caption)), "white")
+    draw = ImageDraw.Draw(grid)
+    for index, (image, case) in enumerate(zip(images, cases)):
+        left, top = index % columns * GRID_CELL, index // columns * (GRID_CELL + caption)
+        grid.paste(image.resize((GRID_CELL, GRID_CELL), Image.Resampling.NEAREST), (left, top))
+        draw.multiline_text((left + 4, top + GRID_CELL + 2), "\n".join(textwrap.wrap(case["prompt"], 32)),
+                            fill="black", font=font, spacing=1)
+        wrong = [case["reading"][name] for name in case["expected"] if case["reading"][name] != case["expected"][name]]
+        if wrong:
+            text = "read: " + ", ".join(wrong)
+            while draw.textlength(text, font=font) > GRID_CELL - 8:
+                text = text[:-2] + "…"
+            draw.text((left + 4, top + GRID_CELL + caption - 18), text, fill="#c00000", font=font)
+    return grid
+
+
+# ---- checking the command line -----------------------------------------------------------------------------------
+
+def read_reference(path: str, counts: dict[str, int]) -> dict:
+    """A --reference report, checked: an sd-quality JSON of this set version whose cases (an id, a mode, the expected
+    attributes and the reading each) share some with this run."""
+    where = f"--reference {path}"
+    try:
+        report = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    except ValueError as exc:
+        raise UsageError(f"{where}: not JSON ({exc})") from None
+    cases = report.get("cases") if isinstance(report, dict) else None
+    if (not isinstance(cases, list) or "set_version" not in report
+            or not all(isinstance(case, dict) and isinstance(case.get("id"), str) and case.get("mode") in SET_SIZES
+                       and isinstance(case.get("expected"), dict) and isinstance(case.get("reading"), dict)
+                       and "style" in case["reading"] for case in cases)):
+        raise UsageError(f"{where}: not an sd-quality report (it needs set_version, and cases with an id, a mode, the "
+                         "expected attributes and a reading each)")
+    if report["set_version"] != QUALITY_SET_VERSION:
+        raise UsageError(f"{where}: made on case set version {report['set_version']}, this run's is "
+                         f"{QUALITY_SET_VERSION}: only runs of one version compare")
+    ours = set(run_case_ids(counts))
+    if not any(case["id"] in ours for case in cases):
+        raise UsageError(f"{where}: no case in common with this run (it has {len(cases)}, none of this run's "
+                         f"{len(ours)}; see --cases and --no-edits)")
+    return report
+
+
+def compare_with(reference: dict, path: str, entries: list[dict]) -> dict:
+    """The reference's figures on the cases this run has too (so that a subset compares with the same subset), and
+    the readings that changed."""
+    ours = {entry["id"] for entry in entries}
+    return {"path": path, "model": reference.get("model"), "settings": reference.get("settings"),
+            "summary": summarise([case for case in reference["cases"] if case["id"] in ours]),
+            "changed": changed_readings(entries, reference["cases"])}
+
+
+def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags) -> dict[str, int]:
+    """Everything the command line alone decides, before torch is imported: the cases this run takes."""
+    if quality.cases is not None and not 1 <= quality.cases <= SET_SIZES[TEXT_TO_IMAGE]:
+        raise UsageError(f"--cases must be 1..{SET_SIZES[TEXT_TO_IMAGE]}, got {quality.cases}")
+    counts = run_counts(quality.cases, not quality.no_edits)
+    at_least("max_batch_size", render.max_batch_size, 1)
+    if render.max_batch_size > 1 and render.backend != TORCH and (engine.build_static_batch or engine.use_cuda_graph):
+        raise UsageError("--build-static-batch and --use-cuda-graph make engines of one batch, and the cases run as "
+                         "one-image requests, up to --max-batch-size to a call: give --max-batch-size 1")
+    Request("", negative_prompt=render.negative_prompt, denoising_steps=render.denoising_steps,
+            guidance_scale=render.guidance_scale, scheduler=render.scheduler).check_inputs()
+    if counts[IMAGE_TO_IMAGE] and int(render.denoising_steps * IMAGE_TO_IMAGE_STRENGTH) < 1:
+        raise UsageError(f"--denoising-steps {render.denoising_steps} leaves the image-to-image cases (strength "
+                         f"{IMAGE_TO_IMAGE_STRENGTH}) no step to run: give 2 or more, or --no-edits")
+    check_writable_directory("output directory", Path(quality.output_dir))
+    if quality.json_path is not None:
+        check_writable_file("--json file", Path(quality.json_path))
+        if quality.reference and Path(quality.json_path).resolve() == Path(quality.reference).resolve():
+            raise UsageError("--json names the --reference file: this run would replace what it compares with")
+    return counts
+
+
+def run(flags, command: str) -> int:
+    quality, render = flags[QualityFlags], flags[RenderFlags]
+    counts = check_flags(quality, render, flags[EngineFlags])
+    reference = read_reference(quality.reference, counts) if quality.reference else None
+    spec = spec_from_flags(flags, backend=render.backend, precision=render.precision, scheduler=render.scheduler,
+                           batch_size=render.max_batch_size, max_batch_size=render.max_batch_size,
+                           guided=is_guided(render.guidance_scale),
+                           modes=tuple(mode for mode, count in counts.items() if count))
+    spec.check()
+    return measure(flags, spec, counts, reference, command)
+
+
+# ---- the run -----------------------------------------------------------------------------------------------------
+
+class Progress:
+    """Images done of the total and images per second, a line every few seconds and at the end."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.seconds, self.said = total, 0, 0.0, 0.0
+
+    def add(self, images: int, seconds: float) -> None:
+        self.done, self.seconds = self.done + images, self.seconds + seconds
+        if self.done == self.total or self.seconds - self.said >= PROGRESS_EVERY_S:
+            self.said = self.seconds
+            say(f"{self.done}/{self.total} images, {self.rate:.2f} images/s")
+
+    @property
+    def rate(self) -> float:
+        return self.done / self.seconds if self.seconds else 0.0
+
+
+def case_requests(cases: list[Case], render: RenderFlags, size: int) -> list[Request]:
+    """Each case as a request; the edits' input images at the model's own size (`size`), as its text-to-image cases
+    are drawn, so that every call runs one shape."""
+    common = dict(negative_prompt=render.negative_prompt, denoising_steps=render.denoising_steps,
+                  guidance_scale=render.guidance_scale, scheduler=render.scheduler)
+    requests = []
+    for case in cases:
+        if case.source is None:
+            requests.append(Request(case.prompt, seed=case.seed, **common))
+        else:
+            requests.append(Request(case.prompt, seed=case.seed, image=case.input_image(), mask=case.mask_image(),
+                                    strength=case.strength, height=size, width=size, **common))
+    return requests
+
+
+def calls_of(requests: list[Request], most: int) -> list[list[Request]]:
+    """The requests, in order, as pipeline calls: consecutive text-to-image ones up to `most` to a call (each drawn
+    from its own seed, so the image is the one it makes alone), each edit alone (a call takes one input image)."""
+    calls: list[list[Request]] = []
+    for request in requests:
+        if request.image is None and calls and len(calls[-1]) < most and calls[-1][0].image is None:
+            calls[-1].append(request)
+        else:
+            calls.append([request])
+    return calls
+
+
+# What ran, as demo-diffusion's report of the first call gives it.
+SETTINGS = ("backend", "backend_reason", "device", "precision", "scheduler", "steps", "unet_calls", "guidance_scale",
+            "negative_prompt", "height", "width", "plugins", "options", "options_reason", "loras", "lora_refit_ms")
+
+
+def measure(flags, spec, counts: dict[str, int], reference: dict | None, command: str) -> int:
+    # Planning loads torch (seconds): --help and the usage errors above answer without it.
+    from PIL import Image
+
+    from demo.pipelines.timer import StageTimer
+    from demo.runtime.loader import plan_pipeline, to_stderr
+    from models.shapes.detector import read_image
+    from models.shapes.scenes import ATTRIBUTES
+
+    quality, render = flags[QualityFlags], flags[RenderFlags]
+    plan = plan_pipeline(spec)
+    cases = select_cases(quality_cases(), counts)
+    requests = [plan.resolve(request) for request in case_requests(cases, render, plan.source.native_image_size)]
+    for request in requests:
+        plan.check(request)
+    for note in plan.notes + requests[0].unused():
+        to_stderr(f"note: {render_fields(note, flag_name)}")
+    say(f"model {plan.source.name} ({plan.source.path}), backend {plan.backend.name} ({plan.backend_reason}), "
+        f"{plan.device}; {len(cases)} cases ({', '.join(f'{n} {mode}' for mode, n in counts.items() if n)}), "
+        f"case set v{QUALITY_SET_VERSION}")
+    progress = Progress(len(cases))
+    pixels: list[np.ndarray] = []
+    with plan.load() as pipeline:
+        for call in calls_of(requests, render.max_batch_size):
+            timer = StageTimer(pipeline.device)
+            start = time.perf_counter()
+            pixels.extend(pipeline.run(call, timer, pixels=True))
+            progress.add(len(call), time.perf_counter() - start)
+            if len(pixels) == len(call):  # the first call: what ran, as its report says
+                ran = dataclasses.asdict(pipeline.report(call[0], timer))
+    images = [Image.fromarray(image) for image in pixels]
+    entries = [{**case.description(), "expected": {name: getattr(case.scene, name) for name in ATTRIBUTES},
+                "reading": read_image(image).as_dict()} for case, image in zip(cases, images)]
+    report = {
+        "tool": PROG, "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "set_version": QUALITY_SET_VERSION, "model": plan.source.name, "model_path": str(plan.source.path),
+        "settings": {**{name: ran[name] for name in SETTINGS}, "max_batch_size": render.max_batch_size},
+        "versions": ran["versions"], "cases_run": counts, "render_s": round(progress.seconds, 2),
+        "images_per_s": round(progress.rate, 3), "summary": summarise(entries),
+        "reference": None if reference is None else compare_with(reference, quality.reference, entries),
+        "cases": entries,
+    }
+    json_path = write_outputs(quality, report, images)
+    print(quality_table(report), end="")
+    say(f"wrote {json_path}")
+    return 0
+
+
+def output_stem(report: dict) -> str:
+    settings = report["settings"]
+    parts = ["quality", Path(report["model"]).name, settings["backend"], settings["precision"],
+             *(f"lora-{Path(lora['path']).stem}" for lora in settings["loras"])]
+    return "-".join(slug(part) for part in parts)
+
+
+def outputs_of(json_path: Path) -> tuple[Path, Path]:
+    """The chart and the images folder that go with a report."""
+    return json_path.with_suffix(".png"), json_path.with_name(json_path.stem + "-images")
+
+
+def free_json_path(directory: Path, stem: str) -> Path:
+    """<stem>.json, or with -run<N> after the stem where that or its chart or images are there already."""
+    run = 1
+    while True:
+        path = directory / f"{stem if run == 1 else f'{stem}-run{run}'}.json"
+        if not any(p.exists() for p in (path, *outputs_of(path))):
+            return path
+        run += 1
+
+
+def _png(image: Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_outputs(quality: QualityFlags, report: dict, images: list[Image]) -> Path:
+    """The images folder (with --save-images), the chart (with matplotlib) and last the JSON, each whole or not at
+    all; a full disk is one line (exit 1)."""
+    json_path = (Path(quality.json_path) if quality.json_path
+                 else free_json_path(Path(quality.output_dir), output_stem(report)))
+    chart_path, images_dir = outputs_of(json_path)
+    try:
+        if quality.save_images:
+            for case in report["cases"]:
+                case["image"] = f"{images_dir.name}/{case['id']}.png"
+            if images_dir.exists():  # an earlier run's, under the name --json gave again
+                discard_directory(images_dir)
+            with atomic_directory(images_dir) as staging:
+                for case, image in zip(report["cases"], images):
+                    (staging / f"{case['id']}.png").write_bytes(_png(image))
+                first = [index for index, case in enumerate(report["cases"])
+                         if case["mode"] == TEXT_TO_IMAGE][:GRID_CASES]
+                grid = grid_image([images[index] for index in first], [report["cases"][index] for index in first])
+                (staging / "grid.png").write_bytes(_png(grid))
+        try:
+            chart = quality_chart(report)
+        except ImportError:
+            say("no chart: matplotlib is not installed (pip install 'demo-diffusion[bench]')")
+        else:
+            atomic_write_bytes(chart_path, chart)
+        atomic_write_bytes(json_path, (json.dumps(report, indent=1) + "\n").encode())
+    except OSError as exc:
+        raise RunFailure(f"cannot write the report {json_path}: {exc.strerror or exc}") from None
+    return json_path

@@ -1,0 +1,40 @@
+"""The `shapes` built-in: a small text-to-image model trained on procedural scenes, shipped with the package.
+
+scenes.py defines the scenes, their prompts and the renderer; train.py trains the model and its outline LoRA from
+them (scripts/train_shapes.py); detector.py reads an image back into the attributes its prompt names. The weights
+(fp16 safetensors, model/ and outline.safetensors) are recorded in weights.sha256 beside train.py: a damaged or
+changed file is refused rather than loaded. Importing this module is light (no torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODEL_DIR = HERE / "model"  # a diffusers folder: VAE, CLIP text encoder and tokenizer, UNet, scheduler
+OUTLINE_LORA = HERE / "outline.safetensors"  # draws outlines instead of filled shapes (diffusers/PEFT keys)
+HASHES = HERE / "weights.sha256"  # sha256sum's format, paths relative to this folder
+# The guidance scale it draws best at (sd-quality, fp32, 30 steps: results/quality-shapes); above it colours drift.
+GUIDANCE_SCALE = 3.0
+
+
+def shipped_files() -> dict[str, str]:
+    """The shipped files' recorded sha256 by path (relative to this folder)."""
+    lines = HASHES.read_text().splitlines()
+    return {path: digest for digest, path in (line.split("  ", 1) for line in lines if line.strip())}
+
+
+def damage() -> str | None:
+    """Why the shipped files are not the recorded ones (None: they are)."""
+    try:
+        recorded = shipped_files()
+    except (OSError, ValueError) as error:
+        return f"{HASHES.name} unreadable ({error})"
+    for path, digest in recorded.items():
+        file = HERE / path
+        if not file.is_file():
+            return f"{path} is missing"
+        if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+            return f"{path} is not the file recorded in {HASHES.name}"
+    return None

@@ -1,0 +1,407 @@
+"""Trains the `shapes` model and its outline LoRA from procedural scenes (models/shapes/scenes.py), fixed seeds.
+
+    python scripts/train_shapes.py --output DIR      # one GPU; about a quarter of an hour on an H100
+
+Three stages, each from the one before: the VAE (128x128 images to 16x16x4 latents and back), the CLIP text encoder
+and the UNet together (epsilon prediction on SD 1.5's noise schedule, prompts sometimes naming fewer attributes and
+sometimes empty, so that classifier-free guidance works), and a LoRA on the frozen UNet that draws outlines instead
+of filled shapes. DIR receives `shapes/` (a diffusers folder, fp16 safetensors), `shapes-outline.safetensors` (the
+LoRA, diffusers/PEFT keys) and `training.json` (steps, losses, times, a first accuracy reading by the detector).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from models.builtin import SD15_SCHEDULER, bpe_tokenizer
+from models.shapes.detector import read_image
+from models.shapes.scenes import (
+    ATTRIBUTES,
+    COLOURS,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    STYLES,
+    partial_prompt,
+    random_scene,
+    render_batch,
+    scene_tensors,
+)
+
+VAE_CONFIG = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "sample_size": 128,
+    "block_out_channels": [32, 64, 64, 64], "layers_per_block": 1, "norm_num_groups": 32,
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
+# Every pattern the passes and plugins handle: self- and cross-attention at head size 32 (64/2, 128/4, 192/6) on
+# 16x16 and 8x8 latents, GroupNorm (32 groups), LayerNorm, GEGLU.
+UNET_CONFIG = {
+    "sample_size": 16, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
+    "block_out_channels": [64, 128, 192], "attention_head_dim": [2, 4, 6], "norm_num_groups": 32,
+    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    "cross_attention_dim": 128,
+}
+TEXT_CONFIG = {
+    "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "max_position_embeddings": 77, "projection_dim": 128, "hidden_act": "quick_gelu",
+}
+# Every word a prompt may use, so that each is one token.
+CORPUS = " ".join(["a on background the", *SHAPES, *COLOURS, *SIZES, *(phrase for _, phrase in POSITIONS.values())])
+LORA_RANK = 8
+# The UNet's pace is measured over steps PACE_FROM..PACE_FROM+PACE_OVER (past the first steps' set-up), and
+# RESERVE_SECONDS kept for the LoRA's scenes and the read-backs.
+PACE_FROM, PACE_OVER, RESERVE_SECONDS = 20, 50, 60
+NOISE_OFFSET = 0.05  # lets the model draw black and white backgrounds whatever the noise's mean
+
+
+def tokenizer():
+    return bpe_tokenizer(10_000, TEXT_CONFIG["max_position_embeddings"], corpus=CORPUS)
+
+
+class Scenes:
+    """Random scenes rendered on the device (`style` "filled", "outline" or "mixed")."""
+
+    def __init__(self, device, seed: int, style: str = "filled"):
+        self.device, self.rng, self.style = device, random.Random(seed), style
+
+    def draw(self, n: int) -> tuple[torch.Tensor, list]:
+        """n scenes and their images in [-1, 1]."""
+        scenes = [random_scene(self.rng) for _ in range(n)]
+        scenes = [s.with_(style=self.rng.choice(STYLES) if self.style == "mixed" else self.style) for s in scenes]
+        return render_batch(**scene_tensors(scenes, self.rng, self.device)) * 2 - 1, scenes
+
+
+class LatentSet:
+    """Scenes rendered, encoded and tokenized once, kept on the device: each training step draws a batch of them
+    with no Python per sample (the UNet at 16x16 is so small that per-step host work would bound the run).
+
+    Each scene keeps one prompt, naming each attribute but the shape with probability 1 - `drop`; a batch swaps
+    a share `empty` of prompts for the empty one (classifier-free guidance's unconditional half)."""
+
+    def __init__(self, vae, tok, device, count: int, seed: int, style: str, drop: float, chunk: int = 1000):
+        scenes_source, rng = Scenes(device, seed, style), random.Random(seed + 1)
+        means, stds, prompt_of, prompts = [], [], [], {}
+        for start in range(0, count, chunk):
+            images, scenes = scenes_source.draw(min(chunk, count - start))
+            with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                posterior = vae.encode(images).latent_dist
+            means.append(posterior.mean.float())
+            stds.append(posterior.std.float())
+            for scene in scenes:
+                prompt = partial_prompt(scene, {a: rng.random() >= drop for a in ATTRIBUTES})
+                prompt_of.append(prompts.setdefault(prompt, len(prompts)))
+        scale = vae.config.scaling_factor
+        self.mean, self.std = torch.cat(means) * scale, torch.cat(stds) * scale
+        self.prompt_of = torch.tensor(prompt_of, device=device)
+        self.ids = _token_ids(tok, list(prompts), device)
+        self.empty_ids = _token_ids(tok, [""], device)
+
+    def batch(self, n: int, empty: float) -> tuple[torch.Tensor, torch.Tensor]:
+        pick = torch.randint(0, len(self.mean), (n,), device=self.mean.device)
+        latents = self.mean[pick] + self.std[pick] * torch.randn_like(self.mean[pick])
+        ids = self.ids[self.prompt_of[pick]]
+        unconditional = torch.rand(n, 1, device=ids.device) < empty
+        return latents, torch.where(unconditional, self.empty_ids, ids)
+
+
+def _token_ids(tok, prompts: list[str], device) -> torch.Tensor:
+    return tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True,
+               return_tensors="pt").input_ids.to(device)
+
+
+def _schedule(step: int, steps: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+class Progress:
+    def __init__(self, stage: str, steps: int, every: int = 200):
+        self.stage, self.steps, self.every, self.start, self.losses = stage, steps, every, time.monotonic(), []
+
+    def step(self, step: int, loss: torch.Tensor) -> None:
+        if (step + 1) % self.every and step + 1 != self.steps:
+            return
+        self.losses.append(float(loss.detach()))
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / (step + 1) * (self.steps - step - 1)
+        print(f"[{self.stage}] step {step + 1}/{self.steps} loss {self.losses[-1]:.4f} {(step + 1) / elapsed:.1f} it/s "
+              f"elapsed {elapsed:.0f} s, {eta:.0f} s left", flush=True)
+
+    def record(self, steps_done: int) -> dict:
+        return {"steps": steps_done, "seconds": round(time.monotonic() - self.start, 1), "losses": self.losses}
+
+
+def train_vae(device, steps: int, batch: int, seed: int):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(**VAE_CONFIG).to(device).train()
+    data = Scenes(device, seed, style="mixed")  # the LoRA's outlines must survive the VAE too
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=6e-4, betas=(0.9, 0.99), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, steps, 200))
+    progress, done = Progress("vae", steps), 0
+    for done in range(steps):
+        images, _ = data.draw(batch)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            posterior = vae.encode(images).latent_dist
+            decoded = vae.decode(posterior.sample()).sample.float()
+        loss = (decoded - images).abs().mean() + ((decoded - images) ** 2).mean() + 1e-6 * posterior.kl().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        progress.step(done, loss)
+    vae.eval()
+    with torch.no_grad():  # unit-variance latents, as SD's scaling factor gives its own
+        latents = torch.cat([vae.encode(data.draw(256)[0]).latent_dist.sample() for _ in range(8)])
+    vae.register_to_config(scaling_factor=float(1 / latents.std()))
+    return vae, progress.record(done + 1)
+
+
+def _alphas_cumprod(device) -> torch.Tensor:
+    """SD 1.5's noise schedule (the scheduler config the model ships with), as training draws from it."""
+    from diffusers import DDPMScheduler
+
+    config = {k: v for k, v in SD15_SCHEDULER.items() if k != "_class_name"}
+    return DDPMScheduler.from_config(config).alphas_cumprod.to(device)
+
+
+def _parameters(*modules):
+    return [p for m in modules for p in m.parameters() if p.requires_grad]
+
+
+def train_text_unet(vae, device, steps: int, batch: int, seed: int, deadline: float, reserve_steps: int,
+                    dataset: int):
+    """The text encoder and the UNet, together. Where `steps` would not fit before `deadline` (leaving time for
+    `reserve_steps` more at this pace, the LoRA's), fewer are run, the learning-rate schedule fitted to them."""
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.eos_token_id}
+    text = CLIPTextModel(CLIPTextConfig(**TEXT_CONFIG, vocab_size=len(tok), **special)).to(device).train()
+    unet = UNet2DConditionModel(**UNET_CONFIG).to(device, memory_format=torch.channels_last).train()
+    alphas = _alphas_cumprod(device)
+    params = _parameters(text, unet)
+    ema = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=5e-4, betas=(0.9, 0.99), weight_decay=0.01,
+                                  fused=device.type == "cuda")
+    progress = Progress("unet", steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, progress.steps, 300))
+    data = LatentSet(vae, tok, device, dataset, seed, "filled", drop=0.1)
+    print(f"[unet] {dataset} scenes encoded, {len(data.ids)} distinct prompts", flush=True)
+    done = 0
+    while done < progress.steps:
+        loss = _diffusion_loss(unet, text, data, alphas, batch, device, empty=0.1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - min(0.999, (1 + done) / (10 + done)))
+        progress.step(done, loss)
+        done += 1
+        if done == PACE_FROM:
+            paced_from = time.monotonic()
+        if done == PACE_FROM + PACE_OVER:  # the pace is known: fit the run into the time left
+            pace = PACE_OVER / (time.monotonic() - paced_from)
+            fits = done + int(pace * (deadline - time.monotonic() - RESERVE_SECONDS)) - reserve_steps
+            if fits < progress.steps:
+                print(f"[unet] {progress.steps} steps do not fit the time budget at {pace:.1f} it/s: running "
+                      f"{max(fits, done)}", flush=True)
+                progress.steps = max(fits, done)
+    with torch.no_grad():
+        for p, e in zip(params, ema):
+            p.copy_(e)
+    return tok, text.eval(), unet.eval(), progress.record(done)
+
+
+def _diffusion_loss(unet, text, data: LatentSet, alphas, batch, device, empty):
+    latents, ids = data.batch(batch, empty)
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        noise = torch.randn_like(latents) + NOISE_OFFSET * torch.randn(batch, latents.shape[1], 1, 1, device=device)
+        t = torch.randint(0, len(alphas), (batch,), device=device)
+        a = alphas[t].view(-1, 1, 1, 1)
+        noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
+        predicted = unet(noisy.contiguous(memory_format=torch.channels_last), t, text(ids)[0]).sample.float()
+    return ((predicted - noise) ** 2).mean()
+
+
+class LoraLinear(torch.nn.Module):
+    """A frozen layer plus up(down(x)): Linear, or a convolution whose down keeps its kernel and up is 1x1."""
+
+    def __init__(self, base: torch.nn.Module, rank: int):
+        super().__init__()
+        self.base = base
+        if isinstance(base, torch.nn.Conv2d):
+            self.down = torch.nn.Conv2d(base.in_channels, rank, base.kernel_size, base.stride, base.padding,
+                                        bias=False)
+            self.up = torch.nn.Conv2d(rank, base.out_channels, 1, bias=False)
+        else:
+            self.down = torch.nn.Linear(base.in_features, rank, bias=False)
+            self.up = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.kaiming_uniform_(self.down.weight, a=math.sqrt(5))
+        torch.nn.init.zeros_(self.up.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def lora_layers(unet) -> dict[str, torch.nn.Module]:
+    """The UNet modules the outline LoRA adapts: the transformers' projections and feed-forwards, and the
+    ResNets' 3x3 convolutions (a filled shape becoming an outline is a spatial change)."""
+    names = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "conv1", "conv2")
+    return {name: module for name, module in unet.named_modules()
+            if name.endswith(names) and isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))}
+
+
+def train_lora(unet, text, vae, tok, device, steps: int, batch: int, seed: int, dataset: int):
+    for p in [*unet.parameters(), *text.parameters()]:
+        p.requires_grad_(False)
+    adapters = {}
+    for name, module in lora_layers(unet).items():
+        parent, _, child = name.rpartition(".")
+        adapter = LoraLinear(module, LORA_RANK).to(device)
+        setattr(unet.get_submodule(parent), child, adapter)
+        adapters[name] = adapter
+    params = [p for a in adapters.values() for p in (a.down.weight, a.up.weight)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, steps, 100))
+    alphas = _alphas_cumprod(device)
+    data = LatentSet(vae, tok, device, dataset, seed, "outline", drop=0.1)
+    progress, done = Progress("lora", steps), 0
+    unet.train()
+    for done in range(steps):
+        loss = _diffusion_loss(unet, text, data, alphas, batch, device, empty=0.1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        progress.step(done, loss)
+    unet.eval()
+    return adapters, progress.record(done + 1)
+
+
+def lora_weights(adapters: dict) -> dict[str, torch.Tensor]:
+    """The adapters' weights under diffusers/PEFT keys (no alpha: scale 1), fp16."""
+    weights = {}
+    for name, adapter in adapters.items():
+        weights[f"unet.{name}.lora_A.weight"] = adapter.down.weight.detach().to(torch.float16).cpu().contiguous()
+        weights[f"unet.{name}.lora_B.weight"] = adapter.up.weight.detach().to(torch.float16).cpu().contiguous()
+    return weights
+
+
+def remove_lora(unet, adapters: dict) -> None:
+    for name, adapter in adapters.items():
+        parent, _, child = name.rpartition(".")
+        setattr(unet.get_submodule(parent), child, adapter.base)
+
+
+def read_back(pipe, count: int, seed: int, device, lora: bool = False, guidance: float = 7.5) -> dict:
+    """A first reading of what the model draws (30 steps of its scheduler): the detector's accuracy on `count`
+    random scenes. sd-quality is the yardstick; this only tells the training run how it went."""
+
+    rng = random.Random(seed)
+    scenes = [random_scene(rng) for _ in range(count)]
+    hits = dict.fromkeys((*ATTRIBUTES, "style", "exact"), 0)
+    for start in range(0, count, 50):
+        chunk = scenes[start:start + 50]
+        generator = torch.Generator(device).manual_seed(seed + start)
+        images = pipe([s.prompt for s in chunk], num_inference_steps=30, guidance_scale=guidance, generator=generator,
+                      height=128, width=128).images
+        for scene, image in zip(chunk, images):
+            reading = read_image(image)
+            right = {a: getattr(reading, a) == getattr(scene, a) for a in ATTRIBUTES}
+            for a, ok in right.items():
+                hits[a] += ok
+            hits["style"] += reading.style == ("outline" if lora else "filled")
+            hits["exact"] += all(right.values())
+    return {a: round(100 * h / count, 1) for a, h in hits.items()}
+
+
+def vae_read_back(vae, count: int, device) -> dict:
+    """The detector's exact-match rate on the VAE's reconstructions of `count` scenes (outlines included)."""
+
+    exact = {"filled": 0, "outline": 0}
+    for style in exact:
+        images, scenes = Scenes(device, 4321, style).draw(count)
+        with torch.no_grad():
+            decoded = vae.decode(vae.encode(images).latent_dist.mode()).sample
+        pixels = ((decoded.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        for scene, image in zip(scenes, pixels):
+            exact[style] += read_image(image).as_dict() == {**scene.__dict__}
+    return {style: round(100 * hits / count, 1) for style, hits in exact.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, required=True, help="folder for shapes/, the LoRA and training.json")
+    parser.add_argument("--vae-steps", type=int, default=3000)
+    parser.add_argument("--vae-batch", type=int, default=64)
+    parser.add_argument("--unet-steps", type=int, default=8000)
+    parser.add_argument("--lora-steps", type=int, default=800)
+    parser.add_argument("--batch", type=int, default=1024, help="latents per UNet and LoRA step")
+    parser.add_argument("--scenes", type=int, default=300_000, help="scenes encoded for the UNet (the LoRA: a third)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--minutes", type=float, default=12.0,
+                        help="time budget: the UNet runs fewer steps where its own would not fit (training.json "
+                             "records how many ran; pass them as --unet-steps to repeat the run)")
+    parser.add_argument("--read-back", type=int, default=200, help="scenes drawn for the first reading (0: none)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.monotonic()
+    deadline = start + 60 * args.minutes
+    record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+    vae, record["vae"] = train_vae(device, args.vae_steps, args.vae_batch, args.seed)
+    if args.read_back:
+        record["vae"]["read_back"] = vae_read_back(vae, args.read_back, device)
+        print(f"[vae] reconstructions read back: {record['vae']['read_back']}", flush=True)
+    tok, text, unet, record["unet"] = train_text_unet(vae, device, args.unet_steps, args.batch, args.seed + 1,
+                                                      deadline, args.lora_steps, args.scenes)
+    pipe = pipeline(vae, text, tok, unet)
+    if args.read_back:
+        record["read_back"] = read_back(pipe, args.read_back, 1234, device)
+        record["read_back_guidance_4"] = read_back(pipe, args.read_back, 1234, device, guidance=4.0)
+    adapters, record["lora"] = train_lora(unet, text, vae, tok, device, args.lora_steps, args.batch, args.seed + 2,
+                                          args.scenes // 3)
+    if args.read_back:
+        record["read_back_lora"] = read_back(pipe, args.read_back, 1234, device, lora=True)
+    remove_lora(unet, adapters)
+    args.output.mkdir(parents=True, exist_ok=True)
+    save_file(lora_weights(adapters), args.output / "shapes-outline.safetensors")
+    pipe.to(torch.float16).save_pretrained(args.output / "shapes")
+    record["seconds"] = round(time.monotonic() - start, 1)
+    (args.output / "training.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record.get(k) for k in ("read_back", "read_back_lora", "seconds")}), flush=True)
+    return 0
+
+
+def pipeline(vae, text, tok, unet):
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    scheduler = PNDMScheduler.from_config({k: v for k, v in SD15_SCHEDULER.items() if k != "_class_name"})
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tok, unet=unet, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+if __name__ == "__main__":
+    sys.exit(main())

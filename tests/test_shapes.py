@@ -1,0 +1,73 @@
+"""The `shapes` built-in: the shipped files are the recorded ones and what the package loads, the training script
+makes this architecture and tokenizer, the detector reads the renderer. What the model draws is read by sd-quality's
+own test (tests/test_quality.py)."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from core.errors import RunFailure
+from models import shapes
+from models.shapes.detector import read_image
+from models.shapes.scenes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, random_scene, render
+from models.source import resolve_model
+
+MAX_MODEL_BYTES, MAX_LORA_BYTES = 25_000_000, 2_000_000
+
+
+def test_the_package_loads_the_recorded_files():
+    source = resolve_model("shapes")
+    assert source.path == shapes.MODEL_DIR
+    recorded = shapes.shipped_files()
+    on_disk = {p.relative_to(shapes.HERE).as_posix() for p in shapes.MODEL_DIR.rglob("*") if p.is_file()}
+    assert on_disk | {shapes.OUTLINE_LORA.name} == set(recorded)  # nothing shipped unrecorded, nothing missing
+    assert shapes.damage() is None
+    weights = [shapes.HERE / p for p in recorded if p.endswith(".safetensors") and p.startswith("model/")]
+    assert sum(p.stat().st_size for p in weights) <= MAX_MODEL_BYTES
+    assert shapes.OUTLINE_LORA.stat().st_size <= MAX_LORA_BYTES
+    for path in [*weights, shapes.OUTLINE_LORA]:
+        with safe_open(path, "pt") as weights_file:
+            assert {weights_file.get_tensor(k).dtype for k in weights_file.keys()} == {torch.float16}
+
+
+def test_a_changed_weight_file_is_refused(tmp_path, monkeypatch):
+    copy = tmp_path / "shapes"
+    shutil.copytree(shapes.HERE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    unet = copy / "model" / "unet" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(unet.read_bytes())
+    data[-1] ^= 1
+    unet.write_bytes(bytes(data))
+    monkeypatch.setattr(shapes, "HERE", copy)
+    with pytest.raises(RunFailure, match="damaged .*unet/diffusion_pytorch_model.safetensors.*reinstall"):
+        resolve_model("shapes")
+
+
+def test_the_training_script_makes_the_shipped_architecture_and_tokenizer():
+    from models.shapes import train
+
+    unet = json.loads((shapes.MODEL_DIR / "unet" / "config.json").read_text())
+    vae = json.loads((shapes.MODEL_DIR / "vae" / "config.json").read_text())
+    text = json.loads((shapes.MODEL_DIR / "text_encoder" / "config.json").read_text())
+    assert {k: unet[k] for k in train.UNET_CONFIG} == train.UNET_CONFIG
+    assert {k: vae[k] for k in train.VAE_CONFIG} == train.VAE_CONFIG
+    assert {k: text[k] for k in train.TEXT_CONFIG} == train.TEXT_CONFIG
+    from transformers import CLIPTokenizer
+
+    shipped = CLIPTokenizer.from_pretrained(shapes.MODEL_DIR / "tokenizer")
+    made = train.tokenizer()
+    assert shipped.get_vocab() == made.get_vocab()
+    # Every word a prompt uses is one token, so the text encoder saw each word whole.
+    words = {*SHAPES, *COLOURS, *SIZES, "background", *(w for _, p in POSITIONS.values() for w in p.split())}
+    assert all(len(made(w, add_special_tokens=False).input_ids) == 1 for w in words)
+
+
+def test_the_detector_reads_rendered_scenes_and_prompts_name_every_attribute():
+    rng = random.Random(7)
+    scenes = [random_scene(rng).with_(style=rng.choice(("filled", "outline"))) for _ in range(120)]
+    assert all(read_image(render(s, rng)).as_dict() == s.__dict__ for s in scenes)
+    scene = Scene("triangle", "green", "yellow", "right", "small")
+    assert scene.prompt == "a small green triangle on the right on a yellow background"
