@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from core.errors import RunFailure
 from models import shapes
@@ -71,3 +72,26 @@ def test_the_detector_reads_rendered_scenes_and_prompts_name_every_attribute():
     assert all(read_image(render(s, rng)).as_dict() == s.__dict__ for s in scenes)
     scene = Scene("triangle", "green", "yellow", "right", "small")
     assert scene.prompt == "a small green triangle on the right on a yellow background"
+
+
+def test_every_training_stage_runs_and_saves_a_folder_the_toolkit_loads(tmp_path):
+    """The training script's stages at a few steps on the CPU (what a GPU run does at full size): the saved folder
+    loads as a model with the shipped architecture, and the LoRA's weights as a LoRA file for it."""
+    from models.lora import read_lora
+    from models.shapes import train
+
+    cpu = torch.device("cpu")
+    vae, _ = train.train_vae(cpu, steps=1, batch=2, seed=0, scale_samples=4)
+    tok, text, unet, record = train.train_text_unet(vae, cpu, steps=2, batch=2, seed=1, deadline=float("inf"),
+                                                    reserve_steps=0, dataset=4)
+    assert record["steps"] == 2
+    adapters, _ = train.train_lora(unet, text, vae, tok, cpu, steps=1, batch=2, seed=2, dataset=4)
+    assert {type(a.base) for a in adapters.values()} == {torch.nn.Linear, torch.nn.Conv2d}
+    assert all(unet.get_submodule(name) is adapter for name, adapter in adapters.items())  # in place while training
+    train.remove_lora(unet, adapters)
+    assert set(train.lora_layers(unet)) == set(adapters)  # the base layers back
+    train.pipeline(vae, text, tok, unet).to(torch.float16).save_pretrained(tmp_path / "shapes")
+    save_file(train.lora_weights(adapters), tmp_path / "outline.safetensors")
+    source = resolve_model(str(tmp_path / "shapes"))
+    assert source.config("unet")["block_out_channels"] == train.UNET_CONFIG["block_out_channels"]
+    assert len(read_lora(tmp_path / "outline.safetensors").layers) == len(adapters)

@@ -146,7 +146,7 @@ class Progress:
         return {"steps": steps_done, "seconds": round(time.monotonic() - self.start, 1), "losses": self.losses}
 
 
-def train_vae(device, steps: int, batch: int, seed: int):
+def train_vae(device, steps: int, batch: int, seed: int, scale_samples: int = 2048):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
@@ -169,7 +169,8 @@ def train_vae(device, steps: int, batch: int, seed: int):
         progress.step(done, loss)
     vae.eval()
     with torch.no_grad():  # unit-variance latents, as SD's scaling factor gives its own
-        latents = torch.cat([vae.encode(data.draw(256)[0]).latent_dist.sample() for _ in range(8)])
+        latents = torch.cat([vae.encode(data.draw(min(256, scale_samples - start))[0]).latent_dist.sample()
+                             for start in range(0, scale_samples, 256)])
     vae.register_to_config(scaling_factor=float(1 / latents.std()))
     return vae, progress.record(done + 1)
 
