@@ -57,7 +57,7 @@ def test_demo_writes_png_table_and_report(tmp_path):
 
 
 def test_shapes_runs_at_its_own_guidance_scale_unless_told(tmp_path, capsys):
-    """`--model shapes` without --guidance-scale runs at the model's own 4 (7.5 over-saturates its colours), and the
+    """`--model shapes` without --guidance-scale runs at the model's own 3 (7.5 over-saturates its colours), and the
     report that makes the image again records it; a negative prompt at it is used (no note)."""
     from demo.cli.generate import main
 

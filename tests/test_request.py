@@ -21,7 +21,7 @@ def shapes_model() -> ModelSource:
 
 
 def test_the_defaults_are_the_documented_numbers():
-    """The two facts, each defined once: 7.5 for models at large, the shapes model's own 4."""
+    """The two facts, each defined once: 7.5 for models at large, the shapes model's own 3 (results/quality-shapes)."""
     assert DEFAULT_GUIDANCE_SCALE == 7.5
     assert shapes.GUIDANCE_SCALE == 3.0
     assert Request("a").guidance_scale is None  # the model's own, until resolved
