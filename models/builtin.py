@@ -211,14 +211,18 @@ BUILTIN_MODELS["tiny-xl-refiner"] = {
 for _base in ("tiny", "tiny-xl"):
     BUILTIN_MODELS[f"{_base}-inpaint"] = {**BUILTIN_MODELS[_base], "inpainting": True,
                                           "unet": {**BUILTIN_MODELS[_base]["unet"], "in_channels": 9}}
-# Built-ins trained rather than generated: shipped in the package as a diffusers folder (models/shapes).
-SHIPPED_MODELS = {"shapes": shapes.MODEL_DIR}
-BUILTIN_NAMES = ("shapes", *BUILTIN_MODELS)  # what --model takes by name, the one that draws its prompt first
+# Built-ins trained rather than generated, by name: the package holding each (its diffusers folder MODEL_DIR, and
+# damage(): why its files are not the recorded ones).
+SHIPPED_MODELS = {"shapes": shapes}
+BUILTIN_NAMES = (*SHIPPED_MODELS, *BUILTIN_MODELS)  # what --model takes by name, the one that draws its prompt first
 
 
-def shipped_damage(name: str) -> str | None:
-    """Why a shipped built-in's files are not the recorded ones (None: they are)."""
-    return {"shapes": shapes.damage}[name]()
+def scheduler_from(config: dict):
+    """The diffusers scheduler a scheduler_config.json-style dict names (its `_class_name`), configured by it."""
+    import diffusers
+
+    return getattr(diffusers, config["_class_name"]).from_config({k: v for k, v in config.items()
+                                                                  if k != "_class_name"})
 
 
 XL_PAD = "!"  # SDXL's second tokenizer pads with "!" where the first pads with its end-of-text token
@@ -327,8 +331,7 @@ def build_builtin_model(name: str, directory: Path) -> None:
             parts["text_encoder_2"] = CLIPTextModelWithProjection(CLIPTextConfig(**spec["text_encoder_2"], **special))
     finally:
         torch.random.set_rng_state(generator_state)
-    scheduler_class = getattr(diffusers, spec["scheduler"]["_class_name"])
-    scheduler = scheduler_class.from_config({k: v for k, v in spec["scheduler"].items() if k != "_class_name"})
+    scheduler = scheduler_from(spec["scheduler"])
     if spec.get("refiner"):  # as SDXL 1.0's refiner: aesthetic scores, an empty negative prompt encoded
         pipe = diffusers.StableDiffusionXLImg2ImgPipeline(
             **parts, tokenizer=None, tokenizer_2=_tokenizer({**spec, "text_encoder": spec["text_encoder_2"]}, XL_PAD),

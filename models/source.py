@@ -16,7 +16,7 @@ from pathlib import Path
 
 from core.errors import RunFailure, UsageError, field
 from models import shapes
-from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES, SHIPPED_MODELS, builtin_model_dir, shipped_damage
+from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES, SHIPPED_MODELS, builtin_model_dir
 from models.validate import (
     COMPONENTS,
     is_xl_index,
@@ -136,7 +136,7 @@ class ModelSource:
     def default_guidance_scale(self) -> float:
         """The guidance scale a request that gives none gets: the shipped `shapes` model's own (its folder, by name or
         by path), else DEFAULT_GUIDANCE_SCALE."""
-        if self.path.resolve() == SHIPPED_MODELS["shapes"].resolve():
+        if self.path.resolve() == shapes.MODEL_DIR.resolve():
             return shapes.GUIDANCE_SCALE
         return DEFAULT_GUIDANCE_SCALE
 
@@ -152,11 +152,12 @@ def _resolve_model(spec: str, cache_dir: Path) -> ModelSource:
     if spec in BUILTIN_MODELS:
         return ModelSource(spec, builtin_model_dir(spec, cache_dir / "builtin"))
     if spec in SHIPPED_MODELS:
-        reason = shipped_damage(spec)
+        shipped = SHIPPED_MODELS[spec]
+        reason = shipped.damage()
         if reason:
             raise RunFailure(f"the built-in model '{spec}' shipped with the package is damaged ({reason}): reinstall "
                              "the package")
-        return ModelSource(spec, SHIPPED_MODELS[spec])
+        return ModelSource(spec, shipped.MODEL_DIR)
     path = Path(spec).expanduser()
     if path.is_dir():
         validate_model_folder(path, spec)

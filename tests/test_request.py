@@ -11,7 +11,6 @@ import pytest
 from core.errors import UsageError
 from demo.request import Request, batch_key, is_guided
 from models import shapes
-from models.builtin import SHIPPED_MODELS
 from models.source import DEFAULT_GUIDANCE_SCALE, ModelSource, resolve_model
 
 
@@ -30,7 +29,7 @@ def test_the_defaults_are_the_documented_numbers():
 def test_a_request_without_guidance_resolves_to_the_models_own(tiny, shapes_model):
     assert tiny.default_guidance_scale == 7.5
     assert Request("a").resolved(tiny).guidance_scale == 7.5
-    assert shapes_model.path == SHIPPED_MODELS["shapes"]
+    assert shapes_model.path == shapes.MODEL_DIR
     assert shapes_model.default_guidance_scale == 3.0
     assert Request("a").resolved(shapes_model).guidance_scale == 3.0
 
@@ -38,7 +37,7 @@ def test_a_request_without_guidance_resolves_to_the_models_own(tiny, shapes_mode
 def test_the_shipped_folder_is_known_by_its_path_not_its_name(tiny):
     """The shipped folder named by a path that is not spelled as the package's (relative, through '..') is still
     shapes; a folder merely named 'shapes' is not."""
-    roundabout = SHIPPED_MODELS["shapes"].parent / ".." / "shapes" / "model"
+    roundabout = shapes.MODEL_DIR.parent / ".." / "shapes" / "model"
     assert ModelSource("some/path", Path(roundabout)).default_guidance_scale == 3.0
     assert ModelSource("shapes", tiny.path).default_guidance_scale == 7.5
 

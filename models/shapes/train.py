@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from models.builtin import SD15_SCHEDULER, bpe_tokenizer
+from models.builtin import SD15_SCHEDULER, bpe_tokenizer, scheduler_from
 from models.shapes import GUIDANCE_SCALE
 from models.shapes.detector import read_image
 from models.shapes.scenes import (
@@ -177,10 +177,7 @@ def train_vae(device, steps: int, batch: int, seed: int, scale_samples: int = 20
 
 def _alphas_cumprod(device) -> torch.Tensor:
     """SD 1.5's noise schedule (the scheduler config the model ships with), as training draws from it."""
-    from diffusers import DDPMScheduler
-
-    config = {k: v for k, v in SD15_SCHEDULER.items() if k != "_class_name"}
-    return DDPMScheduler.from_config(config).alphas_cumprod.to(device)
+    return scheduler_from(SD15_SCHEDULER).alphas_cumprod.to(device)
 
 
 def _parameters(*modules):
@@ -406,10 +403,10 @@ def main(argv=None) -> int:
 
 
 def pipeline(vae, text, tok, unet):
-    from diffusers import PNDMScheduler, StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline
 
-    scheduler = PNDMScheduler.from_config({k: v for k, v in SD15_SCHEDULER.items() if k != "_class_name"})
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tok, unet=unet, scheduler=scheduler,
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tok, unet=unet,
+                                   scheduler=scheduler_from(SD15_SCHEDULER),
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe
