@@ -46,7 +46,17 @@ from core.errors import UsageError, at_least
 from demo.backends import TORCH
 from demo.backends.tensorrt.options import MAX_OPTIMIZATION_LEVEL
 from demo.cli.command import run_command
-from demo.cli.flags import EngineFlags, ModelFlags, add_flags, changed, flag, option_name, parse_flags, summary
+from demo.cli.flags import (
+    CacheFlags,
+    EngineFlags,
+    ModelFlags,
+    add_flags,
+    changed,
+    flag,
+    option_name,
+    parse_flags,
+    summary,
+)
 from demo.cli.to_spec import request_from_flags, spec_from_flags
 from demo.request import TEXT_TO_IMAGE, check_image_size
 from models.plugin_set import local_compute_capability
@@ -79,6 +89,8 @@ class BenchmarkFlags:
 
 def build_parser():
     p = measuring_parser(PROG, summary(__doc__), BenchmarkFlags)
+    add_flags(p, CacheFlags, "step cache", description="every contender's (default: none); a contender "
+              "<label>@cache<N> has its own interval, with --cache-branch")
     add_flags(p, EngineFlags, "engines (as build-engines takes them)",
               description=", ".join(option_name(item) for item in fields(EngineFlags) if item.name in PER_CONTENDER)
               + ": set per contender")
@@ -181,7 +193,8 @@ class Results:
 def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, key: str, json_path: Path) -> None:
     """Record the fastest torch-backend combination measured at `workload_name` as the torch defaults under `key`
     (plugins.tuned.entry_key: this compute capability, SDXL's apart) in the tuned-defaults file `path`."""
-    rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == TORCH]
+    rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == TORCH
+            and r.get("cache_interval", 1) == 1]  # a cache is a choice per run, not a default
     if not rows:
         say(f"no torch-backend row at {workload_name}: the torch defaults are left as they are")
         return
@@ -228,6 +241,12 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
            "settings": contender.settings_dict(),
            "psnr_vs_eager_db": psnr, "max_pixel_diff_vs_eager": difference, "image": str(image_path),
            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    interval = contender.cache_interval or setup.spec.cache_interval
+    row.update(cache_interval=interval, cache_branch=setup.spec.cache_branch if interval > 1 else None)
+    uncached = images_dir / f"{contender.uncached_label}.png"
+    if contender.cache_interval and uncached.is_file():  # what the cache changes in the picture
+        against, largest = compare_images(load_image(image_path), load_image(uncached))
+        row.update(psnr_vs_uncached_db=against, max_pixel_diff_vs_uncached=largest)
     if contender.reference:  # e.g. INT8 engines against the fp16 ones: the image too
         against, largest = compare_images(load_image(image_path), load_image(images_dir / f"{contender.reference}.png"))
         row.update(reference=contender.reference, psnr_vs_reference_db=against, max_pixel_diff_vs_reference=largest)

@@ -15,6 +15,7 @@ EAGER = "diffusers-eager"  # the reference every image is compared with
 DEFAULTS = "ours-defaults"  # the torch backend's tuned defaults, resolved on the machine that runs it
 TRT_AUTO = "tensorrt-auto"  # engines with the plugins `--plugins auto` picks, resolved on the machine that runs it
 TRT_INT8 = "tensorrt-int8"  # the same, with the UNet's engine --int8
+CACHED = "@cache"  # <label>@cache<N>: that contender with the step cache every N UNet calls
 
 
 @dataclass(frozen=True)
@@ -28,15 +29,25 @@ class Contender:
     # Another contender this one is also compared with, image and UNet output (INT8 against its fp16 engines).
     reference: str | None = None
     skip: str | None = None  # why it cannot run here, found while resolving it (resolve_here)
+    # The step cache's interval (`<label>@cache<N>`: the named contender with it); None: the command's --cache-interval
+    cache_interval: int | None = None
 
     def spec_fields(self) -> dict:
         """What the contender sets in a pipeline spec (demo.runtime.spec.PipelineSpec) besides the engines' folders:
         its backend, plugins, and for the torch backend exactly its settings."""
+        cache = {} if self.cache_interval is None else {"cache_interval": self.cache_interval}
         if self.settings is None:
-            return {"backend": self.backend, "plugins": ",".join(self.plugins) or "none", "use_cuda_graph": True}
+            return {"backend": self.backend, "plugins": ",".join(self.plugins) or "none", "use_cuda_graph": True,
+                    **cache}
         return {"backend": self.backend, "plugins": ",".join(self.settings.plugins) or "none",
                 "use_cuda_graph": self.settings.cuda_graph,
-                "torch": TorchOptions(channels_last=self.settings.channels_last, compile=self.settings.compile)}
+                "torch": TorchOptions(channels_last=self.settings.channels_last, compile=self.settings.compile),
+                **cache}
+
+    @property
+    def uncached_label(self) -> str:
+        """The label of the same contender without its own cache interval."""
+        return self.label.partition(CACHED)[0]
 
     def settings_dict(self) -> dict:
         """The settings a results row records."""
@@ -93,7 +104,10 @@ def select_contenders(text: str | None) -> list[Contender]:
         labels = list(known)
     chosen, unknown = [], []
     for label in labels:
-        if label in known:
+        base, cached, interval = label.partition(CACHED)
+        if cached and base in known and interval.isdigit() and int(interval) >= 2:
+            chosen.append(replace(known[base], label=label, cache_interval=int(interval)))
+        elif label in known:
             chosen.append(known[label])
         elif label.startswith("ours+") and label != "ours+auto":
             try:
@@ -107,7 +121,7 @@ def select_contenders(text: str | None) -> list[Contender]:
             unknown.append(label)
     if unknown or not chosen:
         raise UsageError(f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}, "
-                         "all, or ours+<plugin>+<plugin>")
+                         f"all, or ours+<plugin>+<plugin>; any of them{CACHED}<N> (N >= 2) with the step cache")
     if len({c.label for c in chosen}) != len(chosen):
         raise UsageError("--contenders names a contender twice")
     return sorted(chosen, key=lambda c: c.label != EAGER)
@@ -117,6 +131,10 @@ def resolve_here(contender: Contender, device, xl: bool = False) -> Contender:
     """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot
     run); tensorrt-auto with the plugins `--plugins auto` means here; for an SDXL model (`xl`) or an SD 1.x/2.x one;
     any other contender as it is."""
+    if contender.cache_interval is not None:
+        uncached = resolve_here(replace(contender, label=contender.uncached_label, cache_interval=None), device, xl)
+        return replace(uncached, label=contender.label, cache_interval=contender.cache_interval,
+                       what=f"{uncached.what}; step cache every {contender.cache_interval}")
     if contender.label in (TRT_AUTO, TRT_INT8):
         plugins = parse_plugin_set("auto", xl=xl)
         return replace(contender, plugins=plugins, what=f"{contender.what}: {', '.join(plugins) or 'none'}")

@@ -46,7 +46,6 @@ from core.errors import RunFailure, UsageError, at_least, render_fields
 from demo.backends import TORCH
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
-    SHARED_ENGINE_FLAGS,
     SPEC,
     DemoFlags,
     EngineFlags,
@@ -54,8 +53,8 @@ from demo.cli.flags import (
     ModelFlags,
     Parser,
     RequestFlags,
-    TorchFlags,
     add_flags,
+    add_pipeline_flags,
     flag,
     parse_flags,
     same_as,
@@ -110,6 +109,10 @@ class QualityFlags:
                                  "never replacing one)", name="--json", metavar="PATH")
     save_images: bool = flag("also write each case's image, and a grid of the first 16 text-to-image cases with "
                              "their prompts", False)
+    cache_sweep: str | None = flag("the step cache's curve: render the set without the cache, then at each "
+                                   "interval:branch of this comma list (e.g. 2:0,3:0,5:0,3:2), each against the "
+                                   "uncached run, and write a table and chart of exact match against speed (each "
+                                   "run timed after one untimed call; docs/step-cache.md)", metavar="N:K,...")
 
 
 @dataclass(frozen=True)
@@ -134,10 +137,7 @@ def build_parser() -> Parser:
     add_flags(p, QualityFlags, "the cases and the outputs")
     add_flags(p, RenderFlags, "rendering", denoising_steps=DEFAULT_STEPS)
     add_flags(p, LoraFlags, "LoRA")
-    add_flags(p, EngineFlags, "ONNX and TensorRT engines")
-    shared = ", ".join("--" + name.replace("_", "-") for name in SHARED_ENGINE_FLAGS)
-    add_flags(p, TorchFlags, "PyTorch backend", description=f"unset, each comes from the torch defaults measured "
-              f"on this GPU's compute capability; {shared} apply to it too")
+    add_pipeline_flags(p)
     return p
 
 
@@ -329,6 +329,8 @@ def quality_table(report: dict) -> str:
     parts = [f"sd-quality, case set v{report['set_version']}: {report['model']} on {settings['backend']} "
              f"({settings['precision']}, {settings['device']}), {settings['scheduler']}, {settings['steps']} steps, "
              f"guidance {settings['guidance_scale']}" + (f", LoRA {loras}" if loras else "")
+             + (f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
+                if settings.get("cache_branch") is not None else "")
              + (f"; reference: {reference['path']}" if reference else "")]
     for mode, figures in report["summary"].items():
         earlier = reference["summary"].get(mode) if reference else None
@@ -384,7 +386,9 @@ def quality_chart(report: dict) -> bytes:
     axes[-1].set_xlabel("% of cases")
     settings = report["settings"]
     figure.suptitle(f"sd-quality v{report['set_version']}: {report['model']}, {settings['backend']} "
-                    f"{settings['precision']}, {settings['steps']} steps", fontsize=10)
+                    f"{settings['precision']}, {settings['steps']} steps"
+                    + (f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
+                       if settings.get("cache_branch") is not None else ""), fontsize=10)
     if reference:
         axes[0].legend(fontsize=8, loc="lower right")
     buffer = io.BytesIO()
@@ -472,6 +476,11 @@ def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags)
         raise UsageError(f"--denoising-steps {render.denoising_steps} leaves the image-to-image cases (strength "
                          f"{IMAGE_TO_IMAGE_STRENGTH}) no step to run: give 2 or more, or --no-edits")
     check_writable_directory("output directory", Path(quality.output_dir))
+    if quality.cache_sweep is not None:
+        parse_sweep(quality.cache_sweep)
+        if quality.json_path is not None or quality.reference is not None:
+            raise UsageError("--cache-sweep names its reports itself, each against its own uncached run: drop --json "
+                             "and --reference")
     if quality.json_path is not None:
         check_writable_file("--json file", Path(quality.json_path))
         if quality.reference and Path(quality.json_path).resolve() == Path(quality.reference).resolve():
@@ -482,13 +491,62 @@ def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags)
 def run(flags, command: str) -> int:
     quality, render = flags[QualityFlags], flags[RenderFlags]
     counts = check_flags(quality, render, flags[EngineFlags])
-    reference = read_reference(quality.reference, counts) if quality.reference else None
+    reference = (read_reference(quality.reference, counts), quality.reference) if quality.reference else None
     spec = spec_from_flags(flags, backend=render.backend, precision=render.precision, scheduler=render.scheduler,
                            batch_size=render.max_batch_size, max_batch_size=render.max_batch_size,
                            guided=is_guided(render.guidance_scale),
                            modes=tuple(mode for mode, count in counts.items() if count))
     spec.check()
-    return measure(flags, spec, counts, reference, command)
+    if quality.cache_sweep is not None:
+        return sweep(flags, spec, counts, parse_sweep(quality.cache_sweep), command)
+    measure(flags, spec, counts, reference, command)
+    return 0
+
+
+def parse_sweep(text: str) -> list[tuple[int, int]]:
+    """--cache-sweep's interval:branch pairs (a UsageError for anything else)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        interval, colon, branch = item.partition(":")
+        if not (colon and interval.isdigit() and branch.isdigit() and int(interval) >= 2):
+            raise UsageError(f"--cache-sweep takes interval:branch pairs like 3:0 (interval 2 or more), got '{item}'")
+        pairs.append((int(interval), int(branch)))
+    if not pairs:
+        raise UsageError("--cache-sweep names no interval:branch pair")
+    return pairs
+
+
+def sweep(flags, spec, counts: dict[str, int], pairs: list[tuple[int, int]], command: str) -> int:
+    """The set without the cache, then at each pair against it; then the curve (bench.cache_sweep)."""
+    from bench.cache_sweep import sweep_chart, sweep_summary, sweep_table
+    from models.source import resolve_model
+    from models.unet_cache import Branches
+
+    quality = flags[QualityFlags]
+    branches = Branches.of(resolve_model(spec.model, vae=spec.vae).config("unet"))
+    for _, branch in pairs:  # a bad branch is a usage error before anything renders
+        branches.check(branch)
+    uncached, path = measure(flags, dataclasses.replace(spec, cache_interval=1), counts, None, command, warm_up=True)
+    reports = [uncached]
+    for interval, branch in pairs:
+        say(f"step cache every {interval}, branch {branch}")
+        cached = dataclasses.replace(spec, cache_interval=interval, cache_branch=branch)
+        reports.append(measure(flags, cached, counts, (uncached, str(path)), command, warm_up=True)[0])
+    summary = sweep_summary(reports, command)
+    base = Path(quality.output_dir) / f"{output_stem(uncached)}-cache-sweep"
+    table = sweep_table(summary)
+    try:
+        try:
+            atomic_write_bytes(base.with_suffix(".png"), sweep_chart(summary))
+        except ImportError:
+            say("no chart: matplotlib is not installed (pip install 'demo-diffusion[bench]')")
+        atomic_write_bytes(base.with_suffix(".md"), table.encode())
+        atomic_write_bytes(base.with_suffix(".json"), (json.dumps(summary, indent=1) + "\n").encode())
+    except OSError as exc:
+        raise RunFailure(f"cannot write the sweep {base}.json: {exc.strerror or exc}") from None
+    print(table, end="")
+    say(f"wrote {base}.json")
+    return 0
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -539,10 +597,15 @@ def calls_of(requests: list[Request], most: int) -> list[list[Request]]:
 
 # What ran, as demo-diffusion's report of the first call gives it.
 SETTINGS = ("backend", "backend_reason", "device", "precision", "scheduler", "steps", "unet_calls", "guidance_scale",
-            "negative_prompt", "height", "width", "plugins", "options", "options_reason", "loras", "lora_refit_ms")
+            "negative_prompt", "height", "width", "plugins", "options", "options_reason", "loras", "lora_refit_ms",
+            "cache_interval", "cache_branch")
 
 
-def measure(flags, spec, counts: dict[str, int], reference: dict | None, command: str) -> int:
+def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | None, command: str,
+            warm_up: bool = False) -> tuple[dict, Path]:
+    """Render the cases with `spec` (`warm_up`: after rendering the first call once untimed), read them, write the
+    report (against `reference`: a report and its path, where given) and print its table; the report and where it
+    went."""
     # Planning loads torch (seconds): --help and the usage errors above answer without it.
     from PIL import Image
 
@@ -564,8 +627,11 @@ def measure(flags, spec, counts: dict[str, int], reference: dict | None, command
         f"case set v{QUALITY_SET_VERSION}")
     progress = Progress(len(cases))
     pixels: list[np.ndarray] = []
+    calls = calls_of(requests, render.max_batch_size)
     with plan.load() as pipeline:
-        for call in calls_of(requests, render.max_batch_size):
+        if warm_up:  # CUDA graphs, compiling and the first kernels' set-up stay out of the images per second
+            pipeline.run(calls[0], StageTimer(pipeline.device), pixels=True)
+        for call in calls:
             timer = StageTimer(pipeline.device)
             start = time.perf_counter()
             pixels.extend(pipeline.run(call, timer, pixels=True))
@@ -581,19 +647,21 @@ def measure(flags, spec, counts: dict[str, int], reference: dict | None, command
         "settings": {**{name: ran[name] for name in SETTINGS}, "max_batch_size": render.max_batch_size},
         "versions": ran["versions"], "cases_run": counts, "render_s": round(progress.seconds, 2),
         "images_per_s": round(progress.rate, 3), "summary": summarise(entries),
-        "reference": None if reference is None else compare_with(reference, quality.reference, entries),
+        "reference": None if reference is None else compare_with(*reference, entries),
         "cases": entries,
     }
     json_path = write_outputs(quality, report, images)
     print(quality_table(report), end="")
     say(f"wrote {json_path}")
-    return 0
+    return report, json_path
 
 
 def output_stem(report: dict) -> str:
     settings = report["settings"]
     parts = ["quality", Path(report["model"]).name, settings["backend"], settings["precision"],
-             *(f"lora-{Path(lora['path']).stem}" for lora in settings["loras"])]
+             *(f"lora-{Path(lora['path']).stem}" for lora in settings["loras"]),
+             *([f"cache{settings['cache_interval']}-b{settings['cache_branch']}"]
+               if settings.get("cache_branch") is not None else [])]
     return "-".join(slug(part) for part in parts)
 
 

@@ -12,11 +12,12 @@ from core.errors import UsageError
 # The stages, by name: a model class each (models.stages.STAGE_MODELS), in this order.
 CLIP, CLIP2, UNET, VAE, VAE_ENCODER = "clip", "clip2", "unet", "vae", "vae_encoder"
 STAGE_NAMES = (CLIP, CLIP2, UNET, VAE, VAE_ENCODER)
+UNET_SHALLOW = "unet_shallow"  # the step cache's second UNet stage, made with the UNet's (models.stages.stage_models)
 
 # name -> the module defining it, imported on first use
 _LAZY = {**{name: "models.stages" for name in (
     "STAGE_MODELS", "TEXT_TO_IMAGE_STAGES", "XL_TEXT_TO_IMAGE_STAGES", "GUIDED_STAGES", "SINGLE_IMAGE_STAGES",
-    "text_to_image_stages", "image_to_image_stages", "stage_batch", "check_model_stages")},
+    "text_to_image_stages", "image_to_image_stages", "stage_batch", "check_model_stages", "stage_models")},
          "StageModel": "models.base", "CLIPModel": "models.clip", "CLIP2Model": "models.clip",
          "UNetModel": "models.unet", "VAEDecoderModel": "models.vae", "VAEEncoderModel": "models.vae"}
 

@@ -44,10 +44,19 @@ class StageModel(abc.ABC):
     # --int8 quantizes its engine (models.quantize): where int8 pays (the UNet's convolutions and token-wide linear
     # layers); the quantization finds each weight's module through the LoRA provenance, so takes_lora too.
     takes_int8: ClassVar[bool] = False
+    # Another stage whose weights this one computes with (the step cache's shallow UNet pass: the UNet's): its
+    # settings are that stage's, and the torch backend runs both on one module.
+    part_of: ClassVar[str | None] = None
 
     def __init__(self, source: ModelSource):
         self.source = source
         self.config = source.config(self.component)
+
+    @property
+    def artifact_name(self) -> str:
+        """What its ONNX and engine files are named after (a variant of a stage keeps its files beside the plain
+        one's)."""
+        return self.name
 
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         return self.source.latent_shape(1, height, width)[2:]
@@ -166,7 +175,7 @@ class StageModel(abc.ABC):
 
     def optimized_onnx_path(self, onnx_dir: Path, int8: bool = False) -> Path:
         """INT8 ONNX has a file of its own, so that it and the fp16 one (and their engines) are kept side by side."""
-        return onnx_dir / f"{self.name}{INT8_INFIX if int8 else ''}.opt.onnx"
+        return onnx_dir / f"{self.artifact_name}{INT8_INFIX if int8 else ''}.opt.onnx"
 
     def prepare_onnx(
         self, onnx_dir: Path, device: str | torch.device, dtype: torch.dtype,
@@ -184,7 +193,7 @@ class StageModel(abc.ABC):
         rebuilt. The export happens inside the optimize step, under the optimized ONNX's lock: only
         that step reads the exported file, and no other process replaces it meanwhile.
         """
-        exported = onnx_dir / f"{self.name}.onnx"
+        exported = onnx_dir / f"{self.artifact_name}.onnx"
 
         def optimize(path: Path) -> None:
             raw = cached_build(exported, self.onnx_key(dtype), lambda p: self.export_onnx(p, device, dtype),

@@ -1,10 +1,10 @@
 """The stage registry: each stage's model class by its name, and which stages a model and a mode run."""
 
 from core.errors import UsageError
-from models import CLIP, CLIP2, UNET, VAE, VAE_ENCODER
+from models import CLIP, CLIP2, UNET, UNET_SHALLOW, VAE, VAE_ENCODER
 from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
-from models.unet import UNetModel
+from models.unet import UNetModel, UNetShallowModel
 from models.vae import VAEDecoderModel, VAEEncoderModel
 
 STAGE_MODELS: dict[str, type[StageModel]] = {
@@ -14,7 +14,7 @@ STAGE_MODELS: dict[str, type[StageModel]] = {
 TEXT_TO_IMAGE_STAGES = (CLIP, UNET, VAE)
 XL_TEXT_TO_IMAGE_STAGES = (CLIP, CLIP2, UNET, VAE)
 # Under classifier-free guidance these run the unconditional and conditional halves in one batch.
-GUIDED_STAGES = (CLIP, CLIP2, UNET)
+GUIDED_STAGES = (CLIP, CLIP2, UNET, UNET_SHALLOW)
 # These see one image whatever the batch: the input image (and inpainting's masked one) is encoded once and its
 # latents repeated, as diffusers does with one image for several prompts.
 SINGLE_IMAGE_STAGES = (VAE_ENCODER,)
@@ -29,6 +29,18 @@ def text_to_image_stages(source) -> tuple[str, ...]:
 def image_to_image_stages(source) -> tuple[str, ...]:
     """The stages image-to-image and inpainting run: text-to-image's and the VAE encoder (input image to latents)."""
     return (*text_to_image_stages(source), VAEEncoderModel.name)
+
+
+def stage_models(source, names, cache_branch: int | None = None) -> list[StageModel]:
+    """The stage models of `names` for `source`; with a step-cache branch (models.unet_cache), the UNet's returns its
+    deep features there and the shallow pass's stage follows it."""
+    models = []
+    for name in names:
+        if name == UNET and cache_branch is not None:
+            models += [UNetModel(source, cache_branch), UNetShallowModel(source, cache_branch)]
+        else:
+            models.append(STAGE_MODELS[name](source))
+    return models
 
 
 def stage_batch(stage: str, images: int, guided: bool) -> int:

@@ -2,16 +2,22 @@
 
 An SDXL UNet (`addition_embed_type` "text_time" in its config) also takes the added conditions: the second
 text encoder's pooled embeddings (`text_embeds`) and the six time ids (original size, crop corner, target size).
+
+With the step cache (models.unet_cache), the UNet stage made with a cache branch also returns the deep features
+there, and a second stage, UNetShallowModel, takes them: the shallow pass the cached steps run. Both hold the same
+weights (the torch backend shares one module between them; engines each hold theirs, and a LoRA refits both).
 """
 
 from __future__ import annotations
 
 import torch
 
-from models import UNET
-from models.base import StageModel
+from models import UNET, UNET_SHALLOW
+from models.base import ONNX_OPSET, StageModel
+from models.unet_cache import DEEP_FEATURES, Branches, cached_forward
 
 ADDED_CONDITIONS = ("text_embeds", "time_ids")
+TEXT, LATENT = "encoder_hidden_states", "latent"
 
 
 class _Denoiser(torch.nn.Module):
@@ -25,24 +31,65 @@ class _Denoiser(torch.nn.Module):
                          return_dict=False)[0]
 
 
+class _CachingDenoiser(_Denoiser):
+    """The full pass: the prediction and the deep features at `branch`."""
+
+    def __init__(self, unet, branch: int):
+        super().__init__(unet)
+        self.branches, self.branch = Branches.of(unet.config), branch
+
+    def forward(self, sample, timestep, encoder_hidden_states, *added):
+        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
+        return cached_forward(self.unet, self.branches, self.branch, sample, timestep, encoder_hidden_states,
+                              added_cond_kwargs)
+
+
+class _ShallowDenoiser(_CachingDenoiser):
+    """The shallow pass from the deep features (the last input); without the text embeddings where it does not attend
+    to the text (an ONNX export drops an input nothing reads)."""
+
+    def forward(self, sample, timestep, *rest):
+        added, features, text = rest[:-1], rest[-1], None
+        if self.branches.shallow_reads_text(self.branch):
+            text, added = added[0], added[1:]
+        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
+        return cached_forward(self.unet, self.branches, self.branch, sample, timestep, text, added_cond_kwargs,
+                              features)
+
+
 class UNetModel(StageModel):
     name = UNET
     component = "unet"
     input_names = ("sample", "timestep", "encoder_hidden_states")
-    output_names = ("latent",)
+    output_names = (LATENT,)
     takes_lora = True
     takes_int8 = True
     dynamic_axes = {
         "sample": {0: "B", 2: "latent_height", 3: "latent_width"},
         "encoder_hidden_states": {0: "B"},
-        "latent": {0: "B", 2: "latent_height", 3: "latent_width"},
+        LATENT: {0: "B", 2: "latent_height", 3: "latent_width"},
     }
 
-    def __init__(self, source):
+    def __init__(self, source, cache_branch: int | None = None):
+        """`cache_branch`: the step cache's branch (models.unet_cache), whose deep features the stage then returns
+        too (None: no cache)."""
         super().__init__(source)
+        self.cache_branch = cache_branch
         if self.added_conditions:  # the config decides the inputs
             self.input_names = (*UNetModel.input_names, *ADDED_CONDITIONS)
             self.dynamic_axes = {**UNetModel.dynamic_axes, **{name: {0: "B"} for name in ADDED_CONDITIONS}}
+        if cache_branch is not None:
+            Branches.of(self.config).check(cache_branch)
+            self.dynamic_axes = {**self.dynamic_axes, DEEP_FEATURES: {0: "B", 2: "feature_height", 3: "feature_width"}}
+            self.output_names = (*self.output_names, DEEP_FEATURES)
+
+    @property
+    def artifact_name(self) -> str:
+        return self.name if self.cache_branch is None else f"{self.name}.cache{self.cache_branch}"
+
+    def feature_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
+        """The deep features' shape at the stage's cache branch for this batch and image size."""
+        return Branches.of(self.config).feature_shape(self.cache_branch, batch, *self.latent_size(height, width))
 
     @property
     def added_conditions(self) -> bool:
@@ -73,7 +120,10 @@ class UNetModel(StageModel):
 
     def output_shapes(self, batch, height, width):
         h, w = self.latent_size(height, width)
-        return {"latent": (batch, self.config["out_channels"], h, w)}
+        shapes = {LATENT: (batch, self.config["out_channels"], h, w)}
+        if DEEP_FEATURES in self.output_names:
+            shapes[DEEP_FEATURES] = self.feature_shape(batch, height, width)
+        return shapes
 
     def input_dtypes(self, dtype):
         # Timesteps reach 999 and some schedulers use fractional ones: keep them in float32.
@@ -90,7 +140,16 @@ class UNetModel(StageModel):
     def load_module(self):
         from diffusers import UNet2DConditionModel
 
-        return _Denoiser(UNet2DConditionModel.from_pretrained(self.source.component_dir(self.component)))
+        return self.wrap(UNet2DConditionModel.from_pretrained(self.source.component_dir(self.component)))
+
+    def wrap(self, unet) -> torch.nn.Module:
+        """The stage's module around a loaded UNet2DConditionModel (the torch backend's shallow stage wraps the full
+        stage's)."""
+        return _Denoiser(unet) if self.cache_branch is None else _CachingDenoiser(unet, self.cache_branch)
+
+    def onnx_key(self, dtype, opset=ONNX_OPSET):
+        key = super().onnx_key(dtype, opset)
+        return key if self.cache_branch is None else dict(key, cache_branch=self.cache_branch)
 
     def component_module(self, module):
         return module.unet
@@ -100,3 +159,25 @@ class UNetModel(StageModel):
 
         with torch.device("meta"):
             return UNet2DConditionModel.from_config(self.config)
+
+
+class UNetShallowModel(UNetModel):
+    """The step cache's shallow pass: the UNet's inputs and the deep features a full pass kept -> the prediction."""
+
+    name = UNET_SHALLOW
+    part_of = UNET
+
+    def __init__(self, source, cache_branch: int):
+        super().__init__(source, cache_branch)
+        reads_text = Branches.of(self.config).shallow_reads_text(cache_branch)
+        self.input_names = (*(name for name in self.input_names if reads_text or name != TEXT), DEEP_FEATURES)
+        self.output_names = (LATENT,)
+        self.dynamic_axes = {name: axes for name, axes in self.dynamic_axes.items()
+                             if name in (*self.input_names, *self.output_names)}
+
+    def input_shapes(self, batch, height, width):
+        shapes = {**super().input_shapes(batch, height, width), DEEP_FEATURES: self.feature_shape(batch, height, width)}
+        return {name: shapes[name] for name in self.input_names}
+
+    def wrap(self, unet):
+        return _ShallowDenoiser(unet, self.cache_branch)

@@ -318,3 +318,23 @@ def test_the_load_test_writes_into_loadtest_not_the_results_archive(tmp_path, mo
     assert json.loads((tmp_path / "loadtest" / "loadtest-t.json").read_text())["answered"] == 4
     assert not (tmp_path / "results").exists()
     assert "saved loadtest/loadtest-t.json" in capsys.readouterr().out
+
+
+def test_cached_contenders_run_beside_their_uncached_selves(tmp_path):
+    """`<label>@cache<N>`: the same contender with the step cache, its row saying so, its picture compared with the
+    uncached one's; --cache-branch is the cached rows'; the defaults never come from a cached row."""
+    with pytest.raises(UsageError, match="@cache<N>"):
+        select_contenders("ours@cache1")
+    steps = ["--denoising-steps", "6"]
+    status, data, _ = run(tmp_path, "--runs", "1", "--cache-branch", "2", "--contenders",
+                          "diffusers-eager,diffusers-eager@cache3,ours-defaults@cache2",
+                          common=[*COMMON[:COMMON.index("--denoising-steps")], *steps,
+                                  *COMMON[COMMON.index("--denoising-steps") + 2:]])
+    assert status == 0 and not data["failed"]
+    rows = {row["label"]: row for row in data["rows"]}
+    plain, cached = rows["diffusers-eager"], rows["diffusers-eager@cache3"]
+    assert (plain["cache_interval"], plain["cache_branch"]) == (1, None)
+    assert (cached["cache_interval"], cached["cache_branch"]) == (3, 2) and cached["unet_calls"] == 6
+    assert cached["max_pixel_diff_vs_uncached"] == cached["max_pixel_diff_vs_eager"] > 0
+    assert rows["ours-defaults@cache2"]["cache_interval"] == 2
+    assert "psnr_vs_uncached_db" not in rows["ours-defaults@cache2"]  # ours-defaults itself did not run

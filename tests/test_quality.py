@@ -153,6 +153,9 @@ def test_the_reference_comparison_counts_the_readings_that_changed(tmp_path):
     (["--reference", "{dir}/old.json"], "made on case set version 0, this run's is 1"),
     (["--reference", "{dir}/later.json", "--cases", "8", "--no-edits"], "no case in common with this run"),
     (["--reference", "{dir}/later.json", "--json", "{dir}/later.json"], "--json names the --reference file"),
+    (["--cache-sweep", "3:0,1:0"], "pairs like 3:0 (interval 2 or more), got '1:0'"),
+    (["--cache-sweep", "3"], "got '3'"),
+    (["--cache-sweep", "3:0", "--json", "{dir}/q.json"], "--cache-sweep names its reports itself"),
 ])
 def test_usage_errors_are_one_line_and_write_nothing(args, message, tmp_path, capsys):
     a_file = tmp_path / "a-file"
@@ -254,3 +257,30 @@ def test_the_shapes_model_draws_what_its_prompts_name(tmp_path):
     assert len(scale0_images) == 4
     for image in scale0_images:
         assert image.read_bytes() == (tmp_path / "base-images" / image.name).read_bytes(), image.name
+
+
+def test_the_cache_sweep_writes_each_run_and_the_curve(tmp_path, monkeypatch, capsys):
+    """--cache-sweep on shapes (4 cases, 12 steps): the uncached run, each interval:branch against it, the curve's
+    table, JSON and chart; a bad branch is refused before anything renders."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--backend", "torch", "--precision", "fp32", "--cases", "4", "--no-edits", "--denoising-steps", "12",
+            "--max-batch-size", "4"]
+    assert main([*args, "--cache-sweep", "3:0,2:6"]) == 2
+    assert "--cache-branch 6: this UNet's skip branches are 0 to 5" in capsys.readouterr().err
+    assert not (tmp_path / "quality").exists()
+    assert main([*args, "--cache-sweep", "3:0,2:1"]) == 0
+    out = tmp_path / "quality"
+    assert {p.name for p in out.glob("*.json")} == {
+        "quality-shapes-torch-fp32.json", "quality-shapes-torch-fp32-cache3-b0.json",
+        "quality-shapes-torch-fp32-cache2-b1.json", "quality-shapes-torch-fp32-cache-sweep.json"}
+    cached = json.loads((out / "quality-shapes-torch-fp32-cache3-b0.json").read_text())
+    assert (cached["settings"]["cache_interval"], cached["settings"]["cache_branch"]) == (3, 0)
+    assert cached["reference"]["path"].endswith("quality-shapes-torch-fp32.json")
+    sweep = json.loads((out / "quality-shapes-torch-fp32-cache-sweep.json").read_text())
+    assert [(row["cache_interval"], row["cache_branch"]) for row in sweep["rows"]] == [(1, None), (3, 0), (2, 1)]
+    assert sweep["rows"][0]["speedup"] == 1.0 and sweep["rows"][0]["changed_vs_uncached"] == 0.0
+    assert all(row["speedup"] > 1.0 for row in sweep["rows"][1:])  # the shallow path is most of the time saved
+    assert sweep["rows"][1]["exact_match"][TEXT_TO_IMAGE] == cached["summary"][TEXT_TO_IMAGE]["exact_match"]
+    assert (out / "quality-shapes-torch-fp32-cache-sweep.png").stat().st_size > 10_000
+    table = (out / "quality-shapes-torch-fp32-cache-sweep.md").read_text()
+    assert "| N=3, K=0 |" in table and table in capsys.readouterr().out

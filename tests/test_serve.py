@@ -272,6 +272,8 @@ def free_ports(count: int) -> list[int]:
     (["--max-queue-delay-ms", "-1"], "--max-queue-delay-ms must be a finite number from 0 to 60000, got -1.0"),
     (["--drain-seconds", "nan"], "--drain-seconds must be a finite number, 0 or more, got nan"),
     (["--drain-seconds", "-1"], "--drain-seconds must be a finite number, 0 or more, got -1.0"),
+    (["--cache-interval", "0"], "--cache-interval must be at least 1, got 0"),
+    (["--cache-interval", "3", "--cache-branch", "6"], "--cache-branch 6: this UNet's skip branches are 0 to 5"),
 ])
 def test_sd_serve_refuses_bad_flags_in_one_line(args, message, capsys):
     """One line, exit 2, before anything loads (issue: ports out of range were an OverflowError's traceback, port 0

@@ -18,7 +18,16 @@ from pathlib import Path
 from core.atomic import atomic_write_bytes, check_writable_file
 from demo.backends.tensorrt.flavour import FLAVOURS, flavour
 from demo.cli.command import run_command
-from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags, summary
+from demo.cli.flags import (
+    CacheFlags,
+    EngineFlags,
+    ModelFlags,
+    Parser,
+    add_flags,
+    flag,
+    parse_flags,
+    summary,
+)
 from demo.cli.to_spec import spec_from_flags
 from demo.runtime.spec import PRECISIONS, PipelineSpec
 from models import STAGE_NAMES
@@ -57,6 +66,8 @@ def make_parser() -> Parser:
     p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ModelFlags)
     add_flags(p, BuildFlags)
+    add_flags(p, CacheFlags, "step cache", description="with --cache-interval above 1, the UNet's engines for the "
+              "cache (its full pass and its shallow pass) in place of the plain UNet's")
     add_flags(p, EngineFlags, "ONNX and TensorRT engines")
     return p
 

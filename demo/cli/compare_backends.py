@@ -20,7 +20,17 @@ from core.atomic import atomic_write_bytes, check_writable_file
 from core.errors import UsageError, field
 from demo.backends.tensorrt.flavour import FLAVOURS
 from demo.cli.command import run_command
-from demo.cli.flags import EngineFlags, ModelFlags, Parser, RequestFlags, add_flags, flag, parse_flags, summary
+from demo.cli.flags import (
+    CacheFlags,
+    EngineFlags,
+    ModelFlags,
+    Parser,
+    RequestFlags,
+    add_flags,
+    flag,
+    parse_flags,
+    summary,
+)
 from demo.cli.to_spec import request_from_flags, spec_from_flags
 from demo.request import TEXT_TO_IMAGE
 
@@ -38,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     add_flags(p, ModelFlags)
     add_flags(p, RequestFlags)
     add_flags(p, CompareFlags)
+    add_flags(p, CacheFlags, "step cache")
     add_flags(p, EngineFlags, "ONNX and TensorRT engines")
     return run_command(PROG, lambda: compare(parse_flags(p, argv)))
 

@@ -182,6 +182,18 @@ class RefinerFlags:
 
 
 @dataclass(frozen=True)
+class CacheFlags:
+    """The step cache (docs/step-cache.md): the UNet's deep features reused between full calls."""
+
+    cache_interval: int = flag("step cache: every Nth UNet call runs the whole UNet and keeps its deep features, the "
+                               "calls between run only the shallow path from them (default: %(default)s, no cache)",
+                               SPEC.cache_interval, metavar="N")
+    cache_branch: int = flag("with --cache-interval above 1: the skip branch (0 = the shallowest, as DeepCache's "
+                             "cache_branch_id) from which the cached calls recompute; higher is slower and closer to "
+                             "the uncached image (default: %(default)s)", SPEC.cache_branch, metavar="K")
+
+
+@dataclass(frozen=True)
 class DemoFlags:
     backend: str = flag(f"one of {', '.join(BACKENDS)} (default: %(default)s)", SPEC.backend)
     output_dir: str = flag("where images and the report go (default: %(default)s)", "output")
@@ -237,6 +249,16 @@ def add_flags(parser: argparse.ArgumentParser, group: type, title: str | None = 
             target.add_argument(item.name, **options)
         else:
             target.add_argument(option_name(item), required=item.name in required, **options)
+
+
+def add_pipeline_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of how a pipeline runs, as every rendering command takes them: the step cache, the engines' (with
+    the plugins and CUDA graphs both backends take) and the torch backend's own."""
+    add_flags(parser, CacheFlags, "step cache")
+    add_flags(parser, EngineFlags, "ONNX and TensorRT engines")
+    shared = ", ".join("--" + name.replace("_", "-") for name in SHARED_ENGINE_FLAGS)
+    add_flags(parser, TorchFlags, "PyTorch backend", description="unset, each comes from the torch defaults measured "
+              f"on this GPU's compute capability; {shared} apply to it too")
 
 
 class Flags:

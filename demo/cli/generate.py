@@ -17,17 +17,15 @@ from core.atomic import check_writable_directory, write_new_set
 from core.errors import RunFailure, at_least, render_fields
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
-    SHARED_ENGINE_FLAGS,
     DemoFlags,
-    EngineFlags,
     ImageFlags,
     LoraFlags,
     ModelFlags,
     Parser,
     RefinerFlags,
     RequestFlags,
-    TorchFlags,
     add_flags,
+    add_pipeline_flags,
     parse_flags,
 )
 from demo.cli.to_spec import request_from_flags, spec_from_flags
@@ -44,10 +42,7 @@ def build_parser() -> Parser:
     add_flags(p, DemoFlags)
     add_flags(p, LoraFlags, "LoRA")
     add_flags(p, RefinerFlags)
-    add_flags(p, EngineFlags, "ONNX and TensorRT engines")
-    shared = ", ".join("--" + name.replace("_", "-") for name in SHARED_ENGINE_FLAGS)
-    add_flags(p, TorchFlags, "PyTorch backend", description=f"unset, each comes from the torch defaults measured "
-              f"on this GPU's compute capability; {shared} apply to it too")
+    add_pipeline_flags(p)
     return p
 
 

@@ -15,13 +15,12 @@ from typing import NoReturn
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
     DemoFlags,
-    EngineFlags,
     LoraFlags,
     ModelFlags,
     Parser,
     RequestFlags,
-    TorchFlags,
     add_flags,
+    add_pipeline_flags,
     flag,
     parse_flags,
     same_as,
@@ -66,8 +65,7 @@ def build_parser() -> Parser:
     add_flags(p, ModelFlags)
     add_flags(p, ServeFlags, "serving")
     add_flags(p, LoraFlags, "LoRA")
-    add_flags(p, EngineFlags, "ONNX and TensorRT engines")
-    add_flags(p, TorchFlags, "PyTorch backend")
+    add_pipeline_flags(p)
     return p
 
 

@@ -11,6 +11,7 @@ from core.errors import UsageError, field
 from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import TorchOptions
 from demo.cli.flags import (
+    CacheFlags,
     DemoFlags,
     EngineFlags,
     Flags,
@@ -69,6 +70,8 @@ def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
         values["torch"] = options_of(flags[TorchFlags], TorchOptions)
     if LoraFlags in flags:
         values["loras"] = tuple(parse_lora_spec(text) for text in flags[LoraFlags].lora or ())
+    if CacheFlags in flags:
+        values.update(cache_interval=flags[CacheFlags].cache_interval, cache_branch=flags[CacheFlags].cache_branch)
     if RefinerFlags in flags:
         refiner = flags[RefinerFlags]
         values.update(refiner=refiner.refiner, high_noise_frac=refiner.high_noise_frac)

@@ -39,6 +39,7 @@ __all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "Image2ImagePipeline", "Inpa
 
 
 def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler_name: str, device: torch.device,
-                  dtype: torch.dtype, mode: str = TEXT_TO_IMAGE) -> Text2ImagePipeline:
-    """The pipeline this model needs for `mode` (a request's), over `stages`."""
-    return PIPELINES[mode][source.is_xl](source, stages, scheduler_name, device, dtype)
+                  dtype: torch.dtype, mode: str = TEXT_TO_IMAGE, cache_interval: int = 1) -> Text2ImagePipeline:
+    """The pipeline this model needs for `mode` (a request's), over `stages`, with the step cache's interval (used
+    where `stages` has the shallow UNet)."""
+    return PIPELINES[mode][source.is_xl](source, stages, scheduler_name, device, dtype, cache_interval)

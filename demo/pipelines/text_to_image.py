@@ -24,6 +24,8 @@ from demo.schedulers import make_scheduler
 from models import CLIPModel, UNetModel, VAEDecoderModel, stage_batch
 from models.base import StageModel
 from models.source import ModelSource
+from models.unet import LATENT, UNetShallowModel
+from models.unet_cache import DEEP_FEATURES
 
 if TYPE_CHECKING:
     from demo.backends.base import Stage
@@ -38,9 +40,12 @@ class Text2ImagePipeline:
     encodes_image: ClassVar[bool] = False
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
+        """`cache_interval`: with the step cache's shallow UNet among `stages`, every cache_interval-th UNet call of a
+        run (the first included) runs whole and the others the shallow pass from its deep features."""
         from transformers import CLIPTokenizer
 
+        self.cache_interval = cache_interval
         self.source = source
         self.stages = stages
         self.scheduler = make_scheduler(scheduler_name, source)
@@ -140,13 +145,22 @@ class Text2ImagePipeline:
                 generator: torch.Generator, timesteps: torch.Tensor, progress=None) -> torch.Tensor:
         """The scheduler's loop over `timesteps`, with classifier-free guidance; `conditioning` as encode_prompt
         gives it."""
-        unet = self.stage(UNetModel)
+        unet, shallow = self.stage(UNetModel), self.stages.get(UNetShallowModel.name)
         step_kwargs = self._step_kwargs(generator)
+        features = None
         for i, t in enumerate(timesteps):
             model_input = torch.cat([latents] * 2) if batch.head.guided else latents
             model_input = self.unet_sample(self.scheduler.scale_model_input(model_input, t))
             timestep = t.reshape(1).to(device=self.device, dtype=torch.float32)
-            prediction = unet.call(model_input.to(self.dtype), timestep, *conditioning).float()
+            inputs = (model_input.to(self.dtype), timestep, *conditioning)
+            if shallow is None:
+                prediction = unet.call(*inputs)
+            elif i % self.cache_interval == 0:  # both guidance halves' features, kept together
+                prediction, features = unet.call(*inputs)
+            else:  # by name: a shallow pass that never reads the text takes no text
+                feed = dict(zip(unet.model.input_names, inputs), **{DEEP_FEATURES: features})
+                prediction = shallow(feed)[LATENT]
+            prediction = prediction.float()
             if batch.head.guided:
                 uncond, cond = prediction.chunk(2)
                 prediction = uncond + batch.head.guidance_scale * (cond - uncond)

@@ -56,12 +56,13 @@ class Pipeline:
         try:
             with on_device:
                 self.stages = self._create(plan.base)
+                interval = plan.spec.cache_interval
                 self.families = {mode: make_pipeline(plan.source, self.stages, scheduler, self.device, self.dtype,
-                                                     mode) for mode in plan.modes}
+                                                     mode, interval) for mode in plan.modes}
                 if plan.refiner is not None:
                     self.refiner_stages = self._create(plan.refiner)
                     refiner = make_pipeline(plan.refiner.source, self.refiner_stages, scheduler, self.device,
-                                            self.dtype)
+                                            self.dtype, cache_interval=interval)
                     self.families = {TEXT_TO_IMAGE: ExpertsPipeline(self.families[TEXT_TO_IMAGE], refiner,
                                                                     plan.spec.high_noise_frac)}
                 if plan.loras:
@@ -186,6 +187,7 @@ class Pipeline:
             latent_shape=list(source.latent_shape(request.images, request.height, request.width)),
             latency_ms=timer.milliseconds(), versions=library_versions(self.backend),
             plugins=list(described.plugins), options=list(described.options), options_reason=plan.base.reason,
+            cache_interval=plan.spec.cache_interval, cache_branch=plan.spec.cached_branch,
             strength=None if request.mode == TEXT_TO_IMAGE else request.strength,
             high_noise_frac=None if plan.refiner is None else plan.spec.high_noise_frac,
             refiner_unet_calls=None if plan.refiner is None else self.refiner_unet_calls(request),

@@ -32,7 +32,7 @@ from demo.schedulers import check_steps, make_scheduler
 from models.base import StageModel
 from models.lora import LoraFile, check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
-from models.stages import STAGE_MODELS, check_model_stages, image_to_image_stages, text_to_image_stages
+from models.stages import check_model_stages, image_to_image_stages, stage_models, text_to_image_stages
 
 Log = Callable[[str], None]
 REFINER_DIR = "refiner"  # the refiner's ONNX and engines, inside the base's folders (stage names are the same)
@@ -214,12 +214,14 @@ def spec_options(spec: PipelineSpec, backend: Backend):
 
 def stage_plan(backend: Backend, spec: PipelineSpec, source: ModelSource, names, workload: Workload,
                device: torch.device, dtype: torch.dtype, record) -> StagePlan:
-    """The stages `names` of `source`, each with the backend's checked settings: the spec's, or a stage override's."""
+    """The stages `names` of `source` (with the step cache's shallow UNet where the spec turns the cache on), each with
+    the backend's checked settings: the spec's, or a stage override's (a stage that is part of another: that one's)."""
     overrides = {override.stage: override for override in spec.stage_overrides}
     made: dict[tuple, tuple[object, str]] = {}  # one settings object per distinct choice, shared by its stages
     settings = {}
-    for name in names:
-        override = overrides.get(name)
+    models = stage_models(source, names, spec.cached_branch)
+    for model in models:
+        override = overrides.get(model.part_of or model.name)
         plugins = spec.plugins if override is None or override.plugins is None else override.plugins
         options = spec_options(spec, backend)
         if override is not None and override.engine is not None and isinstance(override.engine, backend.options_type):
@@ -228,9 +230,9 @@ def stage_plan(backend: Backend, spec: PipelineSpec, source: ModelSource, names,
         if key not in made:
             made[key] = backend.settings(source, options, plugins, spec.use_cuda_graph, workload, device, dtype,
                                          record)
-        settings[name] = made[key][0]
+        settings[model.name] = made[key][0]
     reason = next(iter(made.values()))[1]
-    return StagePlan(source, [STAGE_MODELS[name](source) for name in names], settings, reason)
+    return StagePlan(source, models, settings, reason)
 
 
 def unused_notes(spec: PipelineSpec, backend: Backend) -> list[str]:
@@ -241,6 +243,8 @@ def unused_notes(spec: PipelineSpec, backend: Backend) -> list[str]:
     notes = [f"{', '.join(map(field, unused))} unused by the {backend.name} backend"] if unused else []
     if spec.refiner is None and spec.high_noise_frac != DEFAULT_HIGH_NOISE_FRAC:
         notes.append(f"{field('high_noise_frac')} unused without {field('refiner')}")
+    if spec.cached_branch is None and spec.cache_branch != PipelineSpec.cache_branch:
+        notes.append(f"{field('cache_branch')} unused with {field('cache_interval')} 1 (no step cache)")
     return notes
 
 

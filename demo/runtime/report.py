@@ -4,6 +4,7 @@ makes the image again and what ran it, as a table and as JSON."""
 from __future__ import annotations
 
 import json
+import math
 import platform
 from dataclasses import asdict, dataclass, field
 
@@ -41,6 +42,8 @@ class LatencyReport:
     strength: float | None = None
     high_noise_frac: float | None = None  # with an SDXL refiner: the part of the schedule the base denoised
     refiner_unet_calls: int | None = None  # with a refiner: its part of unet_calls (latency_ms splits the same way)
+    cache_interval: int = 1  # the step cache: every Nth UNet call ran whole, the others the shallow pass (1: none)
+    cache_branch: int | None = None  # its branch (None: no cache)
     loras: list[dict] = field(default_factory=list)  # the LoRA files fused in: path and scale each
     lora_refit_ms: float | None = None  # engines: how long refitting them for the LoRAs took (None: no refit)
     images: list[str] = field(default_factory=list)
@@ -70,6 +73,11 @@ class LatencyReport:
         ran = " ".join(filter(None, (self.backend, self.versions.get(self.backend))))
         plugins = f", plugins {','.join(self.plugins)}" if self.plugins else ""
         options = "".join(f", {option}" for option in self.options)
+        if self.cache_branch is not None:
+            calls = (self.unet_calls - (self.refiner_unet_calls or 0), self.refiner_unet_calls or 0)
+            whole = sum(math.ceil(count / self.cache_interval) for count in calls)
+            options += (f", step cache every {self.cache_interval} (branch {self.cache_branch}): {whole} of "
+                        f"{self.unet_calls} UNet calls whole")
         out.append(f"Backend: {ran} on {self.device}, {self.precision}{plugins}{options}")
         return "\n".join(out)
 

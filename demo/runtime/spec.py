@@ -53,8 +53,15 @@ class PipelineSpec:
     batch_size: int = 1  # the batch engines are tuned for
     max_batch_size: int | None = None  # the most images one call runs (None: batch_size; engines take 4 at least)
     guided: bool = True  # engines for guided batches (classifier-free guidance) or unguided ones
+    cache_interval: int = 1  # the step cache: every Nth UNet call runs whole, the rest the shallow pass (1: off)
+    cache_branch: int = 0  # the skip branch whose deep features the cached calls reuse (models.unet_cache)
     stage_overrides: tuple[StageOverride, ...] = ()
     verbose: bool = False  # library logs and build details
+
+    @property
+    def cached_branch(self) -> int | None:
+        """The step cache's branch where the cache is on (cache_interval above 1), else None."""
+        return self.cache_branch if self.cache_interval > 1 else None
 
     def check(self) -> None:
         """The spec's own values, before anything is resolved, read or loaded: a UsageError naming the field (what
@@ -66,6 +73,8 @@ class PipelineSpec:
         if self.scheduler is not None:
             scheduler_named(self.scheduler)
         at_least("batch_size", self.batch_size, 1)
+        at_least("cache_interval", self.cache_interval, 1)
+        at_least("cache_branch", self.cache_branch, 0)
         if self.max_batch_size is not None:
             at_least("max_batch_size", self.max_batch_size, 1)
         unknown = [mode for mode in self.modes or () if mode not in MODES]

@@ -316,7 +316,8 @@ def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], Co
     (or, with build_missing False, an ArtifactError says why there is none to reuse)."""
     api = TensorRTAPI(options.flavour)
     int8 = "int8" in onnx_key
-    artifact = engine_dir / f"{model.name}{INT8_INFIX if int8 else ''}.engine"  # beside the fp16 one, as its ONNX is
+    # beside the fp16 one, as its ONNX is
+    artifact = engine_dir / f"{model.artifact_name}{INT8_INFIX if int8 else ''}.engine"
     key = reusable_key(artifact, engine_key(model, onnx_key, shapes, options, api), options)
 
     def build(path: Path) -> None:

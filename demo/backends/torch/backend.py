@@ -45,8 +45,9 @@ class TorchBackend(Backend):
                 progress(f"[plugins] {model.name}: none (it runs in {str(upcast).removeprefix('torch.')}, our kernels "
                          f"in {str(dtype).removeprefix('torch.')})")
                 settings = replace(settings, plugins=())
-            stage = stages[model.name] = TorchStage(model, device, upcast, settings)
-            if stage.substitution is not None:
+            whole = stages[model.part_of] if model.part_of else None
+            stage = stages[model.name] = TorchStage(model, device, upcast, settings, whole)
+            if stage.substitution is not None and whole is None:
                 progress(stage.substitution.line(stage.name))
                 for family, reasons in stage.substitution.skipped.items():
                     for reason in reasons:
@@ -59,7 +60,7 @@ class TorchBackend(Backend):
     def stats(self, stages, settings_of):
         prepared = [(stage.settings, stage.prepare_seconds) for stage in stages.values()]
         return {"substitution": {name: stage.substitution.as_dict() for name, stage in stages.items()
-                                 if stage.substitution is not None},
+                                 if stage.substitution is not None and not stage.model.part_of},
                 "compile_s": (sum(seconds["first_calls"] for _, seconds in prepared)
                               if any(settings.compile != "none" for settings, _ in prepared) else None),
                 "capture_s": (sum(seconds["capture"] for _, seconds in prepared)

@@ -29,14 +29,20 @@ class TorchStage(Stage):
     run never includes them; `prepare_seconds` says how long they took."""
 
     def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype,
-                 settings: TorchSettings = FALLBACK):
+                 settings: TorchSettings = FALLBACK, whole: TorchStage | None = None):
+        """`whole`: the stage this one is part of (model.part_of), whose module (with our kernels in it) this one's
+        wraps: one set of weights for both, and a LoRA fused into it is in both."""
         super().__init__(model)
         self.device, self.dtype, self.settings = torch.device(device), dtype, settings
-        self.module = model.load_module().to(device=device, dtype=dtype).eval()
-        self.substitution = None
-        if settings.plugins:
-            self.substitution = substitute(computed_part(model.name, self.module), settings.plugins,
-                                           channels_last=settings.channels_last)
+        if whole is not None:
+            self.module = model.wrap(whole.model.component_module(whole.module))
+            self.substitution = whole.substitution
+        else:
+            self.module = model.load_module().to(device=device, dtype=dtype).eval()
+            self.substitution = None
+            if settings.plugins:
+                self.substitution = substitute(computed_part(model.name, self.module), settings.plugins,
+                                               channels_last=settings.channels_last)
         if settings.channels_last:
             self.module.to(memory_format=torch.channels_last)
         self._forward = self.module
@@ -122,6 +128,6 @@ class FusedLoras(LoraApplier):
     def set(self, files):
         self.fusion.set(files)
         for stage in self.stages:
-            if stage.substitution is not None:  # our fMHA reads a packed copy of the Q, K and V weights
+            if stage.substitution is not None and not stage.model.part_of:  # our fMHA reads a packed copy of Q, K, V
                 repack_qkv(stage.model.component_module(stage.module))
         return None
