@@ -60,6 +60,12 @@ class Request:
     image: Image | None = None  # image-to-image and inpainting: the input image (RGB)
     mask: Image | None = None  # inpainting: white is repainted, black kept
     strength: float | None = None  # the part of the schedule that re-draws the image (None: DEFAULT_STRENGTH)
+    # ControlNet: one conditioning image per ControlNet of the pipeline (RGB), in their order; the part of the
+    # schedule in which they steer (diffusers' control_guidance_start/end); guess mode (they see the prompt alone)
+    control_images: tuple[Image, ...] | None = None
+    control_guidance_start: float = 0.0
+    control_guidance_end: float = 1.0
+    guess_mode: bool = False
 
     @property
     def mode(self) -> str:
@@ -109,10 +115,14 @@ class Request:
         if image is not None:
             strength = DEFAULT_STRENGTH[self.mode] if strength is None else strength
             image = image if image.mode == "RGB" else image.convert("RGB")  # as diffusers' image processor takes it
+        controls = self.control_images
+        if controls is not None:  # diffusers' control image processor converts to RGB
+            controls = tuple(control if control.mode == "RGB" else control.convert("RGB") for control in controls)
         scheduler = scheduler_named(self.scheduler) if self.scheduler else default_scheduler_name(source)
         guidance_scale = source.default_guidance_scale if self.guidance_scale is None else self.guidance_scale
         return replace(self, height=height, width=width, scheduler=scheduler, guidance_scale=guidance_scale,
-                       seed=self.seed if self.seed is not None else draw_seed(), image=image, strength=strength)
+                       seed=self.seed if self.seed is not None else draw_seed(), image=image, strength=strength,
+                       control_images=controls)
 
     def unused(self) -> list[str]:
         """What the request sets that its run does not use, each naming fields (core.errors.field)."""
@@ -139,6 +149,10 @@ class Request:
             raise UsageError(f"{field('seed')} must be 0..{MAX_SEED}, got {self.seed}")
         if self.scheduler is not None:
             scheduler_named(self.scheduler)
+        start, end = self.control_guidance_start, self.control_guidance_end
+        if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end <= 1):
+            raise UsageError(f"{field('control_guidance_start')} and {field('control_guidance_end')} must be "
+                             f"0 <= start < end <= 1, got {start} and {end}")
         if self.image is None:
             for name in ("mask", "strength"):
                 if getattr(self, name) is not None:
@@ -241,4 +255,5 @@ def batch_key(request: Request) -> tuple:
     if request.image is not None:
         return (id(request),)
     return (request.height, request.width, request.denoising_steps, request.scheduler, request.guidance_scale,
-            request.negative_prompt is None)
+            request.negative_prompt is None, request.control_images is None, request.control_guidance_start,
+            request.control_guidance_end, request.guess_mode)

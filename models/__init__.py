@@ -13,6 +13,7 @@ from core.errors import UsageError
 CLIP, CLIP2, UNET, VAE, VAE_ENCODER = "clip", "clip2", "unet", "vae", "vae_encoder"
 STAGE_NAMES = (CLIP, CLIP2, UNET, VAE, VAE_ENCODER)
 UNET_SHALLOW = "unet_shallow"  # the step cache's second UNet stage, made with the UNet's (models.stages.stage_models)
+CONTROLNET = "controlnet"  # ControlNet stages: controlnet0, controlnet1, ... (models.controlnet)
 
 # name -> the module defining it, imported on first use
 _LAZY = {**{name: "models.stages" for name in (

@@ -1,9 +1,10 @@
 """The stage registry: each stage's model class by its name, and which stages a model and a mode run."""
 
 from core.errors import UsageError
-from models import CLIP, CLIP2, UNET, UNET_SHALLOW, VAE, VAE_ENCODER
+from models import CLIP, CLIP2, CONTROLNET, UNET, UNET_SHALLOW, VAE, VAE_ENCODER
 from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
+from models.controlnet import ControlNetStageModel
 from models.unet import UNetModel, UNetShallowModel
 from models.vae import VAEDecoderModel, VAEEncoderModel
 
@@ -31,12 +32,16 @@ def image_to_image_stages(source) -> tuple[str, ...]:
     return (*text_to_image_stages(source), VAEEncoderModel.name)
 
 
-def stage_models(source, names, cache_branch: int | None = None) -> list[StageModel]:
+def stage_models(source, names, cache_branch: int | None = None, controlnets=()) -> list[StageModel]:
     """The stage models of `names` for `source`; with a step-cache branch (models.unet_cache), the UNet's returns its
-    deep features there and the shallow pass's stage follows it."""
+    deep features there and the shallow pass's stage follows it; with ControlNets ((ControlNetSource, scale) each),
+    the UNet takes their residuals and their stages follow it."""
     models = []
     for name in names:
-        if name == UNET and cache_branch is not None:
+        if name == UNET and controlnets:
+            models += [UNetModel(source, controlled=True), *(ControlNetStageModel(source, controlnet, index, scale)
+                                                              for index, (controlnet, scale) in enumerate(controlnets))]
+        elif name == UNET and cache_branch is not None:
             models += [UNetModel(source, cache_branch), UNetShallowModel(source, cache_branch)]
         else:
             models.append(STAGE_MODELS[name](source))
@@ -47,7 +52,7 @@ def stage_batch(stage: str, images: int, guided: bool) -> int:
     """The batch `stage` sees for `images` images."""
     if stage in SINGLE_IMAGE_STAGES:
         return 1
-    return images * 2 if guided and stage in GUIDED_STAGES else images
+    return images * 2 if guided and (stage in GUIDED_STAGES or stage.startswith(CONTROLNET)) else images
 
 
 def check_model_stages(source, names) -> None:

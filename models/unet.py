@@ -31,6 +31,22 @@ class _Denoiser(torch.nn.Module):
                          return_dict=False)[0]
 
 
+class _ControlledDenoiser(_Denoiser):
+    """The UNet with a ControlNet's residuals (the last inputs: each skip connection's, then the mid block's) added in,
+    as diffusers' ControlNet pipelines pass them."""
+
+    def __init__(self, unet, residuals: int):
+        super().__init__(unet)
+        self.residuals = residuals
+
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        added, down, mid = rest[:-self.residuals - 1], rest[-self.residuals - 1:-1], rest[-1]
+        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
+        return self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
+                         down_block_additional_residuals=tuple(down), mid_block_additional_residual=mid,
+                         return_dict=False)[0]
+
+
 class _CachingDenoiser(_Denoiser):
     """The full pass: the prediction and the deep features at `branch`."""
 
@@ -70,14 +86,19 @@ class UNetModel(StageModel):
         LATENT: {0: "B", 2: "latent_height", 3: "latent_width"},
     }
 
-    def __init__(self, source, cache_branch: int | None = None):
+    def __init__(self, source, cache_branch: int | None = None, controlled: bool = False):
         """`cache_branch`: the step cache's branch (models.unet_cache), whose deep features the stage then returns
-        too (None: no cache)."""
+        too (None: no cache). `controlled`: it takes ControlNet residuals (models.controlnet.residual_names) too."""
         super().__init__(source)
-        self.cache_branch = cache_branch
+        self.cache_branch, self.controlled = cache_branch, controlled
         if self.added_conditions:  # the config decides the inputs
             self.input_names = (*UNetModel.input_names, *ADDED_CONDITIONS)
             self.dynamic_axes = {**UNetModel.dynamic_axes, **{name: {0: "B"} for name in ADDED_CONDITIONS}}
+        if controlled:
+            shapes = residual_shapes(self.config, 1, 1, 1)
+            self.input_names = (*self.input_names, *shapes)
+            self.dynamic_axes = {**self.dynamic_axes,
+                                 **{name: {0: "B", 2: f"{name}_h", 3: f"{name}_w"} for name in shapes}}
         if cache_branch is not None:
             Branches.of(self.config).check(cache_branch)
             self.dynamic_axes = {**self.dynamic_axes, DEEP_FEATURES: {0: "B", 2: "feature_height", 3: "feature_width"}}
@@ -85,6 +106,8 @@ class UNetModel(StageModel):
 
     @property
     def artifact_name(self) -> str:
+        if self.controlled:
+            return f"{self.name}.controlled"
         return self.name if self.cache_branch is None else f"{self.name}.cache{self.cache_branch}"
 
     def feature_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
@@ -116,6 +139,8 @@ class UNetModel(StageModel):
         }
         if self.added_conditions:
             shapes.update(text_embeds=(batch, self.text_embeds_width), time_ids=(batch, self.time_ids))
+        if self.controlled:
+            shapes.update(residual_shapes(self.config, batch, h, w))
         return shapes
 
     def output_shapes(self, batch, height, width):
@@ -145,11 +170,14 @@ class UNetModel(StageModel):
     def wrap(self, unet) -> torch.nn.Module:
         """The stage's module around a loaded UNet2DConditionModel (the torch backend's shallow stage wraps the full
         stage's)."""
+        if self.controlled:
+            return _ControlledDenoiser(unet, Branches.of(self.config).count)
         return _Denoiser(unet) if self.cache_branch is None else _CachingDenoiser(unet, self.cache_branch)
 
     def onnx_key(self, dtype, opset=ONNX_OPSET):
         key = super().onnx_key(dtype, opset)
-        return key if self.cache_branch is None else dict(key, cache_branch=self.cache_branch)
+        key = key if self.cache_branch is None else dict(key, cache_branch=self.cache_branch)
+        return dict(key, controlled=True) if self.controlled else key
 
     def component_module(self, module):
         return module.unet
@@ -181,3 +209,19 @@ class UNetShallowModel(UNetModel):
 
     def wrap(self, unet):
         return _ShallowDenoiser(unet, self.cache_branch)
+
+
+def residual_names(count: int) -> tuple[str, ...]:
+    """The UNet's residual inputs (a ControlNet's outputs), by name: one per skip connection, then the mid block's."""
+    return (*(f"down_residual_{i}" for i in range(count)), "mid_residual")
+
+
+def residual_shapes(config: dict, batch: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
+    """Each residual's shape for latents of batch x height x width, from a UNet's or ControlNet's config."""
+    branches = Branches.of(config)
+    channels = config["block_out_channels"]
+    shapes = [(batch, channels[0], height, width)]
+    for index, (block, _) in enumerate(branches.down, start=1):
+        shapes.append((batch, channels[block], *branches.branch_size(index, height, width)))
+    shapes.append((batch, channels[-1], *branches.branch_size(branches.count - 1, height, width)))
+    return dict(zip(residual_names(len(shapes) - 1), shapes))

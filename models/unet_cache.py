@@ -50,7 +50,7 @@ class Branches:
             if block < blocks - 1:  # diffusers gives every down block but the last a downsampler
                 down.append((block, None))
         up = tuple((block, layer) for block, count in enumerate(reversed(layers)) for layer in range(count + 1))
-        attends = tuple(tuple("CrossAttn" in kind for kind in config[key])
+        attends = tuple(tuple("CrossAttn" in kind for kind in config.get(key, ()))  # a ControlNet has no up path
                         for key in ("down_block_types", "up_block_types"))
         return cls(tuple(down), up, tuple(config["block_out_channels"]), blocks - 1, attends)
 

@@ -811,3 +811,23 @@ def test_sigterm_drains_the_requests_in_flight_and_refuses_new_ones(server):
     assert "SIGTERM: refusing new requests, finishing those in flight (at most 20 s)" in log
     assert not NATIVE_ABORT.search(log), NATIVE_ABORT.search(log)
     assert lived - 2 < stop_duration(log) <= lived + 0.1  # the whole stop, to the process's end (rounded)
+
+
+def test_a_controlnet_server_takes_a_control_image_per_controlnet_and_refuses_one_missing(tiny):
+    """With --controlnet, each model takes control_image_<i> (one per ControlNet, in order) and the ControlNet fields;
+    a request without its control image is refused naming the input; without ControlNets no model has them."""
+    from demo.request import INPAINTING, TEXT_TO_IMAGE
+    from demo.serve.schema import RequestRejected, inputs_of, parse_request
+
+    plain = {item.name for item in inputs_of(TEXT_TO_IMAGE)}
+    assert not any(name.startswith("control") or name == "guess_mode" for name in plain)
+    names = [item.name for item in inputs_of(INPAINTING, 2)]
+    assert names[-2:] == ["control_image_0", "control_image_1"] and "guess_mode" in names
+    plan = plan_for(controlnets=(("tiny-controlnet", 0.5),))
+    control = random_pixels(SIZE, SIZE, seed=3)
+    request = parse_request({**inputs(prompt="a castle", control_guidance_end=0.6),
+                             "control_image_0": control[None], "guess_mode": np.array([[True]])}, plan)
+    assert np.array_equal(np.asarray(request.control_images[0]), control)
+    assert (request.control_guidance_end, request.guess_mode) == (0.6, True)
+    with pytest.raises(RequestRejected, match="^control_image_0: required$"):
+        parse_request(inputs(prompt="a castle"), plan)

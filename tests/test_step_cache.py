@@ -286,3 +286,20 @@ def test_build_engines_builds_both_passes_with_tensorrt_for_rtx(tiny, tmp_path, 
     assert sorted(p.name for p in (tmp_path / "engine").glob("*.engine")) == ["unet.cache1.engine",
                                                                             "unet_shallow.cache1.engine"]
     assert "unet_shallow" in capsys.readouterr().out
+
+
+def test_a_refiner_caches_its_own_calls_from_its_own_first():
+    """SDXL base then refiner: each has its shallow stage and counts its calls from its first (its features are its
+    own): 10 steps at 0.8 are 8 base calls (3 whole) and 2 refiner calls (1 whole); interval 1 is the uncached image."""
+    fields = dict(model="tiny-xl", refiner="tiny-xl-refiner", backend="torch", modes=(TEXT_TO_IMAGE,), cache_branch=1)
+    images = {}
+    for interval in (1, 3):
+        with load_pipeline(PipelineSpec(cache_interval=interval, **fields), CPU, progress=QUIET) as pipeline:
+            result = pipeline("a red circle", seed=1, denoising_steps=10)
+            images[interval] = result.pixels
+            assert (UNET_SHALLOW in pipeline.refiner_stages) == (interval > 1)
+    assert "step cache every 3 (branch 1): 4 of 10 UNet calls whole" in result.report.table()
+    assert np.abs(images[1].astype(int) - images[3].astype(int)).max() > 2
+    again, _ = render(PipelineSpec(model="tiny-xl", backend="torch", cache_interval=1, cache_branch=1))
+    plain, _ = render(PipelineSpec(model="tiny-xl", backend="torch"))
+    assert np.array_equal(again, plain)

@@ -9,8 +9,9 @@ from typing import Callable, Mapping
 from core.errors import RunFailure, UsageError
 from core.interrupts import Interrupted, stop_on_signals
 
-# The fields whose flag is not --<field> (the request's images, the spec's LoRA files).
-FLAG_NAMES = {"image": "--input-image", "mask": "--mask-image", "loras": "--lora", "prompt": "PROMPT"}
+# The fields whose flag is not --<field> (the request's images, the spec's LoRA files and ControlNets).
+FLAG_NAMES = {"image": "--input-image", "mask": "--mask-image", "loras": "--lora", "prompt": "PROMPT",
+              "controlnets": "--controlnet", "control_images": "--control-image"}
 
 
 def flag_name(field: str, names: Mapping[str, str] = FLAG_NAMES) -> str:

@@ -182,6 +182,29 @@ class RefinerFlags:
 
 
 @dataclass(frozen=True)
+class ControlNetFlags:
+    controlnet: tuple[str, ...] | None = flag("steer the UNet with this ControlNet (a ControlNetModel folder, or "
+                                              "tiny-controlnet, tiny-xl-controlnet, sd15-controlnet-arch, "
+                                              "sdxl-controlnet-arch), its residuals times SCALE (default 1.0); "
+                                              "repeatable: several add up, each with its --control-image",
+                                              metavar="DIR[:SCALE]", repeatable=True)
+
+
+@dataclass(frozen=True)
+class ControlImageFlags:
+    """A request's ControlNet inputs (demo.request.Request's control fields)."""
+
+    control_image: tuple[str, ...] | None = flag("the conditioning image of each --controlnet, in their order "
+                                                 "(resized to the request's size)", metavar="PATH", repeatable=True)
+    control_guidance_start: float = flag("the part of the schedule after which the ControlNets start steering "
+                                         "(default: %(default)s)", REQUEST.control_guidance_start, metavar="F")
+    control_guidance_end: float = flag("the part of the schedule after which they stop (default: %(default)s)",
+                                       REQUEST.control_guidance_end, metavar="F")
+    guess_mode: bool = flag("guess mode: the ControlNets see the prompt alone, their residuals ramp up the skip "
+                            "connections (diffusers' guess_mode)", REQUEST.guess_mode)
+
+
+@dataclass(frozen=True)
 class CacheFlags:
     """The step cache (docs/step-cache.md): the UNet's deep features reused between full calls."""
 

@@ -17,6 +17,8 @@ from core.atomic import check_writable_directory, write_new_set
 from core.errors import RunFailure, at_least, render_fields
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
+    ControlImageFlags,
+    ControlNetFlags,
     DemoFlags,
     ImageFlags,
     LoraFlags,
@@ -42,6 +44,8 @@ def build_parser() -> Parser:
     add_flags(p, DemoFlags)
     add_flags(p, LoraFlags, "LoRA")
     add_flags(p, RefinerFlags)
+    add_flags(p, ControlNetFlags, "ControlNet")
+    add_flags(p, ControlImageFlags, "ControlNet inputs")
     add_pipeline_flags(p)
     return p
 

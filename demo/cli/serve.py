@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
+    ControlNetFlags,
     DemoFlags,
     LoraFlags,
     ModelFlags,
@@ -65,6 +66,8 @@ def build_parser() -> Parser:
     add_flags(p, ModelFlags)
     add_flags(p, ServeFlags, "serving")
     add_flags(p, LoraFlags, "LoRA")
+    add_flags(p, ControlNetFlags, "ControlNet", description="each request then brings control_image_<i>, one per "
+              "ControlNet in this order (docs/serving.md)")
     add_pipeline_flags(p)
     return p
 

@@ -12,6 +12,8 @@ from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import TorchOptions
 from demo.cli.flags import (
     CacheFlags,
+    ControlImageFlags,
+    ControlNetFlags,
     DemoFlags,
     EngineFlags,
     Flags,
@@ -33,10 +35,11 @@ def options_of(flags, options_type: type):
                            if hasattr(flags, item.name)})
 
 
-def parse_lora_spec(text: str) -> tuple[str, float]:
-    """--lora's PATH[:SCALE] as (path, scale). A path may hold colons: the whole text is the path where it exists, or
-    where what follows the last colon is no number and what precedes it does not exist either (read_lora then names it
-    missing); a UsageError where what precedes the last colon exists and what follows is not a finite number."""
+def parse_lora_spec(text: str, name: str = "loras") -> tuple[str, float]:
+    """--lora's PATH[:SCALE] (or --controlnet's, `name` the spec's field) as (path, scale). A path may hold colons: the
+    whole text is the path where it exists, or where what follows the last colon is no number and what precedes it
+    does not exist either (read_lora or resolve_controlnet then names it missing); a UsageError where what precedes the
+    last colon exists and what follows is not a finite number."""
     path, colon, tail = text.rpartition(":")
     if not colon or Path(text).exists():
         return text, 1.0
@@ -44,11 +47,11 @@ def parse_lora_spec(text: str) -> tuple[str, float]:
         scale = float(tail)
     except ValueError:
         if Path(path).exists():
-            raise UsageError(f"{field('loras')} {text}: the scale after the last ':' must be a number, got "
+            raise UsageError(f"{field(name)} {text}: the scale after the last ':' must be a number, got "
                              f"'{tail}'") from None
         return text, 1.0  # no such file either way: the whole text is named as missing
     if not math.isfinite(scale):
-        raise UsageError(f"{field('loras')} {text}: the scale must be a finite number, got {tail}")
+        raise UsageError(f"{field(name)} {text}: the scale must be a finite number, got {tail}")
     return path, scale
 
 
@@ -70,6 +73,9 @@ def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
         values["torch"] = options_of(flags[TorchFlags], TorchOptions)
     if LoraFlags in flags:
         values["loras"] = tuple(parse_lora_spec(text) for text in flags[LoraFlags].lora or ())
+    if ControlNetFlags in flags:
+        values["controlnets"] = tuple(parse_lora_spec(text, "controlnets")
+                                      for text in flags[ControlNetFlags].controlnet or ())
     if CacheFlags in flags:
         values.update(cache_interval=flags[CacheFlags].cache_interval, cache_branch=flags[CacheFlags].cache_branch)
     if RefinerFlags in flags:
@@ -82,6 +88,12 @@ def request_from_flags(flags: Flags) -> Request:
     """The request a command line asks for, its input image (RGB) and mask read where given (a one-line UsageError
     where one cannot be)."""
     request = Request(**dataclasses.asdict(flags[RequestFlags]))
+    if ControlImageFlags in flags:
+        control = flags[ControlImageFlags]
+        images = tuple(load_image("control_images", path) for path in control.control_image or ())
+        request = dataclasses.replace(request, control_images=images or None,
+                                      control_guidance_start=control.control_guidance_start,
+                                      control_guidance_end=control.control_guidance_end, guess_mode=control.guess_mode)
     if ImageFlags not in flags:
         return request
     images = flags[ImageFlags]

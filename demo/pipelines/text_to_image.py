@@ -132,6 +132,12 @@ class Text2ImagePipeline:
         shape = self.source.latent_shape(batch.batch_size, batch.head.height, batch.head.width)
         return self.noise(shape, generator) * self.scheduler.init_noise_sigma
 
+    def unet_extra(self, step: int, steps: int, model_input: torch.Tensor, timestep: torch.Tensor,
+                   conditioning: tuple[torch.Tensor, ...], batch: Batch) -> dict[str, torch.Tensor]:
+        """The UNet's inputs beside its sample and conditioning at `step` of `steps` (ControlNets' residuals), from the
+        scaled model input; none here."""
+        return {}
+
     def unet_sample(self, model_input: torch.Tensor) -> torch.Tensor:
         """The UNet's sample for a scaled model input (an inpainting UNet's has the mask and masked image too)."""
         return model_input
@@ -150,16 +156,18 @@ class Text2ImagePipeline:
         features = None
         for i, t in enumerate(timesteps):
             model_input = torch.cat([latents] * 2) if batch.head.guided else latents
-            model_input = self.unet_sample(self.scheduler.scale_model_input(model_input, t))
+            model_input = self.scheduler.scale_model_input(model_input, t)
             timestep = t.reshape(1).to(device=self.device, dtype=torch.float32)
-            inputs = (model_input.to(self.dtype), timestep, *conditioning)
+            extra = self.unet_extra(i, len(timesteps), model_input, timestep, conditioning, batch)
+            inputs = (self.unet_sample(model_input).to(self.dtype), timestep, *conditioning)
+            feed = dict(zip(unet.model.input_names, inputs), **extra)  # by name: the stages take what they read
             if shallow is None:
-                prediction = unet.call(*inputs)
+                prediction = unet(feed)[LATENT]
             elif i % self.cache_interval == 0:  # both guidance halves' features, kept together
-                prediction, features = unet.call(*inputs)
-            else:  # by name: a shallow pass that never reads the text takes no text
-                feed = dict(zip(unet.model.input_names, inputs), **{DEEP_FEATURES: features})
-                prediction = shallow(feed)[LATENT]
+                outputs = unet(feed)
+                prediction, features = outputs[LATENT], outputs[DEEP_FEATURES]
+            else:
+                prediction = shallow({**feed, DEEP_FEATURES: features})[LATENT]
             prediction = prediction.float()
             if batch.head.guided:
                 uncond, cond = prediction.chunk(2)

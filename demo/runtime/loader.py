@@ -30,6 +30,7 @@ from demo.runtime.memory import check_memory
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from demo.schedulers import check_steps, make_scheduler
 from models.base import StageModel
+from models.controlnet import resolve_controlnet
 from models.lora import LoraFile, check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
 from models.stages import check_model_stages, image_to_image_stages, stage_models, text_to_image_stages
@@ -103,6 +104,7 @@ class PipelinePlan:
                         request.denoising_steps)
         unet = next(model for model in self.base.models if model.name == "unet")
         self.backend.check_request(self.base.settings_of(unet), self.source, request)
+        check_control_images(request, self.spec)
 
     def build(self) -> dict[str, dict]:
         """Build or find every stage's artifacts (engines), loading nothing; what each took."""
@@ -132,11 +134,17 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
         backend.check_loras(spec_options(spec, backend))
     loras = [(read_lora(path), scale) for path, scale in spec.loras]
     source = resolve_model(spec.model, vae=spec.vae)
+    controlnets = [(resolve_controlnet(name), scale) for name, scale in spec.controlnets]
+    for controlnet, _ in controlnets:
+        controlnet.check_for(source)
+    if controlnets and (spec.refiner is not None or spec.engine.int8):
+        raise UsageError(f"{field('controlnets')} run without {field('refiner' if spec.refiner else 'int8')} for now")
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = backend.default_dtype(device) if spec.precision == "auto" else DTYPES[spec.precision]
     if request is not None:
         request = replace(request, scheduler=request.scheduler or spec.scheduler).resolved(source)
         request.check(source)
+        check_control_images(request, spec)
         spec = replace(spec, height=request.height if spec.height is None else spec.height,
                        width=request.width if spec.width is None else spec.width,
                        modes=spec.modes or (request.mode,))
@@ -154,7 +162,8 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     if runs:
         check_memory(source, max(spec.batch_size, spec.max_batch_size or 0), height, width, device, dtype)
     record = activation_recorder(spec, device)
-    base = stage_plan(backend, spec, source, stage_names(spec, source, modes), workload, device, dtype, record)
+    base = stage_plan(backend, spec, source, stage_names(spec, source, modes), workload, device, dtype, record,
+                      controlnets)
     refiner_plan = None
     if refiner is not None:  # its own stages, with engines beside the base's; its UNet never INT8 (see below)
         if spec.engine.int8:
@@ -172,6 +181,16 @@ def load_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
                   progress: Log = to_stderr) -> Pipeline:
     """A ready pipeline for `spec` on `device` (default: the GPU, else the CPU): plan_pipeline(...).load()."""
     return plan_pipeline(spec, device, log=log, progress=progress).load()
+
+
+def check_control_images(request: Request, spec: PipelineSpec) -> None:
+    """A UsageError where a request brings another number of control images than the pipeline has ControlNets."""
+    given, wanted = len(request.control_images or ()), len(spec.controlnets)
+    if given != wanted:
+        names = ", ".join(name for name, _ in spec.controlnets)
+        raise UsageError(f"{field('control_images')}: {given} given; this pipeline has {wanted} ControlNet(s)"
+                         + (f" ({names}): one image each, in their order" if wanted else
+                            f": load it with {field('controlnets')}"))
 
 
 def resolve_refiner(spec: PipelineSpec, source: ModelSource, modes) -> ModelSource | None:
@@ -213,13 +232,14 @@ def spec_options(spec: PipelineSpec, backend: Backend):
 
 
 def stage_plan(backend: Backend, spec: PipelineSpec, source: ModelSource, names, workload: Workload,
-               device: torch.device, dtype: torch.dtype, record) -> StagePlan:
-    """The stages `names` of `source` (with the step cache's shallow UNet where the spec turns the cache on), each with
-    the backend's checked settings: the spec's, or a stage override's (a stage that is part of another: that one's)."""
+               device: torch.device, dtype: torch.dtype, record, controlnets=()) -> StagePlan:
+    """The stages `names` of `source` (with the step cache's shallow UNet where the spec turns the cache on, the
+    ControlNets' after the UNet: (ControlNetSource, scale) each), each with the backend's checked settings: the spec's,
+    or a stage override's (a stage that is part of another: that one's)."""
     overrides = {override.stage: override for override in spec.stage_overrides}
     made: dict[tuple, tuple[object, str]] = {}  # one settings object per distinct choice, shared by its stages
     settings = {}
-    models = stage_models(source, names, spec.cached_branch)
+    models = stage_models(source, names, spec.cached_branch, controlnets)
     for model in models:
         override = overrides.get(model.part_of or model.name)
         plugins = spec.plugins if override is None or override.plugins is None else override.plugins

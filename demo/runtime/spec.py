@@ -5,6 +5,7 @@ turns one into a ready pipeline)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from core.errors import UsageError, at_least, field
@@ -53,6 +54,7 @@ class PipelineSpec:
     batch_size: int = 1  # the batch engines are tuned for
     max_batch_size: int | None = None  # the most images one call runs (None: batch_size; engines take 4 at least)
     guided: bool = True  # engines for guided batches (classifier-free guidance) or unguided ones
+    controlnets: tuple[tuple[str, float], ...] = ()  # ControlNets (a built-in name or folder) and their scales
     cache_interval: int = 1  # the step cache: every Nth UNet call runs whole, the rest the shallow pass (1: off)
     cache_branch: int = 0  # the skip branch whose deep features the cached calls reuse (models.unet_cache)
     stage_overrides: tuple[StageOverride, ...] = ()
@@ -75,6 +77,12 @@ class PipelineSpec:
         at_least("batch_size", self.batch_size, 1)
         at_least("cache_interval", self.cache_interval, 1)
         at_least("cache_branch", self.cache_branch, 0)
+        for name, scale in self.controlnets:
+            if not math.isfinite(scale):
+                raise UsageError(f"{field('controlnets')} {name}: the scale must be a finite number, got {scale}")
+        if self.controlnets and self.cached_branch is not None:
+            raise UsageError(f"{field('cache_interval')} {self.cache_interval}: the step cache does not run with "
+                             f"{field('controlnets')} yet")
         if self.max_batch_size is not None:
             at_least("max_batch_size", self.max_batch_size, 1)
         unknown = [mode for mode in self.modes or () if mode not in MODES]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
-from demo.serve.schema import BATCH_SIZE, IMAGE, MODEL_NAMES, inputs_of
+from demo.serve.schema import BATCH_SIZE, CONTROL_IMAGES, IMAGE, MODEL_NAMES, inputs_of
 
 PROTOCOLS = ("http", "grpc")
 
@@ -37,17 +37,18 @@ def connect(url: str, protocol: str = "http", concurrency: int = 1):
 def request_inputs(module, values: dict, mode: str) -> list:
     """tritonclient InferInputs for the given request fields (demo.request.Request's names; None: left out) that
     `mode`'s model takes, the batch dimension first: [1, 1] each, an image's array (HxWx3 RGB, a mask HxW) as
-    [1, H, W, 3] and [1, H, W]."""
+    [1, H, W, 3] and [1, H, W]; control_images, one array per ControlNet of the server, as control_image_<i>."""
     inputs = []
-    for item in inputs_of(mode):
-        value = values.get(item.field)
+    controls = list(values.get(CONTROL_IMAGES) or ())
+    for item in inputs_of(mode, len(controls)):
+        value = controls.pop(0) if item.field == CONTROL_IMAGES else values.get(item.field)
         if value is None:
             continue
         array = np.array([[value.encode() if isinstance(value, str) else value]] if item.shape == (1,) else [value],
                          dtype=item.dtype)
         tensor = module.InferInput(item.name, list(array.shape), "BYTES" if item.dtype is np.bytes_ else
                                    {np.uint64: "UINT64", np.int32: "INT32", np.float32: "FP32",
-                                    np.uint8: "UINT8"}[item.dtype])
+                                    np.uint8: "UINT8", np.bool_: "BOOL"}[item.dtype])
         tensor.set_data_from_numpy(array.astype(object) if item.dtype is np.bytes_ else array)
         inputs.append(tensor)
     return inputs

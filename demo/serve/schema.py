@@ -42,8 +42,13 @@ INPUTS = (
     Input("image", np.uint8, "image", optional=False, shape=(-1, -1, 3), modes=IMAGE_MODES),  # RGB
     Input("mask", np.uint8, "mask", optional=False, shape=(-1, -1), modes=(INPAINTING,)),  # white: repaint
     Input("strength", np.float32, "strength", modes=IMAGE_MODES),
+    Input("control_guidance_start", np.float32, "control_guidance_start"),  # with ControlNets (a server's
+    Input("control_guidance_end", np.float32, "control_guidance_end"),      # --controlnet): inputs_of
+    Input("guess_mode", np.bool_, "guess_mode"),
 )
-INPUT_OF_FIELD = {item.field: item.name for item in INPUTS}
+CONTROL_FIELDS = ("control_guidance_start", "control_guidance_end", "guess_mode")
+CONTROL_IMAGES = "control_images"  # the field the control_image_<i> inputs set, one image per ControlNet
+INPUT_OF_FIELD = {item.field: item.name for item in INPUTS} | {CONTROL_IMAGES: "control_image_<i>"}
 # Outputs: the image, HxWx3 8-bit RGB, and how many requests its pipeline call ran (1: alone).
 IMAGE, BATCH_SIZE = "image", "batch_size"
 # A failed request's answer, beside placeholder outputs: the one line, and the Triton error code that triton_model.py
@@ -52,8 +57,13 @@ ERROR, ERROR_CODE = "error", "error_code"
 BAD_REQUEST, FAILED, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "UNAVAILABLE"  # HTTP 400, 500, 503
 
 
-def inputs_of(mode: str) -> tuple[Input, ...]:
-    return tuple(item for item in INPUTS if mode in item.modes)
+def inputs_of(mode: str, controlnets: int = 0) -> tuple[Input, ...]:
+    """`mode`'s model's inputs on a server of `controlnets` ControlNets: with any, an image for each
+    (control_image_0, control_image_1, ... in the server's --controlnet order) and the ControlNet fields."""
+    images = tuple(Input(f"control_image_{index}", np.uint8, CONTROL_IMAGES, optional=False, shape=(-1, -1, 3))
+                   for index in range(controlnets))
+    return tuple(item for item in INPUTS if mode in item.modes and (controlnets or item.field not in CONTROL_FIELDS)
+                 ) + images
 
 
 def input_name(field: str) -> str:
@@ -69,8 +79,8 @@ def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) 
     """One request of `mode`'s model, resolved to one image and checked by `plan` (demo.runtime.loader.PipelinePlan:
     what it leaves out is the server's spec's or the model's; then every check the loaded pipeline makes, the
     engines' limits among them); RequestRejected for the first bad input."""
-    values = {}
-    for item in inputs_of(mode):
+    values, controls = {}, []
+    for item in inputs_of(mode, len(plan.spec.controlnets)):
         array = data.get(item.name)
         if array is None:
             if not item.optional:
@@ -83,7 +93,11 @@ def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) 
             raise RequestRejected(f"{item.name}: one {'value' if item.shape == (1,) else 'image'} per request (shape "
                                   f"[{shape}]), got shape {list(array.shape)}")
         if item.shape != (1,):
-            values[item.field] = Image.fromarray(array[0])  # RGB, or a grayscale mask
+            image = Image.fromarray(array[0])  # RGB, or a grayscale mask
+            if item.field == CONTROL_IMAGES:
+                controls.append(image)
+            else:
+                values[item.field] = image
             continue
         value = array.reshape(-1)[0]
         if item.dtype is np.bytes_:
@@ -96,6 +110,8 @@ def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) 
         else:
             value = value.item()
         values[item.field] = value
+    if controls:
+        values[CONTROL_IMAGES] = tuple(controls)
     try:
         request = plan.resolve(Request(**values))
         plan.check(request)

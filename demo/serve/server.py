@@ -183,12 +183,13 @@ def prepare_device(spec: PipelineSpec, device: torch.device) -> ServedPipeline:
     pipeline = load_pipeline(spec, device, progress=progress)
     served = ServedPipeline(pipeline)
     warm = pipeline.plan.resolve(Request("", denoising_steps=1, seed=0))
+    gray = Image.new("RGB", (warm.width, warm.height), (128, 128, 128))
+    warm = replace(warm, control_images=(gray,) * len(spec.controlnets) or None)
     batch = spec.max_batch_size
     if TEXT_TO_IMAGE in pipeline.plan.modes:
         for size in range(1, batch + 1):
             progress(f"[{PROG}] {device}: text-to-image warm-up at batch {size}/{batch} ...")
             served([warm] * size)
-    gray = Image.new("RGB", (warm.width, warm.height), (128, 128, 128))
     half = Image.new("L", gray.size)  # repaint the left half
     half.paste(255, (0, 0, warm.width // 2, warm.height))
     for mode in (mode for mode in pipeline.plan.modes if mode != TEXT_TO_IMAGE):
@@ -354,16 +355,18 @@ def put_triton_libraries_first() -> None:
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libraries))
 
 
-def bind_model(triton, mode: str, infer_funcs: list, max_batch_size: int, max_queue_delay_ms: float) -> str:
-    """`mode`'s model bound on `triton` (its inputs schema.inputs_of's; its outputs the image and the batch size), a
-    Triton instance per inference function, batched dynamically; returns the model's name."""
+def bind_model(triton, mode: str, infer_funcs: list, max_batch_size: int, max_queue_delay_ms: float,
+               controlnets: int = 0) -> str:
+    """`mode`'s model bound on `triton` (its inputs schema.inputs_of's, with `controlnets` control images; its outputs
+    the image and the batch size), a Triton instance per inference function, batched dynamically; returns the
+    model's name."""
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
     triton.bind(
         model_name=MODEL_NAMES[mode],
         infer_func=infer_funcs,
         inputs=[Tensor(name=item.name, dtype=item.dtype, shape=item.shape, optional=item.optional)
-                for item in inputs_of(mode)],
+                for item in inputs_of(mode, controlnets)],
         outputs=[Tensor(name=IMAGE, dtype=np.uint8, shape=(-1, -1, 3)),
                  Tensor(name=BATCH_SIZE, dtype=np.int32, shape=(1,))],
         config=ModelConfig(max_batch_size=max_batch_size, batcher=DynamicBatcher(
@@ -466,8 +469,9 @@ def serve_forever(triton_api, server: Server, modes, max_batch_size: int, serve:
     policy = triton_api.TritonLifecyclePolicy(launch_triton_on_startup=False, local_model_store=True)
     triton = triton_api.Triton(config=config, workspace=workspace, triton_lifecycle_policy=policy)
     try:
+        controlnets = len(server.plan.spec.controlnets)
         names = [bind_model(triton, mode, [server.callable_for(mode) for _ in server.pool.workers],  # one per device
-                            max_batch_size, serve.max_queue_delay_ms) for mode in modes]
+                            max_batch_size, serve.max_queue_delay_ms, controlnets) for mode in modes]
         answer_errors_alone(workspace.model_store_path, names)
         check_ports_free(serve)  # again: another program may have taken one while the pipelines were prepared
         try:

@@ -1,0 +1,102 @@
+"""ControlNet: diffusers' StableDiffusion(XL)ControlNet(Img2Img|Inpaint)Pipeline on the family pipelines' steps. Each
+ControlNet stage (controlnet0, controlnet1, ...) sees the UNet's input and its conditioning image; the residuals of
+all of them add up (diffusers' MultiControlNetModel) and go into the UNet by name. Outside a ControlNet's guidance
+window (control_guidance_start/end) its scale is 0; in guess mode it sees the prompt's half of the batch alone, its
+residuals ramp from 0.1 to 1 times its scale down the skip connections, and the unconditional half gets none."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from demo.pipelines.batch import Batch
+from demo.pipelines.image_to_image import (
+    Image2ImagePipeline,
+    InpaintPipeline,
+    SDXLImage2ImagePipeline,
+    SDXLInpaintPipeline,
+)
+from demo.pipelines.sdxl import SDXLPipeline
+from demo.pipelines.text_to_image import Text2ImagePipeline
+from models import CONTROLNET
+from models.unet import residual_names
+
+if TYPE_CHECKING:
+    from demo.backends.base import Stage
+
+
+class ControlNetSteps:
+    """What a family pipeline does with ControlNet stages among its stages (a mixin, before the family's class)."""
+
+    stages: dict[str, Stage]
+
+    @property
+    def controlnets(self) -> list[Stage]:
+        return [stage for name, stage in self.stages.items() if name.startswith(CONTROLNET)]
+
+    def control_images(self, batch: Batch) -> list[torch.Tensor]:
+        """Each ControlNet's conditioning images, as diffusers prepares them: resized to the request's size, in
+        [0, 1], one row per image of the call, twice under guidance unless in guess mode."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        processor = VaeImageProcessor(vae_scale_factor=self.source.vae_scale_factor, do_convert_rgb=True,
+                                      do_normalize=False)
+        head = batch.head
+        images = []
+        for index in range(len(self.controlnets)):
+            rows = torch.cat([processor.preprocess(request.control_images[index], height=head.height,
+                                                   width=head.width).to(torch.float32).repeat_interleave(
+                request.images, dim=0) for request in batch.requests])
+            rows = rows.to(device=self.device, dtype=self.dtype)
+            images.append(torch.cat([rows] * 2) if head.guided and not head.guess_mode else rows)
+        return images
+
+    def prepare(self, batch: Batch) -> None:
+        super().prepare(batch)
+        self._control = self.control_images(batch)
+
+    def unet_extra(self, step, steps, model_input, timestep, conditioning, batch):
+        head = batch.head
+        halves = head.guided and head.guess_mode  # the ControlNets see the prompts' half alone
+        sample = model_input.chunk(2)[1] if halves else model_input
+        text = tuple(part.chunk(2)[1] for part in conditioning) if halves else conditioning
+        outside = step / steps < head.control_guidance_start or (step + 1) / steps > head.control_guidance_end
+        total = None
+        for stage, image in zip(self.controlnets, self._control):
+            count = len(stage.model.output_names) - 1
+            scale = stage.model.scale * (0.0 if outside else 1.0)
+            scales = (torch.logspace(-1, 0, count + 1, device=self.device) * scale if head.guess_mode
+                      else torch.full((count + 1,), scale, device=self.device))
+            feed = dict(zip(stage.model.input_names, (sample.to(self.dtype), timestep, *text)),
+                        controlnet_cond=image, conditioning_scale=scales)
+            outputs = stage(feed)
+            residuals = [outputs[name] for name in stage.model.output_names]
+            total = residuals if total is None else [a + b for a, b in zip(total, residuals)]
+        if halves:  # the unconditional half gets no residual
+            total = [torch.cat([torch.zeros_like(residual), residual]) for residual in total]
+        return dict(zip(residual_names(len(total) - 1), total))
+
+
+class ControlNetPipeline(ControlNetSteps, Text2ImagePipeline):
+    """StableDiffusionControlNetPipeline."""
+
+
+class ControlNetImage2ImagePipeline(ControlNetSteps, Image2ImagePipeline):
+    """StableDiffusionControlNetImg2ImgPipeline."""
+
+
+class ControlNetInpaintPipeline(ControlNetSteps, InpaintPipeline):
+    """StableDiffusionControlNetInpaintPipeline."""
+
+
+class SDXLControlNetPipeline(ControlNetSteps, SDXLPipeline):
+    """StableDiffusionXLControlNetPipeline."""
+
+
+class SDXLControlNetImage2ImagePipeline(ControlNetSteps, SDXLImage2ImagePipeline):
+    """StableDiffusionXLControlNetImg2ImgPipeline."""
+
+
+class SDXLControlNetInpaintPipeline(ControlNetSteps, SDXLInpaintPipeline):
+    """StableDiffusionXLControlNetInpaintPipeline."""

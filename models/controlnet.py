@@ -1,0 +1,199 @@
+"""ControlNet: a ControlNetModel folder (its config.json and weights, diffusers' save_pretrained layout), resolved by
+name (the built-ins) or path and checked against the model it steers; and its stage: the UNet's inputs and a
+conditioning image -> the residuals it adds to the UNet's skip connections and mid block, each scaled by its own
+entry of `conditioning_scale` (the pipeline sets them: the ControlNet's scale, zero outside its guidance window, and
+guess mode's ramp), so that one stage, and one engine, serves every schedule.
+
+The built-ins have random weights, their zero-initialised output convolutions included (a ControlNet made from a UNet
+adds nothing until it is trained): for tests, CPU demos and benchmarks of the real architectures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.atomic import atomic_directory
+from core.errors import UsageError, field
+from models import CONTROLNET
+from models.base import ONNX_OPSET, StageModel
+from models.source import ModelSource, default_cache_dir, resolve_model
+from models.unet import UNetModel, residual_names, residual_shapes
+
+CONFIG = "config.json"
+# Built-in ControlNets: the base built-in whose UNet they are made from (ControlNetModel.from_unet).
+BUILTIN_CONTROLNETS = {"tiny-controlnet": "tiny", "tiny-xl-controlnet": "tiny-xl",
+                       "sd15-controlnet-arch": "sd1.5-arch", "sdxl-controlnet-arch": "sdxl-arch"}
+BUILTIN_CONTROLNET_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ControlNetSource:
+    """A ControlNet folder: where it is, its config, and what its files hash to (engines are keyed by it)."""
+
+    name: str
+    path: Path
+    config: dict
+
+    @property
+    def fingerprint(self) -> str:
+        """Its content for artifact keys, as ModelSource.fingerprint: the config hashed, weights by name, size and
+        modification time."""
+        digest = hashlib.sha256()
+        for file in sorted(p for p in self.path.iterdir() if p.is_file()):
+            stat = file.stat()
+            tail = file.read_bytes() if file.suffix == ".json" else f"{stat.st_size}:{stat.st_mtime_ns}".encode()
+            digest.update(f"{file.name}:".encode() + tail)
+        return digest.hexdigest()[:16]
+
+    @property
+    def is_xl(self) -> bool:
+        return self.config.get("addition_embed_type") == "text_time"
+
+    def check_for(self, source: ModelSource) -> None:
+        """A UsageError where this ControlNet cannot steer `source`'s UNet: another family (SD 1.x/2.x or SDXL) or
+        another cross-attention width, other latents."""
+        unet = source.config("unet")
+        own = f"{field('controlnets')} {self.name}"
+        if self.is_xl != source.is_xl:
+            families = ("SDXL" if self.is_xl else "SD 1.x/2.x", "SDXL" if source.is_xl else "SD 1.x/2.x")
+            raise UsageError(f"{own} is an {families[0]} ControlNet; model '{source.name}' is {families[1]}")
+        if self.config["cross_attention_dim"] != unet["cross_attention_dim"]:
+            raise UsageError(f"{own} attends to text {self.config['cross_attention_dim']} wide; model "
+                             f"'{source.name}' has {unet['cross_attention_dim']}")
+        factor = 2 ** (len(self.config["conditioning_embedding_out_channels"]) - 1)
+        if factor != source.vae_scale_factor:
+            raise UsageError(f"{own} brings its image down {factor}x to latent size; model '{source.name}''s latents "
+                             f"are {source.vae_scale_factor}x smaller than its images")
+        if self.config["in_channels"] != source.latent_channels or self.config["block_out_channels"] != unet[
+                "block_out_channels"]:
+            raise UsageError(f"{own} is made for another UNet (channels {self.config['block_out_channels']}, latents "
+                             f"{self.config['in_channels']}); model '{source.name}' has {unet['block_out_channels']}, "
+                             f"{source.latent_channels}")
+
+    def residual_count(self) -> int:
+        """How many down-path residuals it gives (one per skip connection), besides the mid block's."""
+        blocks = len(self.config["down_block_types"])
+        layers = self.config["layers_per_block"]
+        return 1 + (layers * blocks if isinstance(layers, int) else sum(layers)) + blocks - 1
+
+
+def resolve_controlnet(text: str) -> ControlNetSource:
+    """A built-in ControlNet's name (generated on first use) or a ControlNetModel folder (a one-line UsageError for
+    anything else)."""
+    path = builtin_controlnet_dir(text) if text in BUILTIN_CONTROLNETS else Path(text)
+    where = f"{field('controlnets')} {text}"
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{where}: no such ControlNet (a folder with {CONFIG}, or one of "
+                         f"{', '.join(BUILTIN_CONTROLNETS)})") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{where}: {CONFIG} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    if config.get("_class_name") != "ControlNetModel":
+        raise UsageError(f"{where}: {CONFIG} is a {config.get('_class_name')}, not a ControlNetModel")
+    return ControlNetSource(text, path, config)
+
+
+def builtin_controlnet_dir(name: str) -> Path:
+    """The built-in ControlNet's folder, generated once (random weights, seed 0)."""
+    directory = default_cache_dir() / "builtin" / f"{name}-c{BUILTIN_CONTROLNET_VERSION}"
+    if not (directory / CONFIG).is_file():
+        base = resolve_model(BUILTIN_CONTROLNETS[name])
+        build_builtin_controlnet(base, directory)
+    return directory
+
+
+def build_builtin_controlnet(base: ModelSource, directory: Path) -> None:
+    """A ControlNetModel made from `base`'s UNet (its architecture and weights), every output convolution drawn at
+    random instead of zero, written whole or not at all."""
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        unet = UNet2DConditionModel.from_pretrained(base.component_dir("unet"))
+        # its conditioning embedding brings the image down to latent size: one halving per entry after the first
+        embedding = (16, 32, 96, 256, 512)[:base.vae_scale_factor.bit_length()]
+        controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=embedding)
+        zeroed = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+                  controlnet.controlnet_cond_embedding.conv_out]
+        for conv in zeroed:
+            torch.nn.init.normal_(conv.weight, std=0.3 / conv.weight[0].numel() ** 0.5)
+            torch.nn.init.normal_(conv.bias, std=0.02)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    with atomic_directory(directory) as staging:
+        controlnet.to(unet.dtype).save_pretrained(staging)
+
+
+class ControlNetStageModel(StageModel):
+    """One ControlNet of a pipeline (the `index`-th: stage controlnet<index>): the UNet's own inputs, the
+    conditioning image (`controlnet_cond`, in [0, 1] at image size) and a scale per residual -> the residuals."""
+
+    component = CONTROLNET  # its own folder, not one of the model's (no LoRA is made for it)
+
+    def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int, scale: float = 1.0):
+        """`scale`: how strongly it steers (diffusers' controlnet_conditioning_scale), what the pipeline multiplies
+        its residuals by (an input of the stage, not part of it)."""
+        self.source, self.config = source, controlnet.config  # its shapes (latent size, text) are the model's
+        self.controlnet, self.index, self.scale = controlnet, index, scale
+        self.name = f"{CONTROLNET}{index}"
+        self.count = controlnet.residual_count()
+        added = ("text_embeds", "time_ids") if controlnet.is_xl else ()
+        self.input_names = ("sample", "timestep", "encoder_hidden_states", *added, "controlnet_cond",
+                            "conditioning_scale")
+        self.output_names = residual_names(self.count)
+        self.dynamic_axes = {"sample": {0: "B", 2: "latent_height", 3: "latent_width"},
+                             "encoder_hidden_states": {0: "B"}, **{name: {0: "B"} for name in added},
+                             "controlnet_cond": {0: "B", 2: "height", 3: "width"},
+                             **{name: {0: "B", 2: f"{name}_h", 3: f"{name}_w"} for name in self.output_names}}
+
+    def input_shapes(self, batch, height, width):
+        unet = UNetModel(self.source).input_shapes(batch, height, width)
+        return {**{name: unet[name] for name in self.input_names if name in unet},
+                "controlnet_cond": (batch, self.controlnet.config["conditioning_channels"], height, width),
+                "conditioning_scale": (self.count + 1,)}
+
+    def output_shapes(self, batch, height, width):
+        return residual_shapes(self.controlnet.config, batch, *self.latent_size(height, width))
+
+    def input_dtypes(self, dtype):
+        return {**{name: dtype for name in self.input_names}, "timestep": torch.float32,
+                "conditioning_scale": torch.float32}
+
+    def sample_inputs(self, batch, height, width, device="cpu", dtype=torch.float32, generator=None):
+        inputs = super().sample_inputs(batch, height, width, device, dtype, generator)
+        inputs["timestep"] = (torch.rand((1,), generator=generator) * 999).to(device)
+        inputs["controlnet_cond"] = torch.rand(inputs["controlnet_cond"].shape, generator=generator).to(device, dtype)
+        inputs["conditioning_scale"] = torch.rand((self.count + 1,), generator=generator).to(device)
+        return inputs
+
+    def onnx_key(self, dtype, opset=ONNX_OPSET):
+        return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint)
+
+    @property
+    def artifact_name(self) -> str:
+        return f"{CONTROLNET}-{self.controlnet.fingerprint}"
+
+    def load_module(self):
+        from diffusers import ControlNetModel
+
+        return _ScaledControlNet(ControlNetModel.from_pretrained(self.controlnet.path), self.controlnet.is_xl)
+
+
+class _ScaledControlNet(torch.nn.Module):
+    def __init__(self, controlnet, xl: bool):
+        super().__init__()
+        self.controlnet, self.xl = controlnet, xl
+
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        *added, image, scales = rest
+        added_cond_kwargs = dict(zip(("text_embeds", "time_ids"), added)) if added else None
+        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=image,
+                                    conditioning_scale=1.0, added_cond_kwargs=added_cond_kwargs, return_dict=False)
+        return (*(residual * scales[i] for i, residual in enumerate(down)), mid * scales[-1])

@@ -1,0 +1,192 @@
+"""ControlNet (issue 42) on the CPU: every mode (text-to-image, image-to-image, inpainting) and family (SD 1.x/2.x,
+SDXL) against diffusers' own ControlNet pipelines, same seed, same image within 2/255; several ControlNets (diffusers'
+MultiControlNetModel) with a guidance window; guess mode; and each bad input as one line."""
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core.errors import UsageError
+from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Request
+from demo.runtime.loader import load_pipeline
+from demo.runtime.spec import PipelineSpec
+from models.controlnet import resolve_controlnet
+from models.source import resolve_model
+
+CPU = torch.device("cpu")
+QUIET = lambda *_: None  # noqa: E731
+REFERENCES = {  # mode -> diffusers' ControlNet pipelines (SD 1.x/2.x, SDXL)
+    TEXT_TO_IMAGE: ("StableDiffusionControlNetPipeline", "StableDiffusionXLControlNetPipeline"),
+    IMAGE_TO_IMAGE: ("StableDiffusionControlNetImg2ImgPipeline", "StableDiffusionXLControlNetImg2ImgPipeline"),
+    INPAINTING: ("StableDiffusionControlNetInpaintPipeline", "StableDiffusionXLControlNetInpaintPipeline"),
+}
+
+
+def picture(seed: int, size: int = 64) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def mask(size: int = 64) -> Image.Image:
+    pixels = np.zeros((size, size), dtype=np.uint8)
+    pixels[size // 4: size * 3 // 4, size // 3:] = 255
+    return Image.fromarray(pixels)
+
+
+def request_for(mode: str, controls: tuple, **fields) -> Request:
+    common = dict(denoising_steps=6, seed=5, guidance_scale=5.0, scheduler="DDIM", control_images=controls, **fields)
+    if mode == IMAGE_TO_IMAGE:
+        return Request("a blue square", image=picture(7), strength=0.8, **common)
+    if mode == INPAINTING:
+        return Request("a blue square", image=picture(7), mask=mask(), **common)
+    return Request("a red circle", height=64, width=64, **common)
+
+
+def ours(model: str, controlnets, request: Request) -> np.ndarray:
+    spec = PipelineSpec(model=model, backend="torch", precision="fp32", controlnets=tuple(controlnets),
+                        modes=(request.mode,))
+    with load_pipeline(spec, CPU, progress=QUIET) as pipeline:
+        return pipeline(request).pixels
+
+
+def theirs(model: str, controlnets, request: Request) -> np.ndarray:
+    source = resolve_model(model)
+    nets = [diffusers.ControlNetModel.from_pretrained(resolve_controlnet(name).path) for name, _ in controlnets]
+    scales = [scale for _, scale in controlnets]
+    reference = getattr(diffusers, REFERENCES[request.mode][source.is_xl])
+    extra = {} if source.is_xl else dict(safety_checker=None, requires_safety_checker=False)
+    pipe = reference.from_pretrained(source.path, controlnet=nets if len(nets) > 1 else nets[0], **extra)
+    pipe.scheduler = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    controls = list(request.control_images) if len(nets) > 1 else request.control_images[0]
+    inputs = dict(image=controls, height=64, width=64)
+    if request.mode != TEXT_TO_IMAGE:
+        inputs = dict(image=request.image, control_image=controls, strength=request.strength or 1.0, height=64,
+                      width=64)
+        if request.mode == INPAINTING:
+            inputs["mask_image"] = request.mask
+    images = pipe(request.prompt, num_inference_steps=request.denoising_steps, guidance_scale=request.guidance_scale,
+                  generator=torch.Generator().manual_seed(request.seed), output_type="np",
+                  controlnet_conditioning_scale=scales if len(nets) > 1 else scales[0],
+                  control_guidance_start=request.control_guidance_start,
+                  control_guidance_end=request.control_guidance_end, guess_mode=request.guess_mode, **inputs).images
+    return (images * 255).round().astype(np.uint8)
+
+
+CASES = [  # model, ControlNets and scales, mode, request fields
+    ("tiny", [("tiny-controlnet", 0.8)], TEXT_TO_IMAGE, {}),
+    ("tiny", [("tiny-controlnet", 1.0)], IMAGE_TO_IMAGE, {}),
+    ("tiny", [("tiny-controlnet", 1.2)], INPAINTING, {}),
+    ("tiny-xl", [("tiny-xl-controlnet", 0.9)], TEXT_TO_IMAGE, {}),
+    ("tiny-xl", [("tiny-xl-controlnet", 1.0)], IMAGE_TO_IMAGE, {}),
+    ("tiny-xl", [("tiny-xl-controlnet", 0.7)], INPAINTING, {}),
+    ("tiny", [("tiny-controlnet", 0.6), ("tiny-controlnet", 1.1)], TEXT_TO_IMAGE,
+     dict(control_guidance_start=0.2, control_guidance_end=0.7)),
+    ("tiny", [("tiny-controlnet", 1.0)], TEXT_TO_IMAGE, dict(guess_mode=True)),
+    ("tiny-xl", [("tiny-xl-controlnet", 1.0)], TEXT_TO_IMAGE, dict(guess_mode=True, control_guidance_end=0.5)),
+]
+
+
+@pytest.mark.parametrize("model, controlnets, mode, fields", CASES)
+def test_same_seed_same_image_as_diffusers_controlnet_pipelines(model, controlnets, mode, fields):
+    controls = tuple(picture(11 + index) for index in range(len(controlnets)))
+    request = request_for(mode, controls, **fields)
+    mine = ours(model, controlnets, request)
+    assert np.abs(mine.astype(int) - theirs(model, controlnets, request).astype(int)).max() <= 2
+    without = ours(model, [(name, 0.0) for name, _ in controlnets], request)
+    assert np.abs(mine.astype(int) - without.astype(int)).max() > 2  # the ControlNets steer the picture
+
+
+@pytest.mark.parametrize("spec_fields, request_fields, message", [
+    (dict(controlnets=(("tiny-controlnet", 1.0),)), {}, "control_images: 0 given; this pipeline has 1 ControlNet(s)"),
+    (dict(controlnets=(("tiny-controlnet", 1.0),)), dict(control_images=(picture(1), picture(2))),
+     "control_images: 2 given"),
+    ({}, dict(control_images=(picture(1),)), "control_images: 1 given; this pipeline has 0 ControlNet(s): load it "
+                                             "with controlnets"),
+    (dict(controlnets=(("tiny-xl-controlnet", 1.0),)), dict(control_images=(picture(1),)),
+     "controlnets tiny-xl-controlnet is an SDXL ControlNet; model 'tiny' is SD 1.x/2.x"),
+    (dict(controlnets=(("no/such/folder", 1.0),)), dict(control_images=(picture(1),)),
+     "controlnets no/such/folder: no such ControlNet"),
+    (dict(controlnets=(("tiny-controlnet", float("nan")),)), dict(control_images=(picture(1),)),
+     "the scale must be a finite number, got nan"),
+    (dict(controlnets=(("tiny-controlnet", 1.0),), cache_interval=3), dict(control_images=(picture(1),)),
+     "the step cache does not run with controlnets yet"),
+    (dict(controlnets=(("tiny-controlnet", 1.0),)), dict(control_images=(picture(1),), control_guidance_start=0.5,
+                                                          control_guidance_end=0.5),
+     "must be 0 <= start < end <= 1, got 0.5 and 0.5"),
+])
+def test_bad_controlnet_input_is_one_line(spec_fields, request_fields, message):
+    from demo.runtime.loader import plan_pipeline
+
+    spec = PipelineSpec(model="tiny", backend="torch", **spec_fields)
+    with pytest.raises(UsageError) as raised:
+        request = Request("a red circle", **request_fields)
+        request.check_inputs()
+        plan_pipeline(spec, CPU, request=request, progress=QUIET)
+    assert message in raised.value.render()
+
+
+def test_a_controlnet_for_another_text_width_is_refused(tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "wide"
+    shutil.copytree(resolve_controlnet("tiny-controlnet").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "cross_attention_dim": 48}))
+    with pytest.raises(UsageError) as raised:
+        resolve_controlnet(str(folder)).check_for(resolve_model("tiny"))
+    assert "attends to text 48 wide; model 'tiny' has 32" in raised.value.render()
+
+
+def test_the_command_line_draws_with_a_controlnet_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from demo.cli.generate import main
+
+    control = tmp_path / "control.png"
+    picture(3).save(control)
+    common = ["a red circle", "--model", "tiny", "--denoising-steps", "3", "--output-dir", str(tmp_path / "out")]
+    assert main([*common, "--controlnet", "tiny-controlnet:0.5", "--control-image", str(control), "--seed", "1"]) == 0
+    assert len(list((tmp_path / "out").glob("*.png"))) == 1
+    capsys.readouterr()
+    for args, message in ((["--controlnet", "tiny-controlnet"], "--control-image: 0 given"),
+                          (["--controlnet", "tiny-controlnet", "--control-image", str(tmp_path / "none.png")],
+                           "--control-image " + str(tmp_path / "none.png") + ": no such file"),
+                          (["--controlnet", f"{control}:x"], "--controlnet")):
+        assert main([*common, *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+
+
+def test_engines_draw_the_torch_image_and_a_lora_refits_the_unet_with_the_controlnet_in_place(tmp_path):
+    """The ControlNet's engine and the UNet's with residual inputs (stand-in TensorRT, fp32): the torch pipeline's
+    image; the shipped-style LoRA refits the UNet engine (the ControlNet's stays), and the image follows the torch
+    pipeline with the LoRA fused."""
+    from demo.backends.tensorrt.options import EngineOptions
+    from tests import fake_tensorrt
+    from tests.test_lora_refit import loras_for
+
+    source = resolve_model("tiny")
+    loras = loras_for(source, tmp_path)
+    request = request_for(TEXT_TO_IMAGE, (picture(11),))
+    fields = dict(model="tiny", precision="fp32", controlnets=(("tiny-controlnet", 0.8),), modes=(TEXT_TO_IMAGE,))
+    with pytest.MonkeyPatch.context() as patch:
+        fake_tensorrt.install(patch, "10.8.0")
+        options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"),
+                                build_static_batch=True, optimization_level=0, build_enable_refit=True)
+        with load_pipeline(PipelineSpec(backend="tensorrt", plugins="none", engine=options, **fields), CPU,
+                           progress=QUIET) as pipeline:
+            plain = pipeline(request).pixels
+            pipeline.set_loras(loras)
+            refits = {name: len(getattr(stage.engine.engine, "refits", ())) for name, stage in pipeline.stages.items()}
+            with_lora = pipeline(request).pixels
+    with load_pipeline(PipelineSpec(backend="torch", **fields), CPU, progress=QUIET) as pipeline:
+        torch_plain = pipeline(request).pixels
+        pipeline.set_loras(loras)
+        torch_lora = pipeline(request).pixels
+    assert sorted(p.name for p in (tmp_path / "engine").glob("*.engine"))[-2:] == ["unet.controlled.engine",
+                                                                                 "vae.engine"]
+    assert refits["unet"] == 1 and refits["controlnet0"] == 0
+    assert np.abs(plain.astype(int) - torch_plain.astype(int)).max() <= 1
+    assert np.abs(with_lora.astype(int) - torch_lora.astype(int)).max() <= 1
+    assert np.abs(with_lora.astype(int) - plain.astype(int)).max() > 2
