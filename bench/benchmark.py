@@ -48,6 +48,8 @@ from demo.backends.tensorrt.options import MAX_OPTIMIZATION_LEVEL
 from demo.cli.command import run_command
 from demo.cli.flags import (
     CacheFlags,
+    ControlImageFlags,
+    ControlNetFlags,
     EngineFlags,
     ModelFlags,
     add_flags,
@@ -89,6 +91,8 @@ class BenchmarkFlags:
 
 def build_parser():
     p = measuring_parser(PROG, summary(__doc__), BenchmarkFlags)
+    add_flags(p, ControlNetFlags, "ControlNet", description="every contender's, with the request's images")
+    add_flags(p, ControlImageFlags, "ControlNet inputs")
     add_flags(p, CacheFlags, "step cache", description="every contender's (default: none); a contender "
               "<label>@cache<N> has its own interval, with --cache-branch")
     add_flags(p, EngineFlags, "engines (as build-engines takes them)",

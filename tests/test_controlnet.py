@@ -190,3 +190,33 @@ def test_engines_draw_the_torch_image_and_a_lora_refits_the_unet_with_the_contro
     assert np.abs(plain.astype(int) - torch_plain.astype(int)).max() <= 1
     assert np.abs(with_lora.astype(int) - torch_lora.astype(int)).max() <= 1
     assert np.abs(with_lora.astype(int) - plain.astype(int)).max() > 2
+
+
+def test_sd_benchmark_times_a_controlnet_pipeline_against_diffusers_modules(tmp_path):
+    """sd-benchmark --controlnet --control-image: every contender runs the ControlNet pipeline (the reference too)."""
+    import json
+
+    from bench.benchmark import main
+
+    control = tmp_path / "control.png"
+    picture(4).save(control)
+    status = main(["--model", "tiny", "--height", "64", "--width", "64", "--denoising-steps", "2", "--warmup-runs", "0",
+                   "--runs", "1", "--seed", "0", "--scheduler", "DDIM", "--contenders", "diffusers-eager,ours-defaults",
+                   "--controlnet", "tiny-controlnet:0.5", "--control-image", str(control),
+                   "--results-dir", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work"),
+                   "--defaults-file", str(tmp_path / "defaults.json")])
+    assert status == 0
+    rows = json.loads(next((tmp_path / "results").glob("*.json")).read_text())["rows"]
+    assert [row["label"] for row in rows] == ["diffusers-eager", "ours-defaults"]
+    assert rows[1]["max_pixel_diff_vs_eager"] <= 1  # the same modules on a CPU: the same ControlNet picture
+
+
+def test_build_engines_builds_the_controlnet_and_the_controlled_unet_with_tensorrt_for_rtx(tmp_path):
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
+    from demo.cli.build_engines import main
+
+    assert main(["--model", "tiny", "--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine"),
+                 "--optimization-level", "0", "--build-static-batch", "--stages", "unet",
+                 "--controlnet", "tiny-controlnet"]) == 0
+    names = sorted(p.name for p in (tmp_path / "engine").glob("*.engine"))
+    assert len(names) == 2 and names[0].startswith("controlnet-") and names[1] == "unet.controlled.engine"

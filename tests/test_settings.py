@@ -99,8 +99,10 @@ def test_same_as_declares_the_same_flag_and_bad_values_are_usage_errors():
     assert onnx.help == dataclasses.fields(EngineFlags)[0].metadata["help"]
 
 
-# Fields another group sets (the request's images come from files: ImageFlags), or no command does.
-SET_ELSEWHERE = {EngineOptions: {"build_missing"}, Request: {"image", "mask", "strength"}}
+# Fields another group sets (the request's images come from files: ImageFlags, ControlImageFlags), or no command does.
+SET_ELSEWHERE = {EngineOptions: {"build_missing"},
+                 Request: {"image", "mask", "strength", "control_images", "control_guidance_start",
+                           "control_guidance_end", "guess_mode"}}
 
 
 @pytest.mark.parametrize("group, library, shared", [

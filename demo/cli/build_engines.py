@@ -20,6 +20,7 @@ from demo.backends.tensorrt.flavour import FLAVOURS, flavour
 from demo.cli.command import run_command
 from demo.cli.flags import (
     CacheFlags,
+    ControlNetFlags,
     EngineFlags,
     ModelFlags,
     Parser,
@@ -66,6 +67,8 @@ def make_parser() -> Parser:
     p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ModelFlags)
     add_flags(p, BuildFlags)
+    add_flags(p, ControlNetFlags, "ControlNet", description="with --controlnet, each ControlNet's engine and the "
+              "UNet's that takes their residuals, in place of the plain UNet's")
     add_flags(p, CacheFlags, "step cache", description="with --cache-interval above 1, the UNet's engines for the "
               "cache (its full pass and its shallow pass) in place of the plain UNet's")
     add_flags(p, EngineFlags, "ONNX and TensorRT engines")

@@ -16,7 +16,7 @@ def calibration_spec(spec: PipelineSpec) -> PipelineSpec:
     """The pipeline calibration renders with: the model's own torch modules as they are (reference_spec), in the
     backend's own precision there, text-to-image."""
     return replace(reference_spec(spec), precision="auto", modes=(TEXT_TO_IMAGE,), height=None, width=None,
-                   batch_size=1, max_batch_size=None, guided=True)
+                   batch_size=1, max_batch_size=None, guided=True, controlnets=())
 
 
 def record_unet_activations(pipeline, prompts: tuple[str, ...], steps: int, scheduler: str, guidance_scale: float,

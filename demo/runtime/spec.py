@@ -102,8 +102,9 @@ class PipelineSpec:
 
 def reference_spec(spec: PipelineSpec) -> PipelineSpec:
     """The spec's model, sizes and modes on the reference backend as diffusers runs it: its own torch modules, no
-    kernels, CUDA graphs or compiling, no LoRA files or refiner."""
+    kernels, CUDA graphs or compiling, no LoRA files or refiner; its ControlNets (diffusers' pipeline has them)."""
     return PipelineSpec(model=spec.model, vae=spec.vae, backend=REFERENCE_BACKEND, precision=spec.precision,
+                        controlnets=spec.controlnets,
                         plugins="none", use_cuda_graph=False, torch=TorchOptions(channels_last=False, compile="none"),
                         modes=spec.modes, scheduler=spec.scheduler, height=spec.height, width=spec.width,
                         batch_size=spec.batch_size, max_batch_size=spec.max_batch_size, guided=spec.guided,
