@@ -15,6 +15,15 @@ STAGE_NAMES = (CLIP, CLIP2, UNET, VAE, VAE_ENCODER)
 UNET_SHALLOW = "unet_shallow"  # the step cache's second UNet stage, made with the UNet's (models.stages.stage_models)
 CONTROLNET = "controlnet"  # ControlNet stages: controlnet0, controlnet1, ... (models.controlnet)
 
+
+def controlnet_stage(index: int) -> str:
+    """The name of a pipeline's `index`-th ControlNet stage."""
+    return f"{CONTROLNET}{index}"
+
+
+def is_controlnet_stage(name: str) -> bool:
+    return name.startswith(CONTROLNET)
+
 # name -> the module defining it, imported on first use
 _LAZY = {**{name: "models.stages" for name in (
     "STAGE_MODELS", "TEXT_TO_IMAGE_STAGES", "XL_TEXT_TO_IMAGE_STAGES", "GUIDED_STAGES", "SINGLE_IMAGE_STAGES",

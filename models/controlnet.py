@@ -10,7 +10,7 @@ adds nothing until it is trained): for tests, CPU demos and benchmarks of the re
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +19,11 @@ import torch
 
 from core.atomic import atomic_directory
 from core.errors import UsageError, field
-from models import CONTROLNET
+from models import CONTROLNET, controlnet_stage
 from models.base import ONNX_OPSET, StageModel
-from models.source import ModelSource, default_cache_dir, resolve_model
+from models.source import ModelSource, content_fingerprint, default_cache_dir, resolve_model
 from models.unet import UNetModel, residual_names, residual_shapes
+from models.unet_cache import Branches
 
 CONFIG = "config.json"
 # Built-in ControlNets: the base built-in whose UNet they are made from (ControlNetModel.from_unet).
@@ -39,16 +40,10 @@ class ControlNetSource:
     path: Path
     config: dict
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """Its content for artifact keys, as ModelSource.fingerprint: the config hashed, weights by name, size and
-        modification time."""
-        digest = hashlib.sha256()
-        for file in sorted(p for p in self.path.iterdir() if p.is_file()):
-            stat = file.stat()
-            tail = file.read_bytes() if file.suffix == ".json" else f"{stat.st_size}:{stat.st_mtime_ns}".encode()
-            digest.update(f"{file.name}:".encode() + tail)
-        return digest.hexdigest()[:16]
+        """Its content for artifact keys, as the model's (content_fingerprint)."""
+        return content_fingerprint([(file, file.name) for file in sorted(self.path.iterdir()) if file.is_file()])
 
     @property
     def is_xl(self) -> bool:
@@ -74,12 +69,6 @@ class ControlNetSource:
             raise UsageError(f"{own} is made for another UNet (channels {self.config['block_out_channels']}, latents "
                              f"{self.config['in_channels']}); model '{source.name}' has {unet['block_out_channels']}, "
                              f"{source.latent_channels}")
-
-    def residual_count(self) -> int:
-        """How many down-path residuals it gives (one per skip connection), besides the mid block's."""
-        blocks = len(self.config["down_block_types"])
-        layers = self.config["layers_per_block"]
-        return 1 + (layers * blocks if isinstance(layers, int) else sum(layers)) + blocks - 1
 
 
 def resolve_controlnet(text: str) -> ControlNetSource:
@@ -142,8 +131,8 @@ class ControlNetStageModel(StageModel):
         its residuals by (an input of the stage, not part of it)."""
         self.source, self.config = source, controlnet.config  # its shapes (latent size, text) are the model's
         self.controlnet, self.index, self.scale = controlnet, index, scale
-        self.name = f"{CONTROLNET}{index}"
-        self.count = controlnet.residual_count()
+        self.name = controlnet_stage(index)
+        self.count = Branches.of(controlnet.config).count  # residuals: one per skip connection, then the mid's
         added = ("text_embeds", "time_ids") if controlnet.is_xl else ()
         self.input_names = ("sample", "timestep", "encoder_hidden_states", *added, "controlnet_cond",
                             "conditioning_scale")
@@ -183,13 +172,13 @@ class ControlNetStageModel(StageModel):
     def load_module(self):
         from diffusers import ControlNetModel
 
-        return _ScaledControlNet(ControlNetModel.from_pretrained(self.controlnet.path), self.controlnet.is_xl)
+        return _ScaledControlNet(ControlNetModel.from_pretrained(self.controlnet.path))
 
 
 class _ScaledControlNet(torch.nn.Module):
-    def __init__(self, controlnet, xl: bool):
+    def __init__(self, controlnet):
         super().__init__()
-        self.controlnet, self.xl = controlnet, xl
+        self.controlnet = controlnet
 
     def forward(self, sample, timestep, encoder_hidden_states, *rest):
         *added, image, scales = rest

@@ -70,22 +70,14 @@ class ModelSource:
     def fingerprint(self) -> str:
         """Identifies the model's content for artifact cache keys.
 
-        Config files are hashed; weight files by name, size and modification time (hashing
-        gigabytes of weights on every run would cost more than the cache saves).
+        Config files are hashed; weight files by name, size and modification time (content_fingerprint).
         """
-        digest = hashlib.sha256()
         files = [(p, p.relative_to(self.path).as_posix()) for p in sorted(self.path.rglob("*")) if p.is_file()]
         if self.vae:  # the other VAE's files stand in for the model's own
             files = [(p, rel) for p, rel in files if not rel.startswith("vae/")]
             files += [(p, f"vae/{p.relative_to(self.vae).as_posix()}") for p in sorted(self.vae.rglob("*"))
                       if p.is_file()]
-        for file, rel in files:
-            if file.suffix in (".json", ".txt"):
-                digest.update(f"{rel}:".encode() + file.read_bytes())
-            else:
-                stat = file.stat()
-                digest.update(f"{rel}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        return digest.hexdigest()[:16]
+        return content_fingerprint(files)
 
     @functools.cached_property
     def vae_scale_factor(self) -> int:
@@ -139,6 +131,19 @@ class ModelSource:
         if self.path.resolve() == shapes.MODEL_DIR.resolve():
             return shapes.GUIDANCE_SCALE
         return DEFAULT_GUIDANCE_SCALE
+
+
+def content_fingerprint(files) -> str:
+    """Files ((path, the name it goes by) each) for artifact cache keys: config files hashed, weight files by name,
+    size and modification time (hashing gigabytes of weights on every run would cost more than the cache saves)."""
+    digest = hashlib.sha256()
+    for file, rel in files:
+        if file.suffix in (".json", ".txt"):
+            digest.update(f"{rel}:".encode() + file.read_bytes())
+        else:
+            stat = file.stat()
+            digest.update(f"{rel}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = None) -> ModelSource:

@@ -1,7 +1,7 @@
 """The stage registry: each stage's model class by its name, and which stages a model and a mode run."""
 
 from core.errors import UsageError
-from models import CLIP, CLIP2, CONTROLNET, UNET, UNET_SHALLOW, VAE, VAE_ENCODER
+from models import CLIP, CLIP2, UNET, UNET_SHALLOW, VAE, VAE_ENCODER, is_controlnet_stage
 from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
 from models.controlnet import ControlNetStageModel
@@ -52,7 +52,7 @@ def stage_batch(stage: str, images: int, guided: bool) -> int:
     """The batch `stage` sees for `images` images."""
     if stage in SINGLE_IMAGE_STAGES:
         return 1
-    return images * 2 if guided and (stage in GUIDED_STAGES or stage.startswith(CONTROLNET)) else images
+    return images * 2 if guided and (stage in GUIDED_STAGES or is_controlnet_stage(stage)) else images
 
 
 def check_model_stages(source, names) -> None:

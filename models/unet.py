@@ -64,9 +64,13 @@ class _ShallowDenoiser(_CachingDenoiser):
     """The shallow pass from the deep features (the last input); without the text embeddings where it does not attend
     to the text (an ONNX export drops an input nothing reads)."""
 
+    def __init__(self, unet, branch: int):
+        super().__init__(unet, branch)
+        self.reads_text = self.branches.shallow_reads_text(branch)
+
     def forward(self, sample, timestep, *rest):
         added, features, text = rest[:-1], rest[-1], None
-        if self.branches.shallow_reads_text(self.branch):
+        if self.reads_text:
             text, added = added[0], added[1:]
         added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
         return cached_forward(self.unet, self.branches, self.branch, sample, timestep, text, added_cond_kwargs,

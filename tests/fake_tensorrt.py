@@ -15,6 +15,7 @@ then are caught), and later runs compute with the new values. Each refit is logg
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import json
@@ -524,3 +525,24 @@ def make_module(version: str) -> types.ModuleType:
         module.ExecutionContextAllocationStrategy = enum.Enum("ExecutionContextAllocationStrategy",
                                                               ["STATIC", "ON_PROFILE_CHANGE", "USER_MANAGED"])
     return module
+
+
+@contextlib.contextmanager
+def stand_in_pipeline(folder, engine_options: dict | None = None, version: str = "10.8.0", **spec_fields):
+    """A pipeline loaded on the CPU with engines the stand-in (of this TensorRT version's API) builds and runs: fp32,
+    no plugins, static batch, builder level 0, its ONNX and engines under `folder`; `engine_options` (EngineOptions'
+    fields) and `spec_fields` (PipelineSpec's) besides."""
+    import pytest
+
+    from demo.backends.tensorrt.options import EngineOptions
+    from demo.runtime.loader import load_pipeline
+    from demo.runtime.spec import PipelineSpec
+
+    with pytest.MonkeyPatch.context() as patch:
+        install(patch, version)
+        options = EngineOptions(onnx_dir=str(folder / "onnx"), engine_dir=str(folder / "engine"),
+                                build_static_batch=True, optimization_level=0, **(engine_options or {}))
+        spec = PipelineSpec(**{"precision": "fp32", "plugins": "none", **spec_fields}, backend="tensorrt",
+                            engine=options)
+        with load_pipeline(spec, "cpu", progress=lambda *_: None) as pipeline:
+            yield pipeline

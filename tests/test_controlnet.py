@@ -162,24 +162,18 @@ def test_engines_draw_the_torch_image_and_a_lora_refits_the_unet_with_the_contro
     """The ControlNet's engine and the UNet's with residual inputs (stand-in TensorRT, fp32): the torch pipeline's
     image; the shipped-style LoRA refits the UNet engine (the ControlNet's stays), and the image follows the torch
     pipeline with the LoRA fused."""
-    from demo.backends.tensorrt.options import EngineOptions
-    from tests import fake_tensorrt
+    from tests.fake_tensorrt import stand_in_pipeline
     from tests.test_lora_refit import loras_for
 
     source = resolve_model("tiny")
     loras = loras_for(source, tmp_path)
     request = request_for(TEXT_TO_IMAGE, (picture(11),))
     fields = dict(model="tiny", precision="fp32", controlnets=(("tiny-controlnet", 0.8),), modes=(TEXT_TO_IMAGE,))
-    with pytest.MonkeyPatch.context() as patch:
-        fake_tensorrt.install(patch, "10.8.0")
-        options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"),
-                                build_static_batch=True, optimization_level=0, build_enable_refit=True)
-        with load_pipeline(PipelineSpec(backend="tensorrt", plugins="none", engine=options, **fields), CPU,
-                           progress=QUIET) as pipeline:
-            plain = pipeline(request).pixels
-            pipeline.set_loras(loras)
-            refits = {name: len(getattr(stage.engine.engine, "refits", ())) for name, stage in pipeline.stages.items()}
-            with_lora = pipeline(request).pixels
+    with stand_in_pipeline(tmp_path, dict(build_enable_refit=True), **fields) as pipeline:
+        plain = pipeline(request).pixels
+        pipeline.set_loras(loras)
+        refits = {name: len(getattr(stage.engine.engine, "refits", ())) for name, stage in pipeline.stages.items()}
+        with_lora = pipeline(request).pixels
     with load_pipeline(PipelineSpec(backend="torch", **fields), CPU, progress=QUIET) as pipeline:
         torch_plain = pipeline(request).pixels
         pipeline.set_loras(loras)

@@ -17,7 +17,6 @@ from PIL import Image
 
 from core.errors import UsageError
 from demo.backends.registry import REFERENCE
-from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.settings import FALLBACK
 from demo.pipelines import StageTimer, make_pipeline, to_uint8
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Request
@@ -27,6 +26,7 @@ from models import UNET_SHALLOW, image_to_image_stages, stage_models
 from models.source import resolve_model
 from models.unet import UNetModel, UNetShallowModel
 from models.unet_cache import Branches
+from tests.fake_tensorrt import stand_in_pipeline
 from tests.parity import diffusers_images
 
 CPU = torch.device("cpu")
@@ -173,10 +173,14 @@ def test_the_deepcache_packages_helper_draws_the_same_image(interval, branch):
     assert np.abs(ours.astype(int) - (theirs * 255).round().astype(int)).max() <= 2
 
 
-def render(spec: PipelineSpec, **fields) -> np.ndarray:
+def draw(pipeline) -> tuple[np.ndarray, set[str]]:
+    """The test's picture, and the stages that drew it."""
+    return pipeline("a red circle", seed=7, denoising_steps=8).pixels, set(pipeline.stages)
+
+
+def render(spec: PipelineSpec) -> tuple[np.ndarray, set[str]]:
     with load_pipeline(spec, CPU, progress=QUIET) as pipeline:
-        stages = set(pipeline.stages)
-        return pipeline("a red circle", seed=7, denoising_steps=8, **fields).pixels, stages
+        return draw(pipeline)
 
 
 def test_interval_one_is_the_uncached_pipeline_bit_for_bit():
@@ -205,15 +209,9 @@ def test_a_lora_reaches_the_shallow_pass_on_the_torch_backend():
 def test_engines_draw_the_torch_paths_cached_image(tmp_path):
     """Both engines (the full pass with its features, the shallow pass) through the stand-in TensorRT, fp32, against
     the torch backend's cached image; their files sit beside the plain UNet's."""
-    from tests import fake_tensorrt
-
-    with pytest.MonkeyPatch.context() as patch:
-        fake_tensorrt.install(patch, "10.8.0")
-        options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"),
-                                build_static_batch=True, optimization_level=0)
-        spec = PipelineSpec(model="tiny", backend="tensorrt", precision="fp32", plugins="none", scheduler="DDIM",
-                            modes=(TEXT_TO_IMAGE,), engine=options, cache_interval=3, cache_branch=2)
-        engines, stages = render(spec)
+    with stand_in_pipeline(tmp_path, model="tiny", scheduler="DDIM", modes=(TEXT_TO_IMAGE,), cache_interval=3,
+                           cache_branch=2) as pipeline:
+        engines, stages = draw(pipeline)
     torch_image, _ = render(PipelineSpec(model="tiny", backend="torch", precision="fp32", scheduler="DDIM",
                                          cache_interval=3, cache_branch=2))
     assert UNET_SHALLOW in stages
@@ -235,15 +233,10 @@ def test_bad_cache_values_are_one_line(fields, message):
 
 def test_int8_quantizes_both_unet_engines_from_one_calibration(tmp_path):
     from demo.pipelines import image_psnr
-    from tests import fake_tensorrt
 
-    with pytest.MonkeyPatch.context() as patch:
-        fake_tensorrt.install(patch, "10.8.0")
-        options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"),
-                                build_static_batch=True, optimization_level=0, int8=True, calibration_steps=4)
-        spec = PipelineSpec(model="tiny", backend="tensorrt", precision="fp32", plugins="none", scheduler="DDIM",
-                            modes=(TEXT_TO_IMAGE,), engine=options, cache_interval=2)
-        engines, _ = render(spec)
+    with stand_in_pipeline(tmp_path, dict(int8=True, calibration_steps=4), model="tiny", scheduler="DDIM",
+                           modes=(TEXT_TO_IMAGE,), cache_interval=2) as pipeline:
+        engines, _ = draw(pipeline)
     torch_image, _ = render(PipelineSpec(model="tiny", backend="torch", precision="fp32", scheduler="DDIM",
                                          cache_interval=2))
     assert sorted(p.name for p in (tmp_path / "engine").glob("unet*.engine")) == ["unet.cache0.int8.engine",
@@ -256,19 +249,13 @@ def test_a_lora_refits_both_engines_and_draws_the_torch_paths_image(tmp_path):
     """Refittable engines of both passes take the shipped outline LoRA by refit (the shallow one too: its export names
     its weights by their whole module paths), and draw the torch path's cached image with the LoRA fused."""
     from models.shapes import OUTLINE_LORA
-    from tests import fake_tensorrt
 
     fields = dict(model="shapes", precision="fp32", scheduler="DDIM", modes=(TEXT_TO_IMAGE,), cache_interval=3,
                   cache_branch=1, loras=((str(OUTLINE_LORA), 1.0),))
-    with pytest.MonkeyPatch.context() as patch:
-        fake_tensorrt.install(patch, "10.8.0")
-        options = EngineOptions(onnx_dir=str(tmp_path / "onnx"), engine_dir=str(tmp_path / "engine"),
-                                build_static_batch=True, optimization_level=0, build_enable_refit=True)
-        with load_pipeline(PipelineSpec(backend="tensorrt", plugins="none", engine=options, **fields), CPU,
-                           progress=QUIET) as pipeline:
-            refits = {name: len(pipeline.stages[name].engine.engine.refits) for name in ("unet", UNET_SHALLOW)}
-            engines = pipeline("a large red square in the center on a white background", seed=3,
-                               denoising_steps=12).pixels
+    with stand_in_pipeline(tmp_path, dict(build_enable_refit=True), **fields) as pipeline:
+        refits = {name: len(pipeline.stages[name].engine.engine.refits) for name in ("unet", UNET_SHALLOW)}
+        engines = pipeline("a large red square in the center on a white background", seed=3,
+                           denoising_steps=12).pixels
     with load_pipeline(PipelineSpec(backend="torch", **fields), CPU, progress=QUIET) as pipeline:
         fused = pipeline("a large red square in the center on a white background", seed=3, denoising_steps=12).pixels
     assert refits == {"unet": 1, UNET_SHALLOW: 1}

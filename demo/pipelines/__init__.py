@@ -33,7 +33,7 @@ from demo.pipelines.sdxl import ExpertsPipeline, SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
 from demo.pipelines.timer import StageTimer
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
-from models import CONTROLNET
+from models import is_controlnet_stage
 from models.source import ModelSource
 
 # mode -> (the SD 1.x/2.x pipeline, the SDXL one)
@@ -57,6 +57,6 @@ def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler_name:
                   dtype: torch.dtype, mode: str = TEXT_TO_IMAGE, cache_interval: int = 1) -> Text2ImagePipeline:
     """The pipeline this model needs for `mode` (a request's), over `stages` (with ControlNet stages: its ControlNet
     pipeline), with the step cache's interval (used where `stages` has the shallow UNet)."""
-    controlled = any(name.startswith(CONTROLNET) for name in stages)
+    controlled = any(map(is_controlnet_stage, stages))
     family = (CONTROLNET_PIPELINES if controlled else PIPELINES)[mode][source.is_xl]
     return family(source, stages, scheduler_name, device, dtype, cache_interval)

@@ -19,7 +19,7 @@ from demo.pipelines.image_to_image import (
 )
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
-from models import CONTROLNET
+from models import is_controlnet_stage
 from models.unet import residual_names
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class ControlNetSteps:
 
     @property
     def controlnets(self) -> list[Stage]:
-        return [stage for name, stage in self.stages.items() if name.startswith(CONTROLNET)]
+        return [stage for name, stage in self.stages.items() if is_controlnet_stage(name)]
 
     def control_images(self, batch: Batch) -> list[torch.Tensor]:
         """Each ControlNet's conditioning images, as diffusers prepares them: resized to the request's size, in
