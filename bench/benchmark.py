@@ -216,7 +216,7 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
     from bench.runner import compare_images, free_memory, load_image, run_contender, save_image, why_skip
     from demo.runtime.report import precision_name
     source, request = setup.source, setup.request
-    name = workload.title(source.name, request.denoising_steps)
+    name = setup.title(workload)
     entry = {"label": contender.label, "workload": name, "what": contender.what}
     reason = why_skip(setup, contender, workload, first)
     if reason:
@@ -245,6 +245,8 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
            "settings": contender.settings_dict(),
            "psnr_vs_eager_db": psnr, "max_pixel_diff_vs_eager": difference, "image": str(image_path),
            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    if setup.spec.controlnets:
+        row["controlnets"] = [{"name": name, "scale": scale} for name, scale in setup.spec.controlnets]
     interval = contender.cache_interval or setup.spec.cache_interval
     row.update(cache_interval=interval, cache_branch=setup.spec.cache_branch if interval > 1 else None)
     uncached = images_dir / f"{contender.uncached_label}.png"
@@ -298,8 +300,10 @@ def benchmark(flags, chosen: list[Contender]) -> int:
             say("no GPU here: the torch defaults are left as they are")
         elif source.name == "tiny":
             say("the built-in tiny model does not set the torch defaults: they are left as they are")
+        elif setup.spec.controlnets:
+            say("a run with ControlNets does not set the torch defaults: they are left as they are")
         else:
-            write_defaults(output.defaults_path, results.data, workloads[0].title(source.name, request.denoising_steps),
+            write_defaults(output.defaults_path, results.data, setup.title(workloads[0]),
                            gpu, entry_key(capability, source.is_xl), results.json_path)
     print(benchmark_table(results.data), end="")
     say(f"wrote {results.json_path} and its .md and .png")

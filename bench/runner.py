@@ -74,11 +74,21 @@ class Setup:
     def request_at(self, workload: Workload) -> Request:
         return replace(self.request, height=workload.height, width=workload.width, batch_size=workload.batch)
 
+    @property
+    def model_title(self) -> str:
+        """The model as tables title it: with its ControlNets (and their scales), which change every step's work."""
+        steering = "".join(f" + {Path(name).name}" + ("" if scale == 1 else f" x{scale:g}")
+                           for name, scale in self.spec.controlnets)
+        return self.source.name + steering
+
+    def title(self, workload: Workload) -> str:
+        return workload.title(self.model_title, self.request.denoising_steps)
+
     def images_dir(self, work: Path, gpu: str, workload: Workload) -> Path:
         """Where a workload's images go: the name carries everything the images depend on besides the
         contender, so an image is only ever compared with a reference made for the same request."""
         r = self.request
-        return work / (f"{slug(gpu)}-{slug(self.source.name)}-{workload.slug()}-{r.denoising_steps}steps-"
+        return work / (f"{slug(gpu)}-{slug(self.model_title)}-{workload.slug()}-{r.denoising_steps}steps-"
                        f"{slug(r.scheduler)}-cfg{r.guidance_scale:g}-seed{r.seed}-{prompt_digest(r)}")
 
 

@@ -186,23 +186,31 @@ def test_engines_draw_the_torch_image_and_a_lora_refits_the_unet_with_the_contro
     assert np.abs(with_lora.astype(int) - plain.astype(int)).max() > 2
 
 
-def test_sd_benchmark_times_a_controlnet_pipeline_against_diffusers_modules(tmp_path):
-    """sd-benchmark --controlnet --control-image: every contender runs the ControlNet pipeline (the reference too)."""
+def test_sd_benchmark_times_a_controlnet_pipeline_apart_from_the_plain_one(tmp_path):
+    """sd-benchmark --controlnet --control-image: every contender runs the ControlNet pipeline (the reference too); a
+    plain run into the same folders keeps its rows and images apart (its own workload, its own reference image)."""
     import json
 
     from bench.benchmark import main
 
     control = tmp_path / "control.png"
     picture(4).save(control)
-    status = main(["--model", "tiny", "--height", "64", "--width", "64", "--denoising-steps", "2", "--warmup-runs", "0",
-                   "--runs", "1", "--seed", "0", "--scheduler", "DDIM", "--contenders", "diffusers-eager,ours-defaults",
-                   "--controlnet", "tiny-controlnet:0.5", "--control-image", str(control),
-                   "--results-dir", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work"),
-                   "--defaults-file", str(tmp_path / "defaults.json")])
-    assert status == 0
+    common = ["--model", "tiny", "--height", "64", "--width", "64", "--denoising-steps", "2", "--warmup-runs", "0",
+              "--runs", "1", "--seed", "0", "--scheduler", "DDIM", "--contenders", "diffusers-eager,ours-defaults",
+              "--results-dir", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work"),
+              "--defaults-file", str(tmp_path / "defaults.json")]
+    assert main([*common, "--controlnet", "tiny-controlnet:0.5", "--control-image", str(control)]) == 0
+    assert main(common) == 0
     rows = json.loads(next((tmp_path / "results").glob("*.json")).read_text())["rows"]
-    assert [row["label"] for row in rows] == ["diffusers-eager", "ours-defaults"]
-    assert rows[1]["max_pixel_diff_vs_eager"] <= 1  # the same modules on a CPU: the same ControlNet picture
+    steered = [row for row in rows if row.get("controlnets")]
+    plain = [row for row in rows if not row.get("controlnets")]
+    assert [row["label"] for row in steered] == [row["label"] for row in plain] == ["diffusers-eager", "ours-defaults"]
+    assert steered[0]["workload"].startswith("tiny + tiny-controlnet x0.5, 64x64")
+    assert plain[0]["workload"].startswith("tiny, 64x64")
+    # the same modules on a CPU: the same picture, each compared with its own kind's reference
+    assert steered[1]["max_pixel_diff_vs_eager"] <= 1 and plain[1]["max_pixel_diff_vs_eager"] <= 1
+    with_control, without = (np.asarray(Image.open(row["image"])).astype(int) for row in (steered[0], plain[0]))
+    assert np.abs(with_control - without).max() > 2
 
 
 def test_build_engines_builds_the_controlnet_and_the_controlled_unet_with_tensorrt_for_rtx(tmp_path):
