@@ -198,9 +198,11 @@ class Builder:
         self.api.last_build = {"flags": network.flags, "config_flags": sorted(f.name for f in config.flags),
                                "tactic_sources": config.tactic_sources}
         (profile,) = config.profiles
+        # TensorRT promises no order of an engine's tensors (8.6 lists a UNet's outputs otherwise than its ONNX):
+        # the stand-in lists them backwards, so code that binds by position fails here too.
         io = [{"name": t.name, "mode": "INPUT", "dtype": t.dtype.name, "profile": profile.shapes[t.name]}
-              for t in network.inputs]
-        io += [{"name": t.name, "mode": "OUTPUT", "dtype": t.dtype.name} for t in network.outputs]
+              for t in reversed(network.inputs)]
+        io += [{"name": t.name, "mode": "OUTPUT", "dtype": t.dtype.name} for t in reversed(network.outputs)]
         refittable = self.api.BuilderFlag.REFIT in config.flags
         return json.dumps({"fake_engine": 1, "onnx": network.onnx_path, "io": io, "refittable": refittable}).encode()
 

@@ -124,8 +124,11 @@ class Engine:
                                       "which the runtime does not bind") from None
 
     def check_model(self, model: StageModel, dtype: torch.dtype) -> None:
-        """The engine must bind the model class's inputs and outputs, in the precision asked for."""
-        if self.input_names != list(model.input_names) or self.output_names != list(model.output_names):
+        """The engine must bind the model class's inputs and outputs, in the precision asked for. Tensors are bound
+        by name: TensorRT lists them in an order of its own (8.6 put a UNet's two outputs in another order than the
+        ONNX's)."""
+        if (sorted(self.input_names) != sorted(model.input_names)
+                or sorted(self.output_names) != sorted(model.output_names)):
             raise EngineMismatchError(
                 f"{self.stage}: the engine binds {self.input_names} -> {self.output_names}, the model class "
                 f"{list(model.input_names)} -> {list(model.output_names)}; rebuild with {field('force_engine_build')}")
@@ -258,7 +261,7 @@ class Engine:
             raise RuntimeError(f"{self.stage}: no device memory bound (use_device_memory) before prepare")
         self._destroy_graph()
         self.buffers, self.bound_shapes = {}, None
-        for name in self.input_names:
+        for name in sorted(self.input_names, key=list(input_shapes).index):  # the caller's order: stable messages
             shape = tuple(input_shapes[name])
             low, _, high = self.profile(name)
             if len(shape) != len(low) or any(not lo <= s <= hi for s, lo, hi in zip(shape, low, high)):
