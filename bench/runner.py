@@ -18,6 +18,7 @@ from PIL import Image
 
 from bench.common import STAGES, slug, workload_title
 from bench.contenders import Contender, contenders, resolve_here
+from bench.floor import denoiser_floor
 from bench.jobs import BuildPlan, Job
 from core.artifacts import ArtifactError
 from core.atomic import atomic_write_bytes
@@ -30,8 +31,9 @@ from demo.cli.to_spec import options_of
 from demo.pipelines import image_psnr, to_uint8
 from demo.request import TEXT_TO_IMAGE, Request
 from demo.runtime.loader import load_pipeline, plan_pipeline, quiet
-from demo.runtime.report import precision_name
+from demo.runtime.report import device_name, precision_name
 from demo.runtime.spec import PipelineSpec
+from models import UNET
 from models.plugin_passes import read_pass_report
 from models.quantize import read_int8_report
 from models.stages import stage_batch
@@ -201,6 +203,9 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
         images, timings = pipeline.timed_runs(request, setup.warmup_runs, setup.runs,
                                               say=lambda line: say(f"{contender.label}: {line}"))
         row["unet_calls"] = pipeline.unet_calls(request)
+        row.update(denoiser_floor({name: stage.model for name, stage in pipeline.stages.items()}, row["unet_calls"],
+                                  spec.cache_interval, stage_batch(UNET, workload.batch, request.guided),
+                                  workload.height, workload.width, device_name(device)))
         row["latency_ms"] = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
         row["latency_ms_runs"] = timings
         row["unet_ms_per_call"] = row["latency_ms"]["unet"] / row["unet_calls"]

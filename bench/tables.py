@@ -27,24 +27,28 @@ def benchmark_table(results: dict) -> str:
              f"{results['guidance_scale']}, seed {results['seed']}, medians of {results['runs']} runs after "
              f"{results['warmup_runs']} warm-up run(s); ms. PSNR and max Δ (0-255) against {EAGER}'s image; ready s: "
              "compiling (compile s), capturing (capture s) and engine builds (build s) before any run; peak: "
-             "torch.cuda.max_memory_allocated; in use: device memory held at the end, engines' own included."]
+             "torch.cuda.max_memory_allocated; in use: device memory held at the end, engines' own included; "
+             "floor: the denoiser's FLOPs per step (the UNet's, any ControlNet's) at the GPU's dense fp16 peak "
+             "(bench/floor.py)."]
     workloads = {}
-    for row in results.get("rows", []):
-        key = row["model"], row["height"], row["width"], row["batch_size"], row["steps"]
-        workloads.setdefault(key, []).append(row)
-    for (model, height, width, batch, steps), rows in workloads.items():
+    for row in results.get("rows", []):  # by workload: a model with ControlNets is a workload of its own
+        title = row.get("workload") or workload_title(row["model"], row["height"], row["width"], row["batch_size"],
+                                                      row["steps"])
+        workloads.setdefault(title, []).append(row)
+    for title, rows in workloads.items():
         eager = next((r for r in rows if r["label"] == EAGER), None)
-        lines = [f"**{workload_title(model, height, width, batch, steps)}**", "",
-                 "| contender | CLIP | UNet / step | VAE | pipeline | vs eager | compile s | capture s | build s "
-                 "| peak GiB | in use GiB | PSNR dB | max Δ |",
-                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines = [f"**{title}**", "",
+                 "| contender | CLIP | UNet / step | floor / step | VAE | pipeline | vs eager | compile s | capture s "
+                 "| build s | peak GiB | in use GiB | PSNR dB | max Δ |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for row in sorted(rows, key=lambda r: r["latency_ms"]["pipeline"]):
             latency = row["latency_ms"]
             speedup = f"{eager['latency_ms']['pipeline'] / latency['pipeline']:.2f}x" if eager else "—"
             psnr, difference = row.get("psnr_vs_eager_db"), row.get("max_pixel_diff_vs_eager")
             psnr_text = "identical" if difference == 0 else "—" if psnr is None else f"{psnr:.1f}"
             lines.append(f"| {row['label']} | {ms(latency['clip'])} | {ms(row['unet_ms_per_call'])} "
-                         f"| {ms(latency['vae'])} | {ms(latency['pipeline'])} | {speedup} | {_s(row.get('compile_s'))} "
+                         f"| {ms(row.get('floor_ms_per_step'))} | {ms(latency['vae'])} | {ms(latency['pipeline'])} "
+                         f"| {speedup} | {_s(row.get('compile_s'))} "
                          f"| {_s(row.get('capture_s'))} | {_s(row.get('build_s'))} "
                          f"| {_gib(row.get('peak_allocated_bytes'))} | {_gib(row.get('device_used_bytes'))} "
                          f"| {psnr_text} | {'—' if difference is None else difference} |")

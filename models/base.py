@@ -114,6 +114,10 @@ class StageModel(abc.ABC):
         paths LoRA files name are its (models.lora)."""
         raise NotImplementedError(f"{self.name} takes no LoRA")
 
+    def meta_module(self) -> torch.nn.Module:
+        """load_module()'s computation on the meta device, with no weight read: what its FLOPs are counted on."""
+        raise NotImplementedError(f"{self.name} has no meta module")
+
     def component_skeleton(self) -> torch.nn.Module:
         """component_module's architecture alone, on the meta device: its module paths and weight shapes, with no
         weight read."""

@@ -174,6 +174,12 @@ class ControlNetStageModel(StageModel):
 
         return _ScaledControlNet(ControlNetModel.from_pretrained(self.controlnet.path))
 
+    def meta_module(self):
+        from diffusers import ControlNetModel
+
+        with torch.device("meta"):
+            return _ScaledControlNet(ControlNetModel.from_config(self.controlnet.config))
+
 
 class _ScaledControlNet(torch.nn.Module):
     def __init__(self, controlnet):

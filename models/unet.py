@@ -178,6 +178,9 @@ class UNetModel(StageModel):
             return _ControlledDenoiser(unet, Branches.of(self.config).count)
         return _Denoiser(unet) if self.cache_branch is None else _CachingDenoiser(unet, self.cache_branch)
 
+    def meta_module(self):
+        return self.wrap(self.component_skeleton())
+
     def onnx_key(self, dtype, opset=ONNX_OPSET):
         key = super().onnx_key(dtype, opset)
         key = key if self.cache_branch is None else dict(key, cache_branch=self.cache_branch)

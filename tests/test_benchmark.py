@@ -338,3 +338,7 @@ def test_cached_contenders_run_beside_their_uncached_selves(tmp_path):
     assert cached["max_pixel_diff_vs_uncached"] == cached["max_pixel_diff_vs_eager"] > 0
     assert rows["ours-defaults@cache2"]["cache_interval"] == 2
     assert "psnr_vs_uncached_db" not in rows["ours-defaults@cache2"]  # ours-defaults itself did not run
+    # the floor counts what each row's pipeline runs: 2 full and 4 shallow calls at N=3, 3 and 3 at N=2
+    flops = {label: row["denoiser_gflop_per_step"] for label, row in rows.items()}
+    assert flops["diffusers-eager"] > flops["ours-defaults@cache2"] > flops["diffusers-eager@cache3"] > 0
+    assert plain["floor_ms_per_step"] is None  # no GPU peak here

@@ -211,6 +211,7 @@ def test_sd_benchmark_times_a_controlnet_pipeline_apart_from_the_plain_one(tmp_p
     assert steered[1]["max_pixel_diff_vs_eager"] <= 1 and plain[1]["max_pixel_diff_vs_eager"] <= 1
     with_control, without = (np.asarray(Image.open(row["image"])).astype(int) for row in (steered[0], plain[0]))
     assert np.abs(with_control - without).max() > 2
+    assert steered[0]["denoiser_gflop_per_step"] > plain[0]["denoiser_gflop_per_step"] > 0  # the ControlNet's calls
 
 
 def test_build_engines_builds_the_controlnet_and_the_controlled_unet_with_tensorrt_for_rtx(tmp_path):

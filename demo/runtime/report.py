@@ -4,7 +4,6 @@ makes the image again and what ran it, as a table and as JSON."""
 from __future__ import annotations
 
 import json
-import math
 import platform
 from dataclasses import asdict, dataclass, field
 
@@ -12,6 +11,7 @@ import torch
 
 from demo.backends.base import Backend
 from demo.pipelines.sdxl import REFINER_CLIP, REFINER_UNET
+from models.unet_cache import whole_calls
 
 
 @dataclass
@@ -75,7 +75,7 @@ class LatencyReport:
         options = "".join(f", {option}" for option in self.options)
         if self.cache_branch is not None:
             calls = (self.unet_calls - (self.refiner_unet_calls or 0), self.refiner_unet_calls or 0)
-            whole = sum(math.ceil(count / self.cache_interval) for count in calls)
+            whole = sum(whole_calls(count, self.cache_interval) for count in calls)
             options += (f", step cache every {self.cache_interval} (branch {self.cache_branch}): {whole} of "
                         f"{self.unet_calls} UNet calls whole")
         out.append(f"Backend: {ran} on {self.device}, {self.precision}{plugins}{options}")

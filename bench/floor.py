@@ -1,0 +1,44 @@
+"""The floor under a benchmark row: the denoiser's FLOPs per step (the UNet's calls, full or shallow under the step
+cache, and each ControlNet's) over the GPU's dense fp16 tensor-core peak. FLOPs are counted by torch's
+FlopCounterMode (matrix products and convolutions) on the stages' own modules on the meta device: no weight is read
+and nothing runs, so the count is the same on any machine."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from models import UNET, UNET_SHALLOW, is_controlnet_stage
+from models.base import StageModel
+from models.unet_cache import whole_calls
+
+# Dense (no sparsity) fp16 tensor-core peak in TFLOP/s, from NVIDIA's datasheets, by the name torch gives the GPU.
+PEAK_FP16_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": 989.4,  # H100 SXM5
+    "NVIDIA H200": 989.4,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+}
+
+
+def call_gflop(model: StageModel, batch: int, height: int, width: int) -> float:
+    """GFLOP of one call of `model`'s module on a batch of `batch` at height x width."""
+    module = model.meta_module()
+    inputs = model.sample_inputs(batch, height, width, device="meta")  # FLOPs do not depend on the dtype
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        module(*(inputs[name] for name in model.input_names))
+    return counter.get_total_flops() / 1e9
+
+
+def denoiser_floor(models: dict[str, StageModel], calls: int, interval: int, batch: int, height: int, width: int,
+                   gpu: str) -> dict:
+    """A row's floor fields: the denoiser's GFLOP per step, averaged over a run's `calls` UNet calls with the step
+    cache every `interval` (1: none), and the ms per step it takes at `gpu`'s peak (None where the peak is unknown).
+    `models`: the pipeline's stage models by stage name; `batch`: the UNet's batch (twice the images under guidance)."""
+    counts = {UNET: whole_calls(calls, interval), UNET_SHALLOW: calls - whole_calls(calls, interval)}
+    total = sum(call_gflop(model, batch, height, width) * (calls if is_controlnet_stage(name) else counts[name])
+                for name, model in models.items() if name in counts or is_controlnet_stage(name))
+    peak = PEAK_FP16_TFLOPS.get(gpu)
+    per_step = total / calls
+    return {"denoiser_gflop_per_step": round(per_step, 1), "peak_fp16_tflops": peak,
+            "floor_ms_per_step": None if peak is None else per_step / peak}
