@@ -21,6 +21,7 @@ from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
 from core.errors import UsageError
 from models import STAGE_MODELS
+from models.controlnet import ControlNetStageModel, resolve_controlnet
 from models.optimizer import GraphOptimizer, optimize_onnx_file
 from models.plugin_passes import read_pass_report
 from models.plugin_set import parse_plugin_set
@@ -221,7 +222,7 @@ def check_stage(model, stage_dir, expected, inputs, tolerance=1e-4):
     """The passes against `expected`, and the rewritten graph's output against the export's."""
     optimized = model.optimized_onnx_path(stage_dir)
     check_passes(optimized, expected)
-    assert_same_outputs(stage_dir / f"{model.name}.onnx", optimized, inputs, tolerance)
+    assert_same_outputs(stage_dir / f"{model.artifact_name}.onnx", optimized, inputs, tolerance)
 
 
 def sample(model, batch, height, width, dtype=torch.float32, seed=5):
@@ -399,6 +400,16 @@ def unet_model(tiny, directory, config: dict, seed: int):
     torch.manual_seed(seed)
     UNet2DConditionModel(**config).save_pretrained(directory / "unet")
     return STAGE_MODELS["unet"](ModelSource(directory.name, directory))
+
+
+def test_a_controlnet_gets_every_pattern_it_has_rewritten_and_computes_the_same(tiny, tmp_path):
+    """A ControlNet stage's graph goes through the same passes as the UNet's: tiny-controlnet (tiny's down path, mid
+    block and conditioning embedding) has every pattern, each replaced, and the residuals stay what they were."""
+    model = ControlNetStageModel(tiny, resolve_controlnet("tiny-controlnet"), 0)
+    expected = expected_passes(model.load_module().controlnet)
+    assert all(expected["counts"][key]["replaced"] > 0 for key in PLUGIN_KEYS)
+    prepare(model, tmp_path)
+    check_stage(model, tmp_path, expected, sample(model, 2, 48, 80))
 
 
 def test_other_head_counts_and_linear_projections(tiny, tmp_path):
