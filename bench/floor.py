@@ -31,13 +31,18 @@ def call_gflop(model: StageModel, batch: int, height: int, width: int) -> float:
 
 
 def denoiser_floor(models: dict[str, StageModel], calls: int, interval: int, batch: int, height: int, width: int,
-                   gpu: str) -> dict:
+                   gpu: str, controlnet_batch: int | None = None) -> dict:
     """A row's floor fields: the denoiser's GFLOP per step, averaged over a run's `calls` UNet calls with the step
     cache every `interval` (1: none), and the ms per step it takes at `gpu`'s peak (None where the peak is unknown).
-    `models`: the pipeline's stage models by stage name; `batch`: the UNet's batch (twice the images under guidance)."""
+    `models`: the pipeline's stage models by stage name; `batch`: the UNet's batch (twice the images under guidance),
+    `controlnet_batch` the ControlNets' where it differs (guess mode: the prompts' half alone)."""
     counts = {UNET: whole_calls(calls, interval), UNET_SHALLOW: calls - whole_calls(calls, interval)}
-    total = sum(call_gflop(model, batch, height, width) * (calls if is_controlnet_stage(name) else counts[name])
-                for name, model in models.items() if name in counts or is_controlnet_stage(name))
+    total = 0.0
+    for name, model in models.items():
+        if is_controlnet_stage(name):
+            total += calls * call_gflop(model, controlnet_batch or batch, height, width)
+        elif name in counts:
+            total += counts[name] * call_gflop(model, batch, height, width)
     peak = PEAK_FP16_TFLOPS.get(gpu)
     per_step = total / calls
     return {"denoiser_gflop_per_step": round(per_step, 1), "peak_fp16_tflops": peak,

@@ -205,7 +205,8 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
         row["unet_calls"] = pipeline.unet_calls(request)
         row.update(denoiser_floor({name: stage.model for name, stage in pipeline.stages.items()}, row["unet_calls"],
                                   spec.cache_interval, stage_batch(UNET, workload.batch, request.guided),
-                                  workload.height, workload.width, device_name(device)))
+                                  workload.height, workload.width, device_name(device),
+                                  controlnet_batch=workload.batch if request.guess_mode else None))
         row["latency_ms"] = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
         row["latency_ms_runs"] = timings
         row["unet_ms_per_call"] = row["latency_ms"]["unet"] / row["unet_calls"]

@@ -51,3 +51,6 @@ def test_a_steps_count_follows_the_cache_and_the_controlnets(tiny):
     plain = call_gflop(UNetModel(tiny), 2, SIZE, SIZE)
     assert steered["denoiser_gflop_per_step"] == round(plain + call_gflop(controlnet, 2, SIZE, SIZE), 1)
     assert steered["floor_ms_per_step"] is None and steered["peak_fp16_tflops"] is None
+    guessing = denoiser_floor({"unet": UNetModel(tiny, controlled=True), "controlnet0": controlnet}, 10, 1, 2, SIZE,
+                              SIZE, "NVIDIA H200", controlnet_batch=1)  # guess mode: the prompts' half alone
+    assert guessing["denoiser_gflop_per_step"] == round(plain + call_gflop(controlnet, 1, SIZE, SIZE), 1)
