@@ -831,3 +831,34 @@ def test_a_controlnet_server_takes_a_control_image_per_controlnet_and_refuses_on
     assert (request.control_guidance_end, request.guess_mode) == (0.6, True)
     with pytest.raises(RequestRejected, match="^control_image_0: required$"):
         parse_request(inputs(prompt="a castle"), plan)
+
+
+@needs_pytriton
+def test_a_controlnet_server_batches_its_requests_and_answers_with_the_clis_images(tmp_path):
+    """sd-serve --controlnet: requests with their own control images arrive together and run as one batch, each
+    image the CLI's with the same ControlNet and control image; one without its control image is refused alone."""
+    from PIL import Image
+
+    from demo.serve.client import ServeError
+
+    served = Served(tmp_path, args=("--controlnet", "tiny-controlnet:0.5"), log="serve-controlnet.log")
+    try:
+        served.wait_ready()
+        controls, seeds = [random_pixels(SIZE, SIZE, seed=seed) for seed in (3, 4)], [5, 6]
+        answers = together([lambda i=i: served.generate(prompt=f"a castle {i}", seed=seeds[i],
+                                                        control_images=[controls[i]]) for i in range(2)])
+        assert [batch for _, batch in answers] == [2, 2]
+        for i, (image, _) in enumerate(answers):
+            control = tmp_path / f"control-{i}.png"
+            Image.fromarray(controls[i]).save(control)
+            expected = cli_image(tmp_path, f"a castle {i}", seeds[i], args=(
+                "--height", str(SIZE), "--width", str(SIZE), "--controlnet", "tiny-controlnet:0.5",
+                "--control-image", str(control)))
+            assert differs(image, expected) <= 2, i
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        assert differs(answers[0][0], cli_image(plain, "a castle 0", seeds[0])) > 2  # the ControlNet steered it
+        with pytest.raises(ServeError, match="control_image_0"):
+            served.generate(prompt="a castle", seed=1)
+    finally:
+        served.stop()
