@@ -1,10 +1,11 @@
 """Where the UNet's GPU time goes at one torch-backend setting, kernel family by family.
 
 torch.profiler over N guided UNet steps: the CUDA kernels grouped by family (attention, GEMM, convolution,
-normalization, elementwise/other, memcpy), each family's share of kernel time, and the busiest kernels.
+normalization, elementwise/other, memcpy), each family's share of kernel time, and the busiest kernels. With
+--controlnet, a step is each ControlNet's call and then the UNet's on their residuals, as the pipeline runs them.
 
     python scripts/profile_unet.py --steps 10 [--plugins all] [--channels-last] [--use-cuda-graph]
-        [--compile default]
+        [--compile default] [--controlnet DIR[:SCALE] ...]
 
 The settings flags are the torch backend's (demo-diffusion's), defaults included (the tuned torch defaults).
 Writes profile-unet-<gpu>-<label>.md and .json into --results-dir. Kernels inside CUDA graphs are listed
@@ -27,6 +28,7 @@ from core.atomic import atomic_write_bytes, check_writable_directory
 from core.errors import UsageError, at_least
 from demo.cli.command import run_command
 from demo.cli.flags import (
+    ControlNetFlags,
     EngineFlags,
     ModelFlags,
     Parser,
@@ -108,7 +110,8 @@ def summarize(kernels: list[tuple[str, float, int]], steps: int, elapsed_ms: flo
 
 
 def markdown(profile: dict, top: int = 25) -> str:
-    lines = [f"UNet profile on {profile['gpu']}: {profile['workload']}, torch backend with {profile['settings_text']}; "
+    lines = [f"UNet profile on {profile['gpu']}: {profile['model']}, {profile['workload']}, torch backend with "
+             f"{profile['settings_text']}; "
              f"{profile['steps']} guided UNet steps; torch {profile['torch']}.", "",
              f"Per step: {profile['elapsed_ms_per_step']:.2f} ms elapsed (without the profiler), "
              f"{profile['kernel_ms_per_step']:.2f} ms in kernels"
@@ -128,6 +131,32 @@ def markdown(profile: dict, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
+def denoiser_step(stages: dict, batch: int, height: int, width: int, device, dtype):
+    """A denoising step on fixed random inputs, as the pipeline runs it: each ControlNet stage's call, their residuals
+    added up, then the UNet's on them (the UNet's alone without ControlNets). Returns a function giving the UNet's
+    outputs."""
+    import torch
+
+    from models import is_controlnet_stage
+    from models.unet import residual_names
+
+    unet = stages["unet"]
+    feed = unet.model.sample_inputs(batch, height, width, device, dtype, torch.Generator().manual_seed(0))
+    steering = [(stage, stage.model.sample_inputs(batch, height, width, device, dtype,
+                                                  torch.Generator().manual_seed(1)))
+                for name, stage in stages.items() if is_controlnet_stage(name)]
+
+    def step() -> dict:
+        total = None
+        for controlnet, controlnet_feed in steering:
+            outputs = controlnet(controlnet_feed)
+            residuals = [outputs[name] for name in controlnet.model.output_names]
+            total = residuals if total is None else [a + b for a, b in zip(total, residuals)]
+        return unet({**feed, **dict(zip(residual_names(len(total) - 1), total))} if total else feed)
+
+    return step
+
+
 @dataclass(frozen=True)
 class ProfileFlags:
     height: int | None = same_as(RequestFlags, "height")
@@ -145,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ModelFlags, model="sd1.5-arch")
     add_flags(p, ProfileFlags)
+    add_flags(p, ControlNetFlags, "ControlNet", description="profile each ControlNet's call with the UNet's")
     add_flags(p, TorchFlags, "PyTorch backend")
     return run_command(PROG, lambda: profile_unet(parse_flags(p, argv)))
 
@@ -170,28 +200,30 @@ def profile_unet(flags) -> int:
                            use_cuda_graph=options.use_cuda_graph, stages=("unet",), height=options.height,
                            width=options.width, batch_size=options.batch_size)
     pipeline = load_pipeline(spec, device, progress=lambda line: print(line, flush=True))
-    plan, stage = pipeline.plan, pipeline.stages["unet"]
+    plan = pipeline.plan
     source, settings, reason = plan.source, plan.base.settings["unet"], plan.base.reason
     height, width = plan.spec.height or source.native_image_size, plan.spec.width or source.native_image_size
     batch = stage_batch("unet", options.batch_size, guided=True)
-    say(f"UNet of {source.name}, {width}x{height}, batch {batch}: {settings.describe()} ({reason})")
-    feed = stage.model.sample_inputs(batch, height, width, device, torch.float16,
-                                     torch.Generator().manual_seed(0))
+    controlnet_names = [Path(name).name for name, _ in plan.spec.controlnets]
+    model_name = " + ".join([source.name, *controlnet_names])
+    say(f"UNet of {model_name}, {width}x{height}, batch {batch}: {settings.describe()} ({reason})")
+    step = denoiser_step(pipeline.stages, batch, height, width, device, torch.float16)
     say(f"getting ready (compiling, capturing) and {options.warmup_steps} warm-up steps ...")
-    stage.prepare(batch, height, width)
+    for ready in pipeline.stages.values():
+        ready.prepare(batch, height, width)
     for _ in range(options.warmup_steps):
-        stage(feed)
+        step()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(options.steps):  # timed without the profiler, whose own overhead would count
-        stage(feed)
+        step()
     end.record()
     end.synchronize()
     elapsed_ms = begin.elapsed_time(end)
     say(f"{elapsed_ms / options.steps:.2f} ms per step; profiling {options.steps} steps ...")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(options.steps):
-            stage(feed)
+            step()
         torch.cuda.synchronize()
     kernels = []
     for event in prof.key_averages():
@@ -204,11 +236,12 @@ def profile_unet(flags) -> int:
     if not kernels:
         raise RuntimeError("the profiler recorded no CUDA kernels (is CUPTI available?)")
     gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "model": source.name, "workload": f"{width}x{height}, UNet batch {batch}",
+    result = {"gpu": gpu, "model": model_name, "workload": f"{width}x{height}, UNet batch {batch}",
               "settings": settings.as_dict(), "settings_text": settings.describe(), "settings_reason": reason,
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
               **summarize(kernels, options.steps, elapsed_ms)}
-    stem = f"profile-unet-{slug(gpu)}-{options.label or slug(settings.describe())}"
+    stem = "-".join(["profile-unet", slug(gpu), options.label or slug(settings.describe()),
+                     *map(slug, controlnet_names)])
     table = markdown(result)
     results = Path(options.results_dir)
     atomic_write_bytes(results / f"{stem}.json", (json.dumps(result, indent=1) + "\n").encode())

@@ -107,8 +107,9 @@ def test_summary_shares_and_table():
     assert families["attention"]["ours_ms"] == pytest.approx(0.25) and profile["ours_ms"] == pytest.approx(0.25)
     assert profile["kernel_ms_per_step"] == pytest.approx(0.1) and profile["gpu_busy"] == pytest.approx(0.5)
     assert [k["family"] for k in profile["kernels"]] == ["gemm", "attention", "conv", "memcpy"]
-    table = markdown({**profile, "gpu": "NVIDIA H100", "workload": "512x512, UNet batch 2", "settings_text": "eager",
-                      "torch": "2.11"})
+    table = markdown({**profile, "gpu": "NVIDIA H100", "model": "sd1.5-arch + sd15-controlnet-arch",
+                      "workload": "512x512, UNet batch 2", "settings_text": "eager", "torch": "2.11"})
+    assert table.startswith("UNet profile on NVIDIA H100: sd1.5-arch + sd15-controlnet-arch, 512x512, UNet batch 2")
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1].startswith("| gemm | 0.060 | 60.0% | 1 | 2.0 | 0.000 |")
     assert rows[2].startswith("| attention | 0.025 | 25.0% | 1 | 1.0 | 0.025 |")
@@ -119,8 +120,28 @@ def test_needs_a_gpu(capsys, tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    assert main(["--model", "tiny", "--results-dir", str(tmp_path / "r")]) == 2
+    assert main(["--model", "tiny", "--controlnet", "tiny-controlnet", "--results-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a CUDA GPU" in err[0]
     assert not (tmp_path / "r").exists()
     assert main(["--steps", "0"]) == 2
+
+
+def test_a_step_runs_the_controlnets_and_the_unet_on_their_residuals():
+    """The profiled step with --controlnet: the ControlNet's call, then the UNet's on its residuals (whose output
+    therefore differs from the UNet's alone on the same inputs); without ControlNets, the UNet's alone."""
+    import torch
+
+    from bench.profile_unet import denoiser_step
+    from demo.runtime.loader import load_pipeline
+    from demo.runtime.spec import PipelineSpec
+
+    cpu = torch.device("cpu")
+    steered = load_pipeline(PipelineSpec(model="tiny", backend="torch", precision="fp32", stages=("unet",),
+                                         controlnets=(("tiny-controlnet", 1.0),)), cpu)
+    plain = load_pipeline(PipelineSpec(model="tiny", backend="torch", precision="fp32", stages=("unet",)), cpu)
+    assert sorted(steered.stages) == ["controlnet0", "unet"]
+    with_residuals = denoiser_step(steered.stages, 2, 64, 64, cpu, torch.float32)()["latent"]
+    alone = denoiser_step(plain.stages, 2, 64, 64, cpu, torch.float32)()["latent"]
+    assert with_residuals.shape == alone.shape and alone.shape[:2] == (2, 4)
+    assert not torch.allclose(with_residuals, alone)
