@@ -137,8 +137,8 @@ def denoiser_step(stages: dict, batch: int, height: int, width: int, device, dty
     outputs."""
     import torch
 
+    from demo.pipelines.controlnet import controlnet_residuals
     from models import is_controlnet_stage
-    from models.unet import residual_names
 
     unet = stages["unet"]
     feed = unet.model.sample_inputs(batch, height, width, device, dtype, torch.Generator().manual_seed(0))
@@ -147,12 +147,7 @@ def denoiser_step(stages: dict, batch: int, height: int, width: int, device, dty
                 for name, stage in stages.items() if is_controlnet_stage(name)]
 
     def step() -> dict:
-        total = None
-        for controlnet, controlnet_feed in steering:
-            outputs = controlnet(controlnet_feed)
-            residuals = [outputs[name] for name in controlnet.model.output_names]
-            total = residuals if total is None else [a + b for a, b in zip(total, residuals)]
-        return unet({**feed, **dict(zip(residual_names(len(total) - 1), total))} if total else feed)
+        return unet({**feed, **controlnet_residuals(steering)})
 
     return step
 

@@ -20,7 +20,6 @@ from demo.pipelines.image_to_image import (
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
 from models import is_controlnet_stage
-from models.unet import residual_names
 
 if TYPE_CHECKING:
     from demo.backends.base import Stage
@@ -62,20 +61,29 @@ class ControlNetSteps:
         sample = model_input.chunk(2)[1] if halves else model_input
         text = tuple(part.chunk(2)[1] for part in conditioning) if halves else conditioning
         outside = step / steps < head.control_guidance_start or (step + 1) / steps > head.control_guidance_end
-        total = None
+        calls = []
         for stage, image in zip(self.controlnets, self._control):
-            count = len(stage.model.output_names) - 1
+            count = len(stage.model.output_names)
             scale = stage.model.scale * (0.0 if outside else 1.0)
-            scales = (torch.logspace(-1, 0, count + 1, device=self.device) * scale if head.guess_mode
-                      else torch.full((count + 1,), scale, device=self.device))
-            feed = dict(zip(stage.model.input_names, (sample.to(self.dtype), timestep, *text)),
-                        controlnet_cond=image, conditioning_scale=scales)
-            outputs = stage(feed)
-            residuals = [outputs[name] for name in stage.model.output_names]
-            total = residuals if total is None else [a + b for a, b in zip(total, residuals)]
+            scales = (torch.logspace(-1, 0, count, device=self.device) * scale if head.guess_mode
+                      else torch.full((count,), scale, device=self.device))
+            calls.append((stage, dict(zip(stage.model.input_names, (sample.to(self.dtype), timestep, *text)),
+                                      controlnet_cond=image, conditioning_scale=scales)))
+        residuals = controlnet_residuals(calls)
         if halves:  # the unconditional half gets no residual
-            total = [torch.cat([torch.zeros_like(residual), residual]) for residual in total]
-        return dict(zip(residual_names(len(total) - 1), total))
+            residuals = {name: torch.cat([torch.zeros_like(value), value]) for name, value in residuals.items()}
+        return residuals
+
+
+def controlnet_residuals(calls: list[tuple[Stage, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """The UNet's residual inputs, by name: each ControlNet stage's outputs (named as the UNet's residual inputs,
+    models.unet.residual_names) for its feed, added up over the (stage, feed) pairs, as diffusers' MultiControlNetModel
+    adds them."""
+    total: dict[str, torch.Tensor] = {}
+    for stage, feed in calls:
+        for name, residual in stage(feed).items():
+            total[name] = total[name] + residual if name in total else residual
+    return total
 
 
 class ControlNetPipeline(ControlNetSteps, Text2ImagePipeline):
