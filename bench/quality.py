@@ -44,6 +44,7 @@ from core.atomic import (
 )
 from core.errors import RunFailure, UsageError, at_least, render_fields
 from demo.backends import TORCH
+from demo.backends.base import INT8_UNET
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
     SPEC,
@@ -320,17 +321,26 @@ def _cases(count: int) -> str:
     return f"{count} case" if count == 1 else f"{count} cases"
 
 
+def run_title(report: dict, detailed: bool) -> str:
+    """What rendered the images: model, backend, precision and what else changes them (an INT8 UNet, LoRAs, the step
+    cache); detailed adds the device, scheduler and guidance."""
+    settings = report["settings"]
+    quantized = [INT8_UNET] if INT8_UNET in settings["options"] else []
+    what = ", ".join([settings["precision"], *quantized, *([settings["device"]] if detailed else [])])
+    loras = ", ".join(f"{Path(lora['path']).name} x {lora['scale']}" for lora in settings["loras"])
+    return (f"{report['model']} on {settings['backend']} ({what}), "
+            + (f"{settings['scheduler']}, " if detailed else "") + f"{settings['steps']} steps"
+            + (f", guidance {settings['guidance_scale']}" if detailed else "")
+            + (f", LoRA {loras}" if loras else "")
+            + (f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
+               if settings.get("cache_branch") is not None else ""))
+
+
 def quality_table(report: dict) -> str:
     """The report as markdown: a table per kind of case (beside the reference's figures where there is one), then the
     readings that changed against it."""
     reference = report.get("reference")
-    settings = report["settings"]
-    loras = ", ".join(f"{Path(lora['path']).name} x {lora['scale']}" for lora in settings["loras"])
-    parts = [f"sd-quality, case set v{report['set_version']}: {report['model']} on {settings['backend']} "
-             f"({settings['precision']}, {settings['device']}), {settings['scheduler']}, {settings['steps']} steps, "
-             f"guidance {settings['guidance_scale']}" + (f", LoRA {loras}" if loras else "")
-             + (f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
-                if settings.get("cache_branch") is not None else "")
+    parts = [f"sd-quality, case set v{report['set_version']}: {run_title(report, detailed=True)}"
              + (f"; reference: {reference['path']}" if reference else "")]
     for mode, figures in report["summary"].items():
         earlier = reference["summary"].get(mode) if reference else None
@@ -380,15 +390,12 @@ def quality_chart(report: dict) -> bytes:
                     ax.text(value, y, f" {value:.1f}", va="center", fontsize=7)
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
         ax.set_ylim(len(labels) - 0.5, -0.5)
-        ax.set_xlim(0, 112)
+        ax.set_xlim(0, 130)  # room on the right for the legend beside the bars reaching 100
+        ax.set_xticks(range(0, 101, 20))
         ax.set_title(f"{SECTION_TITLES[mode]}, {_cases(report['summary'][mode]['cases'])}", fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
     axes[-1].set_xlabel("% of cases")
-    settings = report["settings"]
-    figure.suptitle(f"sd-quality v{report['set_version']}: {report['model']}, {settings['backend']} "
-                    f"{settings['precision']}, {settings['steps']} steps"
-                    + (f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
-                       if settings.get("cache_branch") is not None else ""), fontsize=10)
+    figure.suptitle(f"sd-quality v{report['set_version']}: {run_title(report, detailed=False)}", fontsize=10)
     if reference:
         axes[0].legend(fontsize=8, loc="lower right")
     buffer = io.BytesIO()
@@ -659,6 +666,7 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
 def output_stem(report: dict) -> str:
     settings = report["settings"]
     parts = ["quality", Path(report["model"]).name, settings["backend"], settings["precision"],
+             *(["int8"] if INT8_UNET in settings["options"] else []),
              *(f"lora-{Path(lora['path']).stem}" for lora in settings["loras"]),
              *([f"cache{settings['cache_interval']}-b{settings['cache_branch']}"]
                if settings.get("cache_branch") is not None else [])]

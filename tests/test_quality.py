@@ -18,13 +18,16 @@ from bench.quality import (
     SET_SIZES,
     compare_with,
     main,
+    output_stem,
     quality_cases,
     quality_table,
     read_reference,
     run_counts,
+    run_title,
     select_cases,
     summarise,
 )
+from demo.backends.base import INT8_UNET
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
 from models.shapes.detector import read_image
 from models.shapes.scenes import ATTRIBUTES, COLOURS, POSITIONS, SHAPES, SIZES, STYLES, random_scene, render
@@ -131,11 +134,19 @@ def test_the_reference_comparison_counts_the_readings_that_changed(tmp_path):
     assert figures[INPAINTING]["outline_share"] == 1.0 and figures[INPAINTING]["exact_match"] == 1.0
     assert set(figures[INPAINTING]) == SUMMARY_KEYS and figures[INPAINTING]["judged"][0] == "colour"
     settings = {"backend": "torch", "precision": "fp32", "device": "CPU", "scheduler": "PNDM", "steps": 30,
-                "guidance_scale": 7.5, "loras": []}
-    table = quality_table({"set_version": 1, "model": "shapes", "settings": settings, "summary": figures,
-                           "reference": compared})
+                "guidance_scale": 7.5, "loras": [], "options": []}
+    report = {"set_version": 1, "model": "shapes", "settings": settings, "summary": figures, "reference": compared}
+    table = quality_table(report)
+    assert table.startswith("sd-quality, case set v1: shapes on torch (fp32, CPU), PNDM, 30 steps, guidance 7.5; ")
     assert "| colour | 33.3% | 100.0% |" in table and "| new colour | 100.0% | 100.0% |" in table
     assert "| any attribute | 75.0% |" in table and "4 images in both" in table
+    assert output_stem(report) == "quality-shapes-torch-fp32"
+    # An INT8 UNet changes the images: its run is named apart, in the table's heading and in the file names.
+    int8 = {**report, "settings": {**settings, "backend": "tensorrt", "precision": "fp16", "device": "NVIDIA H200",
+                                   "options": ["CUDA graphs", INT8_UNET]}}
+    assert quality_table(int8).startswith("sd-quality, case set v1: shapes on tensorrt (fp16, INT8 UNet, NVIDIA H200)")
+    assert run_title(int8, detailed=False) == "shapes on tensorrt (fp16, INT8 UNet), 30 steps"
+    assert output_stem(int8) == "quality-shapes-tensorrt-fp16-int8"
 
 
 @pytest.mark.parametrize("args, message", [

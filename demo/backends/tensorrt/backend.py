@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from core.errors import UsageError
-from demo.backends.base import Backend, Capabilities, Description
+from demo.backends.base import INT8_UNET, Backend, Capabilities, Description
 from demo.backends.tensorrt.build import EngineSettings, prepare_stage_engines, stage_onnx
 from demo.backends.tensorrt.flavour import FLAVOURS, TensorRTAPI, import_flavour, version, why_cannot_run
 from demo.backends.tensorrt.options import EngineOptions
@@ -67,7 +67,7 @@ class TensorRTBackend(Backend):
 
     def describe(self, settings: EngineSettings) -> Description:
         options = [name for name, on in (("CUDA graphs", settings.use_cuda_graph),
-                                         ("INT8 UNet", settings.int8 is not None)) if on]
+                                         (INT8_UNET, settings.int8 is not None)) if on]
         return Description(settings.plugins, tuple(options))
 
     def stats(self, stages, settings_of):
