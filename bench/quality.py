@@ -43,8 +43,7 @@ from core.atomic import (
     discard_directory,
 )
 from core.errors import RunFailure, UsageError, at_least, render_fields
-from demo.backends import TORCH
-from demo.backends.base import INT8_UNET
+from demo.backends import INT8_UNET, TORCH
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
     SPEC,

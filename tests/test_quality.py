@@ -27,7 +27,7 @@ from bench.quality import (
     select_cases,
     summarise,
 )
-from demo.backends.base import INT8_UNET
+from demo.backends import INT8_UNET
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
 from models.shapes.detector import read_image
 from models.shapes.scenes import ATTRIBUTES, COLOURS, POSITIONS, SHAPES, SIZES, STYLES, random_scene, render

@@ -83,9 +83,6 @@ class Workload:
     max_batch_size: int | None = None
 
 
-INT8_UNET = "INT8 UNet"  # the option a backend lists when its UNet is quantized: reports name the run by it
-
-
 @dataclass(frozen=True)
 class Description:
     """What a backend's settings are, as reports list them."""

@@ -7,7 +7,8 @@ from dataclasses import replace
 import torch
 
 from core.errors import UsageError
-from demo.backends.base import INT8_UNET, Backend, Capabilities, Description
+from demo.backends import INT8_UNET
+from demo.backends.base import Backend, Capabilities, Description
 from demo.backends.tensorrt.build import EngineSettings, prepare_stage_engines, stage_onnx
 from demo.backends.tensorrt.flavour import FLAVOURS, TensorRTAPI, import_flavour, version, why_cannot_run
 from demo.backends.tensorrt.options import EngineOptions
