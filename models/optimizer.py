@@ -1,4 +1,4 @@
-"""The base ONNX optimizer: cleanup, constant folding and shape inference, with a node-count report.
+"""The base ONNX optimizer: cleanup, constant folding with shape inference, with a node-count report.
 
 Built on onnx-graphsurgeon (graph edits) and polygraphy (folding and shape inference, which also
 handle models above 2 GB by going through disk). The plugin passes (models.plugin_passes) run after
@@ -45,14 +45,12 @@ class GraphOptimizer:
         self._record("cleanup")
 
     def fold_constants(self) -> None:
-        folded = poly.fold_constants(self.model(), num_passes=3, error_ok=False)
+        """Folds constants and infers every tensor's shape: polygraphy infers shapes (onnxruntime's symbolic
+        inference) after each folding pass, so the folded graph is shape-inferred; a separate inference after it gave
+        the same graph byte for byte and cost SD 1.5's UNet 18 s of its 150 on a 2-core CPU."""
+        folded = poly.fold_constants(self.model(), num_passes=3, do_shape_inference=True, error_ok=False)
         self.graph = gs.import_onnx(folded)
         self._record("fold-constants")
-
-    def infer_shapes(self) -> None:
-        inferred = poly.infer_shapes(self.model(), error_ok=False)
-        self.graph = gs.import_onnx(inferred)
-        self._record("infer-shapes")
 
     def plugin_pass(self, key: str, convention: str = OURS) -> None:
         self.plugin_report[key] = PLUGIN_PASSES[key].apply(self.graph, convention, self.provenance).as_dict()
@@ -80,7 +78,6 @@ class GraphOptimizer:
         return [
             ("cleanup", self.cleanup),
             ("fold-constants", self.fold_constants),
-            ("infer-shapes", self.infer_shapes),
             ("cleanup", self.cleanup),
         ]
 

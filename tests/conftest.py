@@ -34,6 +34,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs {marker}: {reasons[marker]}"))
 
 
+def pytest_collection_finish(session):
+    from tests import background
+
+    background.start_for(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import background
+
+    background.stop_all()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Built-in models and other cached files go to a per-session directory, not the user's cache."""

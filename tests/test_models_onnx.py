@@ -64,13 +64,16 @@ def test_optimizer_reports_and_shrinks(tiny, onnx_dir, capsys):
     optimizer = GraphOptimizer(onnx.load(str(onnx_dir / "unet.onnx")), "unet")
     optimized = optimizer.run()
     names = [name for name, _ in optimizer.history]
-    assert names == ["exported", "cleanup", "fold-constants", "infer-shapes", "cleanup"]
+    assert names == ["exported", "cleanup", "fold-constants", "cleanup"]
     counts = dict(optimizer.history)
     assert counts["fold-constants"] < counts["exported"]
     assert counts["exported"] == len(onnx.load(str(onnx_dir / "unet.onnx")).graph.node)  # read independently
     assert optimizer.report().startswith("[optimize] unet: nodes exported")
-    # Shape inference annotated intermediate tensors.
-    assert len(optimized.graph.value_info) > 0
+    # Folding inferred every intermediate tensor's shape (what the plugin passes read).
+    intermediate = {name for node in optimized.graph.node for name in node.output} - {
+        output.name for output in optimized.graph.output}
+    assert intermediate and intermediate <= {info.name for info in optimized.graph.value_info
+                                             if info.type.tensor_type.HasField("shape")}
 
 
 def test_shape_profile_follows_model_config(tiny):
@@ -108,6 +111,41 @@ def test_fp16_export_stays_fp16_and_the_optimizer_flags_fp32_islands(tiny, tmp_p
     fp32 = GraphOptimizer(onnx.load(str(tmp_path / "clip32.onnx")), "clip")
     fp32.run()
     assert fp32.precision_warning() is None  # plain fp32 graphs are not flagged
+
+
+def _weights_and_constant(weight_values: int, constant_values: int) -> onnx.ModelProto:
+    """y = x + w + c (broadcast): w an initializer, c a Constant node's tensor (not an initializer, so not in
+    weight_bytes)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal(weight_values).astype(np.float32), "w")
+    c = numpy_helper.from_array(rng.standard_normal((constant_values, 1)).astype(np.float32), "c_value")
+    nodes = [helper.make_node("Constant", [], ["c"], value=c), helper.make_node("Add", ["x", "w"], ["xw"]),
+             helper.make_node("Add", ["xw", "c"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[w])
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("threshold, external", [
+    (10**6, False),  # everything fits
+    (2000, True),  # the initializer alone is over: never serialized whole
+    (4000 * 4 + 10, True),  # the initializer fits, the whole model (its Constant's tensor too) does not
+])
+def test_save_onnx_goes_external_by_the_whole_models_size(threshold, external, tmp_path, monkeypatch):
+    from models.onnx_io import save_onnx, weight_bytes
+
+    monkeypatch.setattr("models.onnx_io.EXTERNAL_DATA_THRESHOLD", threshold)
+    model = _weights_and_constant(4000, 1000)
+    assert weight_bytes(model) == 4000 * 4
+    x = np.array([0.5], np.float32)
+    expected = x + onnx.numpy_helper.to_array(model.graph.initializer[0]) + onnx.numpy_helper.to_array(
+        model.graph.node[0].attribute[0].t)
+    save_onnx(model, tmp_path / "m.onnx")
+    assert (tmp_path / "m.onnx.data").exists() == external
+    assert [t.name for t in onnx.load(str(tmp_path / "m.onnx")).graph.initializer] == ["w"]
+    np.testing.assert_array_equal(ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"x": x})[0], expected)
 
 
 def test_large_models_keep_weights_in_one_external_file(tiny, tmp_path, monkeypatch):

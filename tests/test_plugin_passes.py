@@ -7,7 +7,6 @@ as float32 copies. Expected counts come from the PyTorch modules, not from the g
 """
 
 import json
-import shutil
 from collections import Counter
 
 import numpy as np
@@ -25,10 +24,12 @@ from models.controlnet import ControlNetStageModel, resolve_controlnet
 from models.optimizer import GraphOptimizer, optimize_onnx_file
 from models.plugin_passes import read_pass_report
 from models.plugin_set import parse_plugin_set
-from models.source import ModelSource
 from plugins.contract import OURS, PLUGIN_KEYS, TENSORRT, convention
 from plugins.tuned import PLUGINS_AUTO
+from tests import background
 from tests.plugin_references import fmha, fmhca, group_norm, layer_norm, seq2spatial, split_gelu
+from tests.sd15_unet import load as load_sd15_unet
+from tests.sd15_unet import unet_model
 
 ALL = tuple(sorted(PLUGIN_KEYS))
 # The plugin-node contract of either convention (tests/test_contract.py checks it against the C++ creators).
@@ -333,8 +334,7 @@ def test_the_optimizer_runs_exactly_the_passes_it_is_given(tiny_fp32):
     for passes in ((), (None,)):
         optimizer = GraphOptimizer(exported, "unet")
         optimizer.run(*passes)
-        assert [name for name, _ in optimizer.history] == ["exported", "cleanup", "fold-constants", "infer-shapes",
-                                                           "cleanup"]
+        assert [name for name, _ in optimizer.history] == ["exported", "cleanup", "fold-constants", "cleanup"]
     # A plugin set with nothing selected adds no pass either.
     optimizer = GraphOptimizer(exported, "unet")
     assert optimizer.plugin_passes(()) == []
@@ -389,17 +389,6 @@ CUSTOM_UNET = {
     "use_linear_projection": True,
     "transformer_layers_per_block": 2,
 }
-
-
-def unet_model(tiny, directory, config: dict, seed: int):
-    """The UNet stage of a model directory written here: tiny's, with a UNet of `config` (random
-    weights). The UNet stage reads nothing from the other components but the text length."""
-    from diffusers import UNet2DConditionModel
-
-    shutil.copytree(tiny.path, directory, ignore=shutil.ignore_patterns("unet"))
-    torch.manual_seed(seed)
-    UNet2DConditionModel(**config).save_pretrained(directory / "unet")
-    return STAGE_MODELS["unet"](ModelSource(directory.name, directory))
 
 
 def test_a_controlnet_gets_every_pattern_it_has_rewritten_and_computes_the_same(tiny, tmp_path):
@@ -589,21 +578,11 @@ def test_export_script_reports_the_passes(tiny, tiny_fp32, tiny_expected, tmp_pa
 # ---- Stable Diffusion 1.5's UNet -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def sd15_unet(tiny, tmp_path_factory):
-    """sd1.5-arch's UNet (random weights) exported in fp16 and optimized with every plugin.
-
-    fp16 because exporting and base-optimizing it take 2.5 min and 11 GB on 2 cores, against 4.7 min
-    and 21 GB in fp32 (above protobuf's 2 GB, polygraphy goes through disk); tiny covers both
-    precisions. Its config's sample_size is 8 instead of 64: that only sets the latent size the export
-    traces at, not the architecture.
-    """
-    from models.builtin import BUILTIN_MODELS
-
-    model = unet_model(tiny, tmp_path_factory.mktemp("sd15") / "sd1.5-arch-unet",
-                       dict(BUILTIN_MODELS["sd1.5-arch"]["unet"], sample_size=8), seed=3)
-    onnx_dir = tmp_path_factory.mktemp("sd15-onnx")
-    prepare(model, onnx_dir, torch.float16)
-    return model, onnx_dir
+def sd15_unet():
+    """sd1.5-arch's UNet exported in fp16 and optimized with every plugin (tests/sd15_unet.py), made beside the
+    tests before this module's (tests/background.py)."""
+    directory = background.result("sd15_unet")
+    return load_sd15_unet(directory / "sd1.5-arch-unet"), directory / "onnx"
 
 
 def _onnx_scope(module_name: str) -> str:

@@ -14,6 +14,7 @@ import torch
 
 from plugins import torch_ops as ops
 from plugins.contract import LIBRARY_ENV, LIBRARY_FILE, TORCH_OP_NAMESPACE
+from tests import background
 from tests.conftest import ROOT
 
 ARCHITECTURES = ("75", "80", "86", "89", "90")
@@ -23,17 +24,11 @@ SM90A_KERNELS = 9  # instantiations: D = 40, 64, 80, 160 and padded 32, 96, 128,
 
 
 @pytest.fixture(scope="session")
-def built_library(tmp_path_factory):
+def built_library():
+    """The library built by cmake from this checkout (tests/plugin_build.py), beside the tests before this one."""
     if not (shutil.which("cmake") and shutil.which("nvcc")):
         pytest.skip("cmake or nvcc not installed: cannot build the plugin library")
-    build = tmp_path_factory.mktemp("plugin-build")
-    log = []
-    for cmd in (["cmake", "-S", str(ROOT), "-B", str(build)], ["cmake", "--build", str(build), "-j", "2"]):
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        log.append(result.stdout + result.stderr)
-    (build / "build.log").write_text("\n".join(log))  # ptxas's register and spill report included
-    return build
+    return background.result("built_library")
 
 
 def cuobjdump() -> str | None:
