@@ -48,9 +48,10 @@ def start(name: str) -> Job:
 
 
 def start_for(items) -> None:
-    """Starts the jobs whose fixtures the collected test items use."""
+    """Starts the jobs whose fixtures the collected test items that will run use."""
+    running = [item for item in items if item.get_closest_marker("skip") is None]
     for name in JOBS:
-        if any(name in getattr(item, "fixturenames", ()) for item in items):
+        if any(name in getattr(item, "fixturenames", ()) for item in running):
             start(name)
 
 
