@@ -47,6 +47,9 @@ class StageModel(abc.ABC):
     # Another stage whose weights this one computes with (the step cache's shallow UNet pass: the UNet's): its
     # settings are that stage's, and the torch backend runs both on one module.
     part_of: ClassVar[str | None] = None
+    # Its outputs are read by another stage alone, before this one runs again (a ControlNet's residuals, by the UNet):
+    # the torch backend hands them over in its own memory layout, from its CUDA graph's buffers, without copies.
+    feeds_a_stage: ClassVar[bool] = False
 
     def __init__(self, source: ModelSource):
         self.source = source

@@ -125,6 +125,7 @@ class ControlNetStageModel(StageModel):
     conditioning image (`controlnet_cond`, in [0, 1] at image size) and a scale per residual -> the residuals."""
 
     component = CONTROLNET  # its own folder, not one of the model's (no LoRA is made for it)
+    feeds_a_stage = True  # its residuals go into the UNet
 
     def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int, scale: float = 1.0):
         """`scale`: how strongly it steers (diffusers' controlnet_conditioning_scale), what the pipeline multiplies

@@ -98,6 +98,29 @@ def test_same_seed_same_image_as_diffusers_controlnet_pipelines(model, controlne
     assert np.abs(mine.astype(int) - without.astype(int)).max() > 2  # the ControlNets steer the picture
 
 
+def test_channels_last_hands_the_residuals_over_in_that_layout_and_draws_the_same_image():
+    """In channels-last memory the ControlNet's residuals reach the UNet in that layout (no conversions between the
+    two), while what the pipeline reads stays contiguous; the picture is the contiguous run's."""
+    from demo.backends.torch.options import TorchOptions
+
+    request = request_for(TEXT_TO_IMAGE, (picture(11),))
+    images = {}
+    for channels_last in (False, True):
+        spec = PipelineSpec(model="tiny", backend="torch", precision="fp32", controlnets=(("tiny-controlnet", 0.8),),
+                            modes=(TEXT_TO_IMAGE,), torch=TorchOptions(channels_last=channels_last))
+        with load_pipeline(spec, CPU, progress=QUIET) as pipeline:
+            images[channels_last] = pipeline(request).pixels
+            controlnet, unet = pipeline.stages["controlnet0"], pipeline.stages["unet"]
+            feed = controlnet.model.sample_inputs(2, 64, 64)
+            residuals = controlnet(feed)
+            noise = unet({**{name: feed[name] for name in ("sample", "timestep", "encoder_hidden_states")},
+                          **residuals})
+    assert all(value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous()
+               for value in residuals.values() if value.shape[-1] > 1)
+    assert all(value.is_contiguous() for value in noise.values())
+    assert np.abs(images[True].astype(int) - images[False].astype(int)).max() <= 1
+
+
 @pytest.mark.parametrize("spec_fields, request_fields, message", [
     (dict(controlnets=(("tiny-controlnet", 1.0),)), {}, "control_images: 0 given; this pipeline has 1 ControlNet(s)"),
     (dict(controlnets=(("tiny-controlnet", 1.0),)), dict(control_images=(picture(1), picture(2))),

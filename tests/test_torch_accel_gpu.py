@@ -163,3 +163,26 @@ def test_graphs_on_a_second_gpu(tiny):
         output = graphed(feed)["latent"]
         assert output.device == second_gpu
         assert rel_error(output, eager(feed)["latent"]) < 1e-3
+
+
+def test_controlnet_residuals_reach_the_unet_through_cuda_graphs_unchanged():
+    """A ControlNet's graph returns its own output buffers, channels-last (no clone; StageModel.feeds_a_stage); the UNet
+    copies them in before the ControlNet runs again: two ControlNets with a guidance window, channels-last and CUDA
+    graphs draw the plain modules' picture, twice the same."""
+    from demo.backends.torch.options import TorchOptions
+    from demo.request import TEXT_TO_IMAGE
+    from demo.runtime.loader import load_pipeline
+    from demo.runtime.spec import PipelineSpec
+    from tests.test_controlnet import picture
+
+    request = Request("a red circle", height=64, width=64, denoising_steps=6, seed=5, scheduler="DDIM",
+                      control_images=(picture(11), picture(12)), control_guidance_start=0.2)
+    images = {}
+    for graphed in (False, True):
+        spec = PipelineSpec(model="tiny", backend="torch", precision="fp16", plugins="none", use_cuda_graph=graphed,
+                            controlnets=(("tiny-controlnet", 0.6), ("tiny-controlnet", 1.1)), modes=(TEXT_TO_IMAGE,),
+                            torch=TorchOptions(channels_last=graphed, compile="none"))
+        with load_pipeline(spec, CUDA, progress=lambda *_: None) as pipeline:
+            images[graphed] = [pipeline(request).pixels for _ in range(2)]
+    assert np.array_equal(*images[True])
+    assert np.abs(images[True][0].astype(int) - images[False][0].astype(int)).max() <= 1

@@ -54,21 +54,27 @@ class ControlNetSteps:
     def prepare(self, batch: Batch) -> None:
         super().prepare(batch)
         self._control = self.control_images(batch)
+        self._scales: dict[tuple[str, bool], torch.Tensor] = {}
+
+    def conditioning_scales(self, stage: Stage, on: bool, batch: Batch) -> torch.Tensor:
+        """The scale of each of `stage`'s residuals: its ControlNet's (0 where not `on`), ramped in guess mode;
+        made once per request batch (a step takes one of two)."""
+        key = (stage.model.name, on)
+        if key not in self._scales:
+            count, scale = len(stage.model.output_names), stage.model.scale * float(on)
+            self._scales[key] = (torch.logspace(-1, 0, count, device=self.device) * scale if batch.head.guess_mode
+                                 else torch.full((count,), scale, device=self.device))
+        return self._scales[key]
 
     def unet_extra(self, step, steps, model_input, timestep, conditioning, batch):
         head = batch.head
         halves = head.guided and head.guess_mode  # the ControlNets see the prompts' half alone
         sample = model_input.chunk(2)[1] if halves else model_input
         text = tuple(part.chunk(2)[1] for part in conditioning) if halves else conditioning
-        outside = step / steps < head.control_guidance_start or (step + 1) / steps > head.control_guidance_end
-        calls = []
-        for stage, image in zip(self.controlnets, self._control):
-            count = len(stage.model.output_names)
-            scale = stage.model.scale * (0.0 if outside else 1.0)
-            scales = (torch.logspace(-1, 0, count, device=self.device) * scale if head.guess_mode
-                      else torch.full((count,), scale, device=self.device))
-            calls.append((stage, dict(zip(stage.model.input_names, (sample.to(self.dtype), timestep, *text)),
-                                      controlnet_cond=image, conditioning_scale=scales)))
+        inside = head.control_guidance_start <= step / steps and (step + 1) / steps <= head.control_guidance_end
+        calls = [(stage, dict(zip(stage.model.input_names, (sample.to(self.dtype), timestep, *text)),
+                              controlnet_cond=image, conditioning_scale=self.conditioning_scales(stage, inside, batch)))
+                 for stage, image in zip(self.controlnets, self._control)]
         residuals = controlnet_residuals(calls)
         if halves:  # the unconditional half gets no residual
             residuals = {name: torch.cat([torch.zeros_like(value), value]) for name, value in residuals.items()}

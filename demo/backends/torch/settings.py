@@ -110,11 +110,13 @@ class GraphedCall:
     CUDA-graph guide asks; the capture runs on that stream too, which is on the inputs' device: torch.cuda.graph's
     own default stream is made once per process, on whichever device was current then, and a capture there of work
     on another GPU fails (sd-serve on cuda:1 after cuda:0, H100 x2, 2026-11-26). Each call copies its inputs into the
-    static buffers, replays, and returns a clone of the outputs, so a later replay never changes what an earlier call
-    returned."""
+    static buffers (clones of `inputs`, in their memory layout), replays, and returns a clone of the outputs, so a
+    later replay never changes what an earlier call returned; with `clone_outputs` False, the outputs themselves, for a
+    caller that reads them before the next call."""
 
-    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2):
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2, clone_outputs: bool = True):
         self.inputs = tuple(t.clone() for t in inputs)
+        self.clone_outputs = clone_outputs
         with torch.cuda.device(self.inputs[0].device):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -130,6 +132,8 @@ class GraphedCall:
         for buffer, value in zip(self.inputs, inputs):
             buffer.copy_(value)
         self.graph.replay()
+        if not self.clone_outputs:
+            return self.output
         if isinstance(self.output, tuple):
             return tuple(t.clone() for t in self.output)
         return self.output.clone()

@@ -53,17 +53,29 @@ class TorchStage(Stage):
         self._prepared: set[tuple] = set()
         self.prepare_seconds = {"first_calls": 0.0, "capture": 0.0}
 
+    def _layout(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The inputs in the module's memory layout."""
+        if not self.settings.channels_last:
+            return inputs
+        return tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs)
+
     def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.settings.channels_last:
-            inputs = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs)
+        inputs = self._layout(inputs)
         graphed_by_compile = self.settings.compile in GRAPHING_COMPILE_MODES
         if graphed_by_compile:
             torch.compiler.cudagraph_mark_step_begin()
         outputs = self._forward(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if graphed_by_compile:  # its graph's next replay overwrites these outputs
-            return tuple(t.clone(memory_format=torch.contiguous_format) for t in outputs)
-        return tuple(t.contiguous() for t in outputs) if self.settings.channels_last else outputs
+            return tuple(t.clone(memory_format=self._output_format) for t in outputs)
+        return outputs if self._output_format is torch.preserve_format else tuple(t.contiguous() for t in outputs)
+
+    @property
+    def _output_format(self) -> torch.memory_format:
+        """Outputs another stage reads stay in the module's layout (that stage's, too); the pipeline's are made
+        contiguous."""
+        keep = self.model.feeds_a_stage or not self.settings.channels_last
+        return torch.preserve_format if keep else torch.contiguous_format
 
     def _inputs(self, feed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return tuple(feed[name] for name in self.model.input_names)
@@ -76,7 +88,9 @@ class TorchStage(Stage):
         self._add_seconds("first_calls", start)
         if self.settings.cuda_graph:
             start = time.perf_counter()
-            self._graphs[shape_key(inputs)] = GraphedCall(self._run, inputs)
+            # static buffers in the module's layout: what another stage hands over in it is copied in as is
+            self._graphs[shape_key(inputs)] = GraphedCall(self._run, self._layout(inputs),
+                                                          clone_outputs=not self.model.feeds_a_stage)
             self._add_seconds("capture", start)
         self._prepared.add(shape_key(inputs))
 
