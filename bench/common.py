@@ -50,6 +50,13 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "none"
 
 
+def steered_model(model: str, controlnets) -> str:
+    """The model as tables title it: with its ControlNets ((folder or name, scale) pairs), which change every step's
+    work."""
+    return model + "".join(f" + {Path(name).name}" + ("" if scale == 1 else f" x{scale:g}")
+                           for name, scale in controlnets)
+
+
 def workload_title(model: str, height: int, width: int, batch_size: int, steps: int) -> str:
     """One workload as every table and chart titles it; rows are only compared within one."""
     return f"{model}, {width}x{height}, batch {batch_size}, {steps} steps"

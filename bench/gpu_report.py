@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.charts import gpu_chart
-from bench.common import STAGES, ms, workload_title
+from bench.common import STAGES, ms, steered_model, workload_title
 from core.atomic import atomic_write_bytes
 from core.errors import UsageError
 from demo.cli.command import run_command
@@ -140,6 +140,10 @@ def _scheduler(record: dict, where: str, default: str | None) -> str | None:
     return default if record.get("scheduler") is None else _text(record, "scheduler", where)
 
 
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _latency(record: dict, where: str) -> dict[str, float | None]:
     latency = record.get("latency_ms")
     if not isinstance(latency, dict):
@@ -151,16 +155,26 @@ def _latency(record: dict, where: str) -> dict[str, float | None]:
         value = latency[stage]
         if value is None and stage != "pipeline":
             continue
-        number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        if not number or value < 0 or (stage == "pipeline" and value == 0):
+        if not _is_number(value) or value < 0 or (stage == "pipeline" and value == 0):
             raise UsageError(f"{where}: latency_ms.{stage} must be a number of milliseconds, got {value!r}")
     return {stage: latency[stage] for stage in STAGES}
+
+
+def _controlnets(record: dict, where: str) -> list[tuple[str, float]]:
+    """A benchmark row's ControlNets (name, scale): a steered pipeline is another workload than the plain one."""
+    steering = record.get("controlnets", [])
+    if not isinstance(steering, list) or not all(isinstance(item, dict) and isinstance(item.get("name"), str) and
+                                                  _is_number(item.get("scale")) for item in steering):
+        raise UsageError(f"{where}: 'controlnets' must be a list of objects with a name and a scale, got "
+                         f"{steering!r}")
+    return [(item["name"], item["scale"]) for item in steering]
 
 
 def _row(record: dict, where: str, label: str, precision: str, scheduler: str | None, unet_calls: int, source: str,
          published: bool) -> Row:
     latency = _latency(record, where)
-    return Row(_text(record, "device", where), label, precision, _text(record, "model", where),
+    model = steered_model(_text(record, "model", where), _controlnets(record, where))
+    return Row(_text(record, "device", where), label, precision, model,
                _count(record, "height", where), _count(record, "width", where), _count(record, "batch_size", where),
                _count(record, "steps", where), scheduler, unet_calls, latency["clip"], latency["unet"], latency["vae"],
                latency["pipeline"], source, published)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common import STAGES, slug, workload_title
+from bench.common import STAGES, slug, steered_model, workload_title
 from bench.contenders import Contender, contenders, resolve_here
 from bench.floor import denoiser_floor
 from bench.jobs import BuildPlan, Job
@@ -78,10 +78,7 @@ class Setup:
 
     @property
     def model_title(self) -> str:
-        """The model as tables title it: with its ControlNets (and their scales), which change every step's work."""
-        steering = "".join(f" + {Path(name).name}" + ("" if scale == 1 else f" x{scale:g}")
-                           for name, scale in self.spec.controlnets)
-        return self.source.name + steering
+        return steered_model(self.source.name, self.spec.controlnets)
 
     def title(self, workload: Workload) -> str:
         return workload.title(self.model_title, self.request.denoising_steps)

@@ -128,6 +128,24 @@ def test_schedulers_never_share_a_table(tmp_path, capsys):
         "sd1.5-arch, scheduler not recorded, 512x512, batch 1, 50 steps": ["unrecorded"]}
 
 
+def test_controlnet_rows_are_a_workload_of_their_own(tmp_path, capsys):
+    """sd-benchmark --controlnet writes the model's name with the ControlNets beside it: the steered rows get their own
+    table (and chart panel), titled with the ControlNets and any scale other than 1."""
+    rows = tmp_path / "rows.json"
+    steered = [{**bench_row("NVIDIA H200", label, (2.0, 500.0, 7.0, 510.0)), "controlnets": controlnets}
+               for label, controlnets in (("one", [{"name": "sd15-controlnet-arch", "scale": 1.0}]),
+                                          ("two", [{"name": "/models/canny", "scale": 0.5},
+                                                   {"name": "sd15-controlnet-arch", "scale": 1}]))]
+    rows.write_text(json.dumps({"scheduler": "DDIM", "rows": [bench_row("NVIDIA H200", "plain", (2, 350, 7, 360.0)),
+                                                              *steered]}))
+    assert run([rows]) == 0
+    found = tables(capsys.readouterr().out)
+    assert {title: [r["Backend"] for r in rows] for title, rows in found.items()} == {
+        "sd1.5-arch, DDIM, 512x512, batch 1, 50 steps": ["plain"],
+        "sd1.5-arch + sd15-controlnet-arch, DDIM, 512x512, batch 1, 50 steps": ["one"],
+        "sd1.5-arch + canny x0.5 + sd15-controlnet-arch, DDIM, 512x512, batch 1, 50 steps": ["two"]}
+
+
 def test_a_measurement_read_without_its_scheduler_is_shown_once(tmp_path, capsys):
     ddim = demo_report(tmp_path / "ddim.json", "NVIDIA H200", "torch", (6.0, 350.0, 7.0, 365.0), scheduler="DDIM")
     older = tmp_path / "older.json"  # the same row as a merge that recorded no scheduler wrote it
@@ -260,6 +278,12 @@ def _row_missing_height(d):
     return d / "bad.json", "row 2: 'height' must be a positive integer"
 
 
+def _controlnet_without_scale(d):
+    row = {**bench_row("NVIDIA L4", "torch", (1.0, 2.0, 3.0, 4.0)), "controlnets": [{"name": "canny"}]}
+    (d / "bad.json").write_text(json.dumps({"rows": [row]}))
+    return d / "bad.json", "row 1: 'controlnets' must be a list of objects with a name and a scale"
+
+
 def _missing_file(d):
     return d / "nowhere.json", "no such file or directory"
 
@@ -270,7 +294,7 @@ def _directory_without_reports(d):
 
 
 @pytest.mark.parametrize("bad_input", [_not_json, _not_a_report, _ablation, _missing_stage, _row_missing_height,
-                                       _missing_file, _directory_without_reports])
+                                       _controlnet_without_scale, _missing_file, _directory_without_reports])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_input, reports, tmp_path, capsys):
     bad, reason = bad_input(tmp_path)
     out_dir = tmp_path / "out"
