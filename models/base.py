@@ -48,7 +48,8 @@ class StageModel(abc.ABC):
     # settings are that stage's, and the torch backend runs both on one module.
     part_of: ClassVar[str | None] = None
     # Its outputs are read by another stage alone, before this one runs again (a ControlNet's residuals, by the UNet):
-    # the torch backend hands them over in its own memory layout, from its CUDA graph's buffers, without copies.
+    # the torch backend hands them over in its own memory layout, from its CUDA graph's buffers (no clone, no
+    # conversion: the reading stage's graph copies them into its inputs once).
     feeds_a_stage: ClassVar[bool] = False
 
     def __init__(self, source: ModelSource):
