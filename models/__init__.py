@@ -14,6 +14,7 @@ CLIP, CLIP2, UNET, VAE, VAE_ENCODER = "clip", "clip2", "unet", "vae", "vae_encod
 STAGE_NAMES = (CLIP, CLIP2, UNET, VAE, VAE_ENCODER)
 UNET_SHALLOW = "unet_shallow"  # the step cache's second UNet stage, made with the UNet's (models.stages.stage_models)
 CONTROLNET = "controlnet"  # ControlNet stages: controlnet0, controlnet1, ... (models.controlnet)
+CONTROL_IMAGE = "_image"  # each one's conditioning image embedding, a stage run once per image: controlnet0_image ...
 
 
 def controlnet_stage(index: int) -> str:
@@ -21,8 +22,18 @@ def controlnet_stage(index: int) -> str:
     return f"{CONTROLNET}{index}"
 
 
+def control_image_stage(index: int) -> str:
+    """The name of the stage embedding the `index`-th ControlNet's conditioning image."""
+    return controlnet_stage(index) + CONTROL_IMAGE
+
+
 def is_controlnet_stage(name: str) -> bool:
-    return name.startswith(CONTROLNET)
+    """A ControlNet's per-step stage (not its conditioning image's)."""
+    return name.startswith(CONTROLNET) and name[len(CONTROLNET):].isdigit()
+
+
+def is_control_image_stage(name: str) -> bool:
+    return name.endswith(CONTROL_IMAGE) and is_controlnet_stage(name.removesuffix(CONTROL_IMAGE))
 
 # name -> the module defining it, imported on first use
 _LAZY = {**{name: "models.stages" for name in (

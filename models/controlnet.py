@@ -1,8 +1,9 @@
 """ControlNet: a ControlNetModel folder (its config.json and weights, diffusers' save_pretrained layout), resolved by
-name (the built-ins) or path and checked against the model it steers; and its stage: the UNet's inputs and a
-conditioning image -> the residuals it adds to the UNet's skip connections and mid block, each scaled by its own
-entry of `conditioning_scale` (the pipeline sets them: the ControlNet's scale, zero outside its guidance window, and
-guess mode's ramp), so that one stage, and one engine, serves every schedule.
+name (the built-ins) or path and checked against the model it steers; and its two stages: the conditioning image ->
+its embedding (once per image), and the UNet's inputs and that embedding -> the residuals it adds to the UNet's skip
+connections and mid block (every step), each scaled by its own entry of `conditioning_scale` (the pipeline sets them:
+the ControlNet's scale, zero outside its guidance window, and guess mode's ramp), so that one stage, and one engine,
+serves every schedule.
 
 The built-ins have random weights, their zero-initialised output convolutions included (a ControlNet made from a UNet
 adds nothing until it is trained): for tests, CPU demos and benchmarks of the real architectures.
@@ -19,13 +20,15 @@ import torch
 
 from core.atomic import atomic_directory
 from core.errors import UsageError, field
-from models import CONTROLNET, controlnet_stage
+from models import CONTROL_IMAGE, CONTROLNET, control_image_stage, controlnet_stage
 from models.base import ONNX_OPSET, StageModel
 from models.source import ModelSource, content_fingerprint, default_cache_dir, resolve_model
 from models.unet import UNetModel, residual_names, residual_shapes
 from models.unet_cache import Branches
 
 CONFIG = "config.json"
+# A conditioning image's embedding: the output of its image stage, an input of its ControlNet's.
+EMBEDDING = "controlnet_cond_embedding"
 # Built-in ControlNets: the base built-in whose UNet they are made from (ControlNetModel.from_unet).
 BUILTIN_CONTROLNETS = {"tiny-controlnet": "tiny", "tiny-xl-controlnet": "tiny-xl",
                        "sd15-controlnet-arch": "sd1.5-arch", "sdxl-controlnet-arch": "sdxl-arch"}
@@ -121,8 +124,9 @@ def build_builtin_controlnet(base: ModelSource, directory: Path) -> None:
 
 
 class ControlNetStageModel(StageModel):
-    """One ControlNet of a pipeline (the `index`-th: stage controlnet<index>): the UNet's own inputs, the
-    conditioning image (`controlnet_cond`, in [0, 1] at image size) and a scale per residual -> the residuals."""
+    """One ControlNet of a pipeline (the `index`-th: stage controlnet<index>): the UNet's own inputs, its conditioning
+    image's embedding (`controlnet_cond_embedding`, ControlNetImageModel's output: the same at every step, so made
+    once per image) and a scale per residual -> the residuals."""
 
     component = CONTROLNET  # its own folder, not one of the model's (no LoRA is made for it)
     feeds_a_stage = True  # its residuals go into the UNet
@@ -135,18 +139,17 @@ class ControlNetStageModel(StageModel):
         self.name = controlnet_stage(index)
         self.count = Branches.of(controlnet.config).count  # residuals: one per skip connection, then the mid's
         added = ("text_embeds", "time_ids") if controlnet.is_xl else ()
-        self.input_names = ("sample", "timestep", "encoder_hidden_states", *added, "controlnet_cond",
-                            "conditioning_scale")
+        self.input_names = ("sample", "timestep", "encoder_hidden_states", *added, EMBEDDING, "conditioning_scale")
         self.output_names = residual_names(self.count)
         self.dynamic_axes = {"sample": {0: "B", 2: "latent_height", 3: "latent_width"},
                              "encoder_hidden_states": {0: "B"}, **{name: {0: "B"} for name in added},
-                             "controlnet_cond": {0: "B", 2: "height", 3: "width"},
+                             EMBEDDING: {0: "B", 2: "latent_height", 3: "latent_width"},
                              **{name: {0: "B", 2: f"{name}_h", 3: f"{name}_w"} for name in self.output_names}}
 
     def input_shapes(self, batch, height, width):
         unet = UNetModel(self.source).input_shapes(batch, height, width)
         return {**{name: unet[name] for name in self.input_names if name in unet},
-                "controlnet_cond": (batch, self.controlnet.config["conditioning_channels"], height, width),
+                EMBEDDING: embedding_shape(self.controlnet, batch, *self.latent_size(height, width)),
                 "conditioning_scale": (self.count + 1,)}
 
     def output_shapes(self, batch, height, width):
@@ -159,12 +162,11 @@ class ControlNetStageModel(StageModel):
     def sample_inputs(self, batch, height, width, device="cpu", dtype=torch.float32, generator=None):
         inputs = super().sample_inputs(batch, height, width, device, dtype, generator)
         inputs["timestep"] = (torch.rand((1,), generator=generator) * 999).to(device)
-        inputs["controlnet_cond"] = torch.rand(inputs["controlnet_cond"].shape, generator=generator).to(device, dtype)
         inputs["conditioning_scale"] = torch.rand((self.count + 1,), generator=generator).to(device)
         return inputs
 
     def onnx_key(self, dtype, opset=ONNX_OPSET):
-        return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint)
+        return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint, conditioning=EMBEDDING)
 
     @property
     def artifact_name(self) -> str:
@@ -182,14 +184,80 @@ class ControlNetStageModel(StageModel):
             return _ScaledControlNet(ControlNetModel.from_config(self.controlnet.config))
 
 
-class _ScaledControlNet(torch.nn.Module):
+class ControlNetImageModel(StageModel):
+    """The `index`-th ControlNet's conditioning image (`controlnet_cond`, in [0, 1] at image size, diffusers' channel
+    order) -> its embedding at latent size (stage controlnet<index>_image): what the ControlNet adds to its first
+    layer's output, the same at every step, so the pipeline runs this once per image."""
+
+    component = CONTROLNET
+    feeds_a_stage = True  # its embedding goes into the ControlNet's stage
+    input_names = ("controlnet_cond",)
+    output_names = (EMBEDDING,)
+    dynamic_axes = {"controlnet_cond": {0: "B", 2: "height", 3: "width"},
+                    EMBEDDING: {0: "B", 2: "latent_height", 3: "latent_width"}}
+
+    def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int):
+        self.source, self.config, self.controlnet = source, controlnet.config, controlnet
+        self.name = control_image_stage(index)
+
+    def input_shapes(self, batch, height, width):
+        return {"controlnet_cond": (batch, self.controlnet.config["conditioning_channels"], height, width)}
+
+    def output_shapes(self, batch, height, width):
+        return {EMBEDDING: embedding_shape(self.controlnet, batch, *self.latent_size(height, width))}
+
+    def sample_inputs(self, batch, height, width, device="cpu", dtype=torch.float32, generator=None):
+        shape = self.input_shapes(batch, height, width)["controlnet_cond"]
+        return {"controlnet_cond": torch.rand(shape, generator=generator).to(device, dtype)}
+
+    def onnx_key(self, dtype, opset=ONNX_OPSET):
+        return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint)
+
+    @property
+    def artifact_name(self) -> str:
+        return f"{CONTROLNET}-{self.controlnet.fingerprint}{CONTROL_IMAGE}"
+
+    def load_module(self):
+        from diffusers import ControlNetModel
+
+        return _ConditioningEmbedding(ControlNetModel.from_pretrained(self.controlnet.path))
+
+    def meta_module(self):
+        from diffusers import ControlNetModel
+
+        with torch.device("meta"):
+            return _ConditioningEmbedding(ControlNetModel.from_config(self.controlnet.config))
+
+
+def embedding_shape(controlnet: ControlNetSource, batch: int, height: int, width: int) -> tuple[int, ...]:
+    """A conditioning image embedding's shape for latents of batch x height x width: the first block's channels."""
+    return batch, controlnet.config["block_out_channels"][0], height, width
+
+
+class _ConditioningEmbedding(torch.nn.Module):
+    """ControlNetModel.forward's first use of its conditioning image, alone: the channel order put right, embedded."""
+
     def __init__(self, controlnet):
         super().__init__()
+        self.embedding = controlnet.controlnet_cond_embedding
+        self.flip = controlnet.config.controlnet_conditioning_channel_order == "bgr"
+
+    def forward(self, image):
+        return self.embedding(torch.flip(image, dims=[1]) if self.flip else image)
+
+
+class _ScaledControlNet(torch.nn.Module):
+    """ControlNetModel.forward on an embedded conditioning image (_ConditioningEmbedding's), each residual scaled."""
+
+    def __init__(self, controlnet):
+        super().__init__()
+        controlnet.controlnet_cond_embedding = torch.nn.Identity()  # its input is embedded already
+        controlnet.register_to_config(controlnet_conditioning_channel_order="rgb")  # and in order
         self.controlnet = controlnet
 
     def forward(self, sample, timestep, encoder_hidden_states, *rest):
-        *added, image, scales = rest
+        *added, embedding, scales = rest
         added_cond_kwargs = dict(zip(("text_embeds", "time_ids"), added)) if added else None
-        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=image,
+        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=embedding,
                                     conditioning_scale=1.0, added_cond_kwargs=added_cond_kwargs, return_dict=False)
         return (*(residual * scales[i] for i, residual in enumerate(down)), mid * scales[-1])

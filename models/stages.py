@@ -1,10 +1,10 @@
 """The stage registry: each stage's model class by its name, and which stages a model and a mode run."""
 
 from core.errors import UsageError
-from models import CLIP, CLIP2, UNET, UNET_SHALLOW, VAE, VAE_ENCODER, is_controlnet_stage
+from models import CLIP, CLIP2, UNET, UNET_SHALLOW, VAE, VAE_ENCODER, is_control_image_stage, is_controlnet_stage
 from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
-from models.controlnet import ControlNetStageModel
+from models.controlnet import ControlNetImageModel, ControlNetStageModel
 from models.unet import UNetModel, UNetShallowModel
 from models.vae import VAEDecoderModel, VAEEncoderModel
 
@@ -35,12 +35,14 @@ def image_to_image_stages(source) -> tuple[str, ...]:
 def stage_models(source, names, cache_branch: int | None = None, controlnets=()) -> list[StageModel]:
     """The stage models of `names` for `source`; with a step-cache branch (models.unet_cache), the UNet's returns its
     deep features there and the shallow pass's stage follows it; with ControlNets ((ControlNetSource, scale) each),
-    the UNet takes their residuals and their stages follow it."""
+    the UNet takes their residuals and their stages follow it, each with its conditioning image's."""
     models = []
     for name in names:
         if name == UNET and controlnets:
-            models += [UNetModel(source, controlled=True), *(ControlNetStageModel(source, controlnet, index, scale)
-                                                              for index, (controlnet, scale) in enumerate(controlnets))]
+            models.append(UNetModel(source, controlled=True))
+            for index, (controlnet, scale) in enumerate(controlnets):
+                models += [ControlNetStageModel(source, controlnet, index, scale),
+                           ControlNetImageModel(source, controlnet, index)]
         elif name == UNET and cache_branch is not None:
             models += [UNetModel(source, cache_branch), UNetShallowModel(source, cache_branch)]
         else:
@@ -52,7 +54,8 @@ def stage_batch(stage: str, images: int, guided: bool) -> int:
     """The batch `stage` sees for `images` images."""
     if stage in SINGLE_IMAGE_STAGES:
         return 1
-    return images * 2 if guided and (stage in GUIDED_STAGES or is_controlnet_stage(stage)) else images
+    steering = is_controlnet_stage(stage) or is_control_image_stage(stage)
+    return images * 2 if guided and (stage in GUIDED_STAGES or steering) else images
 
 
 def check_model_stages(source, names) -> None:

@@ -98,6 +98,55 @@ def test_same_seed_same_image_as_diffusers_controlnet_pipelines(model, controlne
     assert np.abs(mine.astype(int) - without.astype(int)).max() > 2  # the ControlNets steer the picture
 
 
+def test_the_conditioning_image_is_embedded_once_per_call_and_a_bgr_controlnet_matches_diffusers(tmp_path):
+    """The embedding stage runs once a call, the ControlNet's every step. A ControlNet whose config says its images
+    are BGR (diffusers flips them inside the ControlNet) gets them flipped once, before the embedding, and its
+    per-step stage flips nothing more: the same picture as diffusers'."""
+    import json
+    import shutil
+
+    from models.controlnet import ControlNetImageModel, ControlNetStageModel
+
+    folder = tmp_path / "bgr"
+    shutil.copytree(resolve_controlnet("tiny-controlnet").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "controlnet_conditioning_channel_order": "bgr"}))
+    request = request_for(TEXT_TO_IMAGE, (picture(11),))
+    calls = {}
+
+    class Counted:  # the stage, its calls counted
+        def __init__(self, name, stage):
+            self.name, self.stage = name, stage
+
+        def __call__(self, feed):
+            calls[self.name] = calls.get(self.name, 0) + 1
+            return self.stage(feed)
+
+        def __getattr__(self, attribute):
+            return getattr(self.stage, attribute)
+
+    spec = PipelineSpec(model="tiny", backend="torch", precision="fp32", controlnets=((str(folder), 0.9),),
+                        modes=(TEXT_TO_IMAGE,))
+    with load_pipeline(spec, CPU, progress=QUIET) as pipeline:
+        pipeline.stages.update({name: Counted(name, pipeline.stages[name])
+                                for name in ("controlnet0", "controlnet0_image")})
+        mine = pipeline(request).pixels
+    assert calls == {"controlnet0_image": 1, "controlnet0": request.denoising_steps}
+    assert np.abs(mine.astype(int) - theirs("tiny", [(str(folder), 0.9)], request).astype(int)).max() <= 2
+
+    source = resolve_model("tiny")
+    bgr, rgb = resolve_controlnet(str(folder)), resolve_controlnet("tiny-controlnet")
+    image = ControlNetImageModel(source, rgb, 0).sample_inputs(2, 64, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        embed_bgr, embed_rgb = (ControlNetImageModel(source, net, 0).load_module() for net in (bgr, rgb))
+        flipped = embed_rgb(image["controlnet_cond"].flip(1))
+        assert torch.allclose(embed_bgr(image["controlnet_cond"]), flipped)
+        assert not torch.allclose(embed_rgb(image["controlnet_cond"]), flipped)
+        feed = ControlNetStageModel(source, rgb, 0).sample_inputs(2, 64, 64, generator=torch.Generator().manual_seed(4))
+        steps = [ControlNetStageModel(source, net, 0).load_module()(*feed.values()) for net in (bgr, rgb)]
+        assert all(torch.equal(a, b) for a, b in zip(*steps))
+
+
 def test_channels_last_hands_the_residuals_over_in_that_layout_and_draws_the_same_image():
     """In channels-last memory the ControlNet's residuals reach the UNet in that layout (no conversions between the
     two), while what the pipeline reads stays contiguous; the picture is the contiguous run's."""
@@ -245,4 +294,5 @@ def test_build_engines_builds_the_controlnet_and_the_controlled_unet_with_tensor
                  "--optimization-level", "0", "--build-static-batch", "--stages", "unet",
                  "--controlnet", "tiny-controlnet"]) == 0
     names = sorted(p.name for p in (tmp_path / "engine").glob("*.engine"))
-    assert len(names) == 2 and names[0].startswith("controlnet-") and names[1] == "unet.controlled.engine"
+    assert len(names) == 3 and names[2] == "unet.controlled.engine"
+    assert names[0].startswith("controlnet-") and names[1] == names[0].replace(".engine", "_image.engine")

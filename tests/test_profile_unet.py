@@ -140,7 +140,7 @@ def test_a_step_runs_the_controlnets_and_the_unet_on_their_residuals():
     steered = load_pipeline(PipelineSpec(model="tiny", backend="torch", precision="fp32", stages=("unet",),
                                          controlnets=(("tiny-controlnet", 1.0),)), cpu)
     plain = load_pipeline(PipelineSpec(model="tiny", backend="torch", precision="fp32", stages=("unet",)), cpu)
-    assert sorted(steered.stages) == ["controlnet0", "unet"]
+    assert sorted(steered.stages) == ["controlnet0", "controlnet0_image", "unet"]  # the image's: once per call
     with_residuals = denoiser_step(steered.stages, 2, 64, 64, cpu, torch.float32)()["latent"]
     alone = denoiser_step(plain.stages, 2, 64, 64, cpu, torch.float32)()["latent"]
     assert with_residuals.shape == alone.shape and alone.shape[:2] == (2, 4)

@@ -112,11 +112,12 @@ def build(flags) -> int:
     targets = ",".join(f"{a}.{b}" for a, b in first.options.resolved_targets())
     print(f"\n{plan.backend.name} engines for {plan.source.name}, {precision}, targets {targets}, "
           f"batch {first.profile.batch}, height {first.profile.height}, width {first.profile.width}")
-    print(f"{'stage':<12} {'ONNX MiB':>9} {'export+opt s':>13} {'build s':>8} {'engine MiB':>11}")
+    width = max([12, *map(len, stats)])  # controlnet0_image and the like
+    print(f"{'stage':<{width}} {'ONNX MiB':>9} {'export+opt s':>13} {'build s':>8} {'engine MiB':>11}")
     for name, stat in stats.items():
         onnx = ("cached engine: no ONNX needed" if stat["onnx_bytes"] is None
                 else f"{stat['onnx_bytes'] / 2**20:9.1f} {stat['onnx_s']:13.1f}")
-        print(f"{name:<12} {onnx:>23} {stat['engine_s']:8.1f} {stat['engine_bytes'] / 2**20:11.1f}")
+        print(f"{name:<{width}} {onnx:>23} {stat['engine_s']:8.1f} {stat['engine_bytes'] / 2**20:11.1f}")
     print(f"total {time.perf_counter() - start:.1f} s; engines in {first.engine_dir}")
     if build_flags.report:
         atomic_write_bytes(Path(build_flags.report), json.dumps({"model": plan.source.name,

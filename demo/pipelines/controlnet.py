@@ -1,8 +1,9 @@
 """ControlNet: diffusers' StableDiffusion(XL)ControlNet(Img2Img|Inpaint)Pipeline on the family pipelines' steps. Each
-ControlNet stage (controlnet0, controlnet1, ...) sees the UNet's input and its conditioning image; the residuals of
-all of them add up (diffusers' MultiControlNetModel) and go into the UNet by name. Outside a ControlNet's guidance
-window (control_guidance_start/end) its scale is 0; in guess mode it sees the prompt's half of the batch alone, its
-residuals ramp from 0.1 to 1 times its scale down the skip connections, and the unconditional half gets none."""
+ControlNet stage (controlnet0, controlnet1, ...) sees the UNet's input and its conditioning image's embedding (made
+once per call by its image stage, controlnet0_image ...); the residuals of all of them add up (diffusers'
+MultiControlNetModel) and go into the UNet by name. Outside a ControlNet's guidance window
+(control_guidance_start/end) its scale is 0; in guess mode it sees the prompt's half of the batch alone, its residuals
+ramp from 0.1 to 1 times its scale down the skip connections, and the unconditional half gets none."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from demo.pipelines.image_to_image import (
 )
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
-from models import is_controlnet_stage
+from models import control_image_stage, is_controlnet_stage
+from models.controlnet import EMBEDDING
 
 if TYPE_CHECKING:
     from demo.backends.base import Stage
@@ -36,7 +38,8 @@ class ControlNetSteps:
 
     def control_images(self, batch: Batch) -> list[torch.Tensor]:
         """Each ControlNet's conditioning images, as diffusers prepares them: resized to the request's size, in
-        [0, 1], one row per image of the call, twice under guidance unless in guess mode."""
+        [0, 1], one row per image of the call, twice under guidance unless in guess mode; embedded by its image
+        stage."""
         from diffusers.image_processor import VaeImageProcessor
 
         processor = VaeImageProcessor(vae_scale_factor=self.source.vae_scale_factor, do_convert_rgb=True,
@@ -48,13 +51,17 @@ class ControlNetSteps:
                                                    width=head.width).to(torch.float32).repeat_interleave(
                 request.images, dim=0) for request in batch.requests])
             rows = rows.to(device=self.device, dtype=self.dtype)
-            images.append(torch.cat([rows] * 2) if head.guided and not head.guess_mode else rows)
+            rows = torch.cat([rows] * 2) if head.guided and not head.guess_mode else rows
+            images.append(self.stages[control_image_stage(index)]({"controlnet_cond": rows})[EMBEDDING])
         return images
 
     def prepare(self, batch: Batch) -> None:
         super().prepare(batch)
-        self._control = self.control_images(batch)
         self._scales: dict[tuple[str, bool], torch.Tensor] = {}
+
+    def denoise(self, batch, latents, conditioning, generator, timesteps, progress=None):
+        self._control = self.control_images(batch)  # timed with the denoiser, whose work it is
+        return super().denoise(batch, latents, conditioning, generator, timesteps, progress)
 
     def conditioning_scales(self, stage: Stage, on: bool, batch: Batch) -> torch.Tensor:
         """The scale of each of `stage`'s residuals: its ControlNet's (0 where not `on`), ramped in guess mode;
@@ -72,9 +79,9 @@ class ControlNetSteps:
         sample = model_input.chunk(2)[1] if halves else model_input
         text = tuple(part.chunk(2)[1] for part in conditioning) if halves else conditioning
         inside = head.control_guidance_start <= step / steps and (step + 1) / steps <= head.control_guidance_end
-        calls = [(stage, dict(zip(stage.model.input_names, (sample.to(self.dtype), timestep, *text)),
-                              controlnet_cond=image, conditioning_scale=self.conditioning_scales(stage, inside, batch)))
-                 for stage, image in zip(self.controlnets, self._control)]
+        calls = [(stage, {**dict(zip(stage.model.input_names, (sample.to(self.dtype), timestep, *text))),
+                          EMBEDDING: embedding, "conditioning_scale": self.conditioning_scales(stage, inside, batch)})
+                 for stage, embedding in zip(self.controlnets, self._control)]
         residuals = controlnet_residuals(calls)
         if halves:  # the unconditional half gets no residual
             residuals = {name: torch.cat([torch.zeros_like(value), value]) for name, value in residuals.items()}
