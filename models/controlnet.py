@@ -15,6 +15,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -123,13 +124,65 @@ def build_builtin_controlnet(base: ModelSource, directory: Path) -> None:
         controlnet.to(unet.dtype).save_pretrained(staging)
 
 
-class ControlNetStageModel(StageModel):
+class _ConditioningEmbedding(torch.nn.Module):
+    """ControlNetModel.forward's first use of its conditioning image, alone: the channel order put right, embedded."""
+
+    def __init__(self, controlnet):
+        super().__init__()
+        self.embedding = controlnet.controlnet_cond_embedding
+        self.flip = controlnet.config.controlnet_conditioning_channel_order == "bgr"
+
+    def forward(self, image):
+        return self.embedding(torch.flip(image, dims=[1]) if self.flip else image)
+
+
+class _ScaledControlNet(torch.nn.Module):
+    """ControlNetModel.forward on an embedded conditioning image (_ConditioningEmbedding's), each residual scaled."""
+
+    def __init__(self, controlnet):
+        super().__init__()
+        controlnet.controlnet_cond_embedding = torch.nn.Identity()  # its input is embedded already
+        controlnet.register_to_config(controlnet_conditioning_channel_order="rgb")  # and in order
+        self.controlnet = controlnet
+
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        *added, embedding, scales = rest
+        added_cond_kwargs = dict(zip(("text_embeds", "time_ids"), added)) if added else None
+        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=embedding,
+                                    conditioning_scale=1.0, added_cond_kwargs=added_cond_kwargs, return_dict=False)
+        return (*(residual * scales[i] for i, residual in enumerate(down)), mid * scales[-1])
+
+
+class _ControlNetStage(StageModel):
+    """A stage computed with a ControlNet folder's module (`controlnet`): `wrapper` around its ControlNetModel."""
+
+    component = CONTROLNET  # its own folder, not one of the model's (no LoRA is made for it)
+    # what it makes goes into another stage: the embedding into the ControlNet's, the residuals into the UNet's
+    feeds_a_stage = True
+    wrapper: ClassVar[type[torch.nn.Module]]
+    controlnet: ControlNetSource
+
+    def onnx_key(self, dtype, opset=ONNX_OPSET):
+        return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint)
+
+    def load_module(self):
+        from diffusers import ControlNetModel
+
+        return self.wrapper(ControlNetModel.from_pretrained(self.controlnet.path))
+
+    def meta_module(self):
+        from diffusers import ControlNetModel
+
+        with torch.device("meta"):
+            return self.wrapper(ControlNetModel.from_config(self.controlnet.config))
+
+
+class ControlNetStageModel(_ControlNetStage):
     """One ControlNet of a pipeline (the `index`-th: stage controlnet<index>): the UNet's own inputs, its conditioning
     image's embedding (`controlnet_cond_embedding`, ControlNetImageModel's output: the same at every step, so made
     once per image) and a scale per residual -> the residuals."""
 
-    component = CONTROLNET  # its own folder, not one of the model's (no LoRA is made for it)
-    feeds_a_stage = True  # its residuals go into the UNet
+    wrapper = _ScaledControlNet
 
     def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int, scale: float = 1.0):
         """`scale`: how strongly it steers (diffusers' controlnet_conditioning_scale), what the pipeline multiplies
@@ -166,31 +219,19 @@ class ControlNetStageModel(StageModel):
         return inputs
 
     def onnx_key(self, dtype, opset=ONNX_OPSET):
-        return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint, conditioning=EMBEDDING)
+        return dict(super().onnx_key(dtype, opset), conditioning=EMBEDDING)  # not the image, as its first engines took
 
     @property
     def artifact_name(self) -> str:
         return f"{CONTROLNET}-{self.controlnet.fingerprint}"
 
-    def load_module(self):
-        from diffusers import ControlNetModel
 
-        return _ScaledControlNet(ControlNetModel.from_pretrained(self.controlnet.path))
-
-    def meta_module(self):
-        from diffusers import ControlNetModel
-
-        with torch.device("meta"):
-            return _ScaledControlNet(ControlNetModel.from_config(self.controlnet.config))
-
-
-class ControlNetImageModel(StageModel):
+class ControlNetImageModel(_ControlNetStage):
     """The `index`-th ControlNet's conditioning image (`controlnet_cond`, in [0, 1] at image size, diffusers' channel
     order) -> its embedding at latent size (stage controlnet<index>_image): what the ControlNet adds to its first
     layer's output, the same at every step, so the pipeline runs this once per image."""
 
-    component = CONTROLNET
-    feeds_a_stage = True  # its embedding goes into the ControlNet's stage
+    wrapper = _ConditioningEmbedding
     input_names = ("controlnet_cond",)
     output_names = (EMBEDDING,)
     dynamic_axes = {"controlnet_cond": {0: "B", 2: "height", 3: "width"},
@@ -210,54 +251,11 @@ class ControlNetImageModel(StageModel):
         shape = self.input_shapes(batch, height, width)["controlnet_cond"]
         return {"controlnet_cond": torch.rand(shape, generator=generator).to(device, dtype)}
 
-    def onnx_key(self, dtype, opset=ONNX_OPSET):
-        return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint)
-
     @property
     def artifact_name(self) -> str:
         return f"{CONTROLNET}-{self.controlnet.fingerprint}{CONTROL_IMAGE}"
-
-    def load_module(self):
-        from diffusers import ControlNetModel
-
-        return _ConditioningEmbedding(ControlNetModel.from_pretrained(self.controlnet.path))
-
-    def meta_module(self):
-        from diffusers import ControlNetModel
-
-        with torch.device("meta"):
-            return _ConditioningEmbedding(ControlNetModel.from_config(self.controlnet.config))
 
 
 def embedding_shape(controlnet: ControlNetSource, batch: int, height: int, width: int) -> tuple[int, ...]:
     """A conditioning image embedding's shape for latents of batch x height x width: the first block's channels."""
     return batch, controlnet.config["block_out_channels"][0], height, width
-
-
-class _ConditioningEmbedding(torch.nn.Module):
-    """ControlNetModel.forward's first use of its conditioning image, alone: the channel order put right, embedded."""
-
-    def __init__(self, controlnet):
-        super().__init__()
-        self.embedding = controlnet.controlnet_cond_embedding
-        self.flip = controlnet.config.controlnet_conditioning_channel_order == "bgr"
-
-    def forward(self, image):
-        return self.embedding(torch.flip(image, dims=[1]) if self.flip else image)
-
-
-class _ScaledControlNet(torch.nn.Module):
-    """ControlNetModel.forward on an embedded conditioning image (_ConditioningEmbedding's), each residual scaled."""
-
-    def __init__(self, controlnet):
-        super().__init__()
-        controlnet.controlnet_cond_embedding = torch.nn.Identity()  # its input is embedded already
-        controlnet.register_to_config(controlnet_conditioning_channel_order="rgb")  # and in order
-        self.controlnet = controlnet
-
-    def forward(self, sample, timestep, encoder_hidden_states, *rest):
-        *added, embedding, scales = rest
-        added_cond_kwargs = dict(zip(("text_embeds", "time_ids"), added)) if added else None
-        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=embedding,
-                                    conditioning_scale=1.0, added_cond_kwargs=added_cond_kwargs, return_dict=False)
-        return (*(residual * scales[i] for i, residual in enumerate(down)), mid * scales[-1])
