@@ -29,7 +29,6 @@ merged rows (atomically, and only once every input has been read).
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 from bench.charts import gpu_chart
 from bench.common import STAGES, ms, steered_model, workload_title
 from core.atomic import atomic_write_bytes
-from core.errors import UsageError
+from core.errors import UsageError, is_finite_number
 from demo.cli.command import run_command
 from demo.cli.flags import Parser, add_flags, flag, parse_flags, summary
 
@@ -140,10 +139,6 @@ def _scheduler(record: dict, where: str, default: str | None) -> str | None:
     return default if record.get("scheduler") is None else _text(record, "scheduler", where)
 
 
-def _is_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def _latency(record: dict, where: str) -> dict[str, float | None]:
     latency = record.get("latency_ms")
     if not isinstance(latency, dict):
@@ -155,7 +150,7 @@ def _latency(record: dict, where: str) -> dict[str, float | None]:
         value = latency[stage]
         if value is None and stage != "pipeline":
             continue
-        if not _is_number(value) or value < 0 or (stage == "pipeline" and value == 0):
+        if not is_finite_number(value) or value < 0 or (stage == "pipeline" and value == 0):
             raise UsageError(f"{where}: latency_ms.{stage} must be a number of milliseconds, got {value!r}")
     return {stage: latency[stage] for stage in STAGES}
 
@@ -164,7 +159,7 @@ def _controlnets(record: dict, where: str) -> list[tuple[str, float]]:
     """A benchmark row's ControlNets (name, scale): a steered pipeline is another workload than the plain one."""
     steering = record.get("controlnets", [])
     if not isinstance(steering, list) or not all(isinstance(item, dict) and isinstance(item.get("name"), str) and
-                                                  _is_number(item.get("scale")) for item in steering):
+                                                  is_finite_number(item.get("scale")) for item in steering):
         raise UsageError(f"{where}: 'controlnets' must be a list of objects with a name and a scale, got "
                          f"{steering!r}")
     return [(item["name"], item["scale"]) for item in steering]

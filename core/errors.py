@@ -6,6 +6,7 @@ for it (the CLI its flag, --denoising-steps; sd-serve its input, steps; the Pyth
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable
 
@@ -48,3 +49,9 @@ def at_least(name: str, value: int | float, low: int | float) -> None:
     """A UsageError about the field `name` unless `value` >= `low`."""
     if value < low:
         raise UsageError(f"{field(name)} must be {'0 or more' if low == 0 else f'at least {low}'}, got {value}")
+
+
+def is_finite_number(value) -> bool:
+    """An int or float (not a bool, which Python counts as an int), neither infinite nor NaN: what a number read from
+    JSON or safetensors metadata must be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

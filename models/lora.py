@@ -42,7 +42,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from core.errors import UsageError
+from core.errors import UsageError, is_finite_number
 from models.clip import CLIP2Model, CLIPModel
 from models.unet import UNetModel
 
@@ -168,10 +168,6 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         _refuse(path, _shortfall(path) or f"is not a safetensors file ({exc})")
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _adapter_config(path: Path, component: str, fields: Mapping) -> AdapterConfig:
     """A component's LoraConfig fields as PEFT would scale by them; a one-line refusal for one it would fail on or
     misread (PEFT divides by lora_alpha's value and compiles each alpha_pattern key as a regular expression)."""
@@ -180,14 +176,14 @@ def _adapter_config(path: Path, component: str, fields: Mapping) -> AdapterConfi
         if fields.get(option):
             _refuse(path, f"{where}{option} is set, which is not supported")
     alpha = fields.get("lora_alpha", PEFT_DEFAULT_ALPHA)
-    if not _finite(alpha):
+    if not is_finite_number(alpha):
         _refuse(path, f"{where}lora_alpha must be a finite number, got {json.dumps(alpha)}")
     patterns = fields.get("alpha_pattern", {})
     if not isinstance(patterns, dict):
         _refuse(path, f"{where}alpha_pattern must be an object of module pattern -> alpha, got {json.dumps(patterns)}")
     compiled = []
     for pattern, value in patterns.items():
-        if not _finite(value):
+        if not is_finite_number(value):
             _refuse(path, f"{where}alpha_pattern '{pattern}' must give a finite number, got {json.dumps(value)}")
         try:
             compiled.append((re.compile(rf"(.*\.)?({pattern})$"), value))
