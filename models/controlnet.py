@@ -160,7 +160,9 @@ class _ControlNetStage(StageModel):
     # what it makes goes into another stage: the embedding into the ControlNet's, the residuals into the UNet's
     feeds_a_stage = True
     wrapper: ClassVar[type[torch.nn.Module]]
-    controlnet: ControlNetSource
+
+    def __init__(self, source: ModelSource, controlnet: ControlNetSource):
+        self.source, self.config, self.controlnet = source, controlnet.config, controlnet  # its shapes: the model's
 
     def onnx_key(self, dtype, opset=ONNX_OPSET):
         return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint)
@@ -187,8 +189,8 @@ class ControlNetStageModel(_ControlNetStage):
     def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int, scale: float = 1.0):
         """`scale`: how strongly it steers (diffusers' controlnet_conditioning_scale), what the pipeline multiplies
         its residuals by (an input of the stage, not part of it)."""
-        self.source, self.config = source, controlnet.config  # its shapes (latent size, text) are the model's
-        self.controlnet, self.index, self.scale = controlnet, index, scale
+        super().__init__(source, controlnet)
+        self.scale = scale
         self.name = controlnet_stage(index)
         self.count = Branches.of(controlnet.config).count  # residuals: one per skip connection, then the mid's
         added = ("text_embeds", "time_ids") if controlnet.is_xl else ()
@@ -238,7 +240,7 @@ class ControlNetImageModel(_ControlNetStage):
                     EMBEDDING: {0: "B", 2: "latent_height", 3: "latent_width"}}
 
     def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int):
-        self.source, self.config, self.controlnet = source, controlnet.config, controlnet
+        super().__init__(source, controlnet)
         self.name = control_image_stage(index)
 
     def input_shapes(self, batch, height, width):
