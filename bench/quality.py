@@ -1,21 +1,25 @@
 """Measure how well a model draws what its prompts name: a fixed set of `shapes` scenes rendered with any backend and
 settings demo-diffusion takes, each image read back by a deterministic detector.
 
-    sd-quality [--model shapes] [--backend B] [--lora FILE[:SCALE]] [--cases N] [--no-edits] [--reference REPORT.json]
+    sd-quality [--model shapes] [--backend B] [--lora FILE[:SCALE]] [--controlnet shapes-controlnet[:SCALE]]
+               [--cases N] [--no-edits] [--reference REPORT.json]
 
 The set, version QUALITY_SET_VERSION, is drawn from a fixed seed: 200 text-to-image cases (a scene's prompt and a
 seed; every shape, colour, background, position and size many times), 24 inpainting cases (a drawn scene whose
 object is repainted in another colour through a mask over it) and 24 image-to-image cases at strength 0.6 (a drawn
 scene, prompted with its object in another colour). The detector reads each image; the table gives, per
 kind, the share of cases whose reading has each attribute the prompt names, the share with all of them, and the share
-drawn as outlines (what the outline LoRA changes). With --reference, an earlier run's figures on the cases both ran
-stand beside this run's, with the share of images whose reading changed, per attribute and overall (cases matched by
-id).
+drawn as outlines (what the outline LoRA changes). With --controlnet (shapes-controlnet), the text-to-image cases
+alone, each prompted without its position and steered by its shape's silhouette where the scene puts it (one control
+image per ControlNet): the position read back is the ControlNet's doing (at scale 0, chance). With --reference, an
+earlier run's figures on the cases both ran stand beside this run's, with the share of images whose reading changed,
+per attribute and overall (cases matched by id).
 
-Writes into --output-dir (default quality/): quality-<model>-<backend>-<precision>[-lora-<name>].json (what ran, on
-what, the per-case readings and the summary; -run2, -run3 ... after the name where it is taken, unless --json names
-the file) and its chart (.png, with matplotlib: the `bench` extra); with --save-images, <name>-images/ (a PNG per case
-and grid.png, the first 16 text-to-image cases with their prompts). Nothing is written before every case has run.
+Writes into --output-dir (default quality/): quality-<model>-<backend>-<precision>[-lora-<name>]
+[-controlnet-<name>-x<scale>].json (what ran, on what, the per-case readings and the summary; -run2, -run3 ... after
+the name where it is taken, unless --json names the file) and its chart (.png, with matplotlib: the `bench` extra);
+with --save-images, <name>-images/ (a PNG per case and grid.png, the first 16 text-to-image cases with their
+prompts). Nothing is written before every case has run.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from demo.backends import INT8_UNET, TORCH
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
     SPEC,
+    ControlNetFlags,
     DemoFlags,
     EngineFlags,
     LoraFlags,
@@ -137,6 +142,8 @@ def build_parser() -> Parser:
     add_flags(p, QualityFlags, "the cases and the outputs")
     add_flags(p, RenderFlags, "rendering", denoising_steps=DEFAULT_STEPS)
     add_flags(p, LoraFlags, "LoRA")
+    add_flags(p, ControlNetFlags, "ControlNet", description="with --controlnet, the text-to-image cases alone, each "
+              "prompted without its position and steered by its shape's silhouette")
     add_pipeline_flags(p)
     return p
 
@@ -159,10 +166,19 @@ class Case:
     seed: int
     source: Scene | None = None
     jitter_seed: int | None = None
+    steered: bool = False  # by ControlNets: the prompt leaves the position to the control image
 
     @property
     def prompt(self) -> str:
-        return self.scene.prompt
+        from models.shapes.scenes import unplaced_prompt
+
+        return unplaced_prompt(self.scene) if self.steered else self.scene.prompt
+
+    def control_image(self) -> Image | None:
+        """A steered case's: its scene's shape white on black, where the scene puts it (no jitter)."""
+        from models.shapes.scenes import silhouette
+
+        return silhouette(self.scene) if self.steered else None
 
     @property
     def strength(self) -> float | None:
@@ -194,6 +210,8 @@ class Case:
     def description(self) -> dict:
         """What makes the case: its prompt and seed, an edit's input scene, jitter, mask and strength."""
         described = {"id": self.id, "mode": self.mode, "prompt": self.prompt, "seed": self.seed}
+        if self.steered:
+            described["control_image"] = "the scene's silhouette"
         if self.source is not None:
             described.update(input=self.source.prompt, jitter_seed=self.jitter_seed, strength=self.strength)
         if self.mode == INPAINTING:
@@ -331,6 +349,7 @@ def run_title(report: dict, detailed: bool) -> str:
             + (f"{settings['scheduler']}, " if detailed else "") + f"{settings['steps']} steps"
             + (f", guidance {settings['guidance_scale']}" if detailed else "")
             + (f", LoRA {loras}" if loras else "")
+            + "".join(f", ControlNet {Path(name).name} x {scale}" for name, scale in settings.get("controlnets", ()))
             + (f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
                if settings.get("cache_branch") is not None else ""))
 
@@ -467,11 +486,13 @@ def compare_with(reference: dict, path: str, entries: list[dict]) -> dict:
             "changed": changed_readings(entries, reference["cases"])}
 
 
-def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags) -> dict[str, int]:
-    """Everything the command line alone decides, before torch is imported: the cases this run takes."""
+def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags,
+                steered: bool = False) -> dict[str, int]:
+    """Everything the command line alone decides, before torch is imported: the cases this run takes (`steered`: by
+    ControlNets, the text-to-image ones alone)."""
     if quality.cases is not None and not 1 <= quality.cases <= SET_SIZES[TEXT_TO_IMAGE]:
         raise UsageError(f"--cases must be 1..{SET_SIZES[TEXT_TO_IMAGE]}, got {quality.cases}")
-    counts = run_counts(quality.cases, not quality.no_edits)
+    counts = run_counts(quality.cases, not (quality.no_edits or steered))
     at_least("max_batch_size", render.max_batch_size, 1)
     if render.max_batch_size > 1 and render.backend != TORCH and (engine.build_static_batch or engine.use_cuda_graph):
         raise UsageError("--build-static-batch and --use-cuda-graph make engines of one batch, and the cases run as "
@@ -496,7 +517,7 @@ def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags)
 
 def run(flags, command: str) -> int:
     quality, render = flags[QualityFlags], flags[RenderFlags]
-    counts = check_flags(quality, render, flags[EngineFlags])
+    counts = check_flags(quality, render, flags[EngineFlags], steered=bool(flags[ControlNetFlags].controlnet))
     reference = (read_reference(quality.reference, counts), quality.reference) if quality.reference else None
     spec = spec_from_flags(flags, backend=render.backend, precision=render.precision, scheduler=render.scheduler,
                            batch_size=render.max_batch_size, max_batch_size=render.max_batch_size,
@@ -574,15 +595,16 @@ class Progress:
         return self.done / self.seconds if self.seconds else 0.0
 
 
-def case_requests(cases: list[Case], render: RenderFlags, size: int) -> list[Request]:
+def case_requests(cases: list[Case], render: RenderFlags, size: int, controlnets: int = 0) -> list[Request]:
     """Each case as a request; the edits' input images at the model's own size (`size`), as its text-to-image cases
-    are drawn, so that every call runs one shape."""
+    are drawn, so that every call runs one shape; a steered case's control image once per ControlNet."""
     common = dict(negative_prompt=render.negative_prompt, denoising_steps=render.denoising_steps,
                   guidance_scale=render.guidance_scale, scheduler=render.scheduler)
     requests = []
     for case in cases:
         if case.source is None:
-            requests.append(Request(case.prompt, seed=case.seed, **common))
+            controls = (case.control_image(),) * controlnets if case.steered else None
+            requests.append(Request(case.prompt, seed=case.seed, control_images=controls, **common))
         else:
             requests.append(Request(case.prompt, seed=case.seed, image=case.input_image(), mask=case.mask_image(),
                                     strength=case.strength, height=size, width=size, **common))
@@ -623,7 +645,10 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
     quality, render = flags[QualityFlags], flags[RenderFlags]
     plan = plan_pipeline(spec)
     cases = select_cases(quality_cases(), counts)
-    requests = [plan.resolve(request) for request in case_requests(cases, render, plan.source.native_image_size)]
+    if spec.controlnets:
+        cases = [dataclasses.replace(case, steered=True) for case in cases]
+    requests = [plan.resolve(request) for request in case_requests(cases, render, plan.source.native_image_size,
+                                                                    len(spec.controlnets))]
     for request in requests:
         plan.check(request)
     for note in plan.notes + requests[0].unused():
@@ -650,7 +675,8 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
     report = {
         "tool": PROG, "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "set_version": QUALITY_SET_VERSION, "model": plan.source.name, "model_path": str(plan.source.path),
-        "settings": {**{name: ran[name] for name in SETTINGS}, "max_batch_size": render.max_batch_size},
+        "settings": {**{name: ran[name] for name in SETTINGS}, "max_batch_size": render.max_batch_size,
+                     "controlnets": [list(pair) for pair in spec.controlnets]},
         "versions": ran["versions"], "cases_run": counts, "render_s": round(progress.seconds, 2),
         "images_per_s": round(progress.rate, 3), "summary": summarise(entries),
         "reference": None if reference is None else compare_with(*reference, entries),
@@ -667,6 +693,7 @@ def output_stem(report: dict) -> str:
     parts = ["quality", Path(report["model"]).name, settings["backend"], settings["precision"],
              *(["int8"] if INT8_UNET in settings["options"] else []),
              *(f"lora-{Path(lora['path']).stem}" for lora in settings["loras"]),
+             *(f"controlnet-{Path(name).name}-x{scale:g}" for name, scale in settings.get("controlnets", ())),
              *([f"cache{settings['cache_interval']}-b{settings['cache_branch']}"]
                if settings.get("cache_branch") is not None else [])]
     return "-".join(slug(part) for part in parts)

@@ -215,6 +215,12 @@ for _base in ("tiny", "tiny-xl"):
 # damage(): why its files are not the recorded ones).
 SHIPPED_MODELS = {"shapes": shapes}
 BUILTIN_NAMES = (*SHIPPED_MODELS, *BUILTIN_MODELS)  # what --model takes by name, the one that draws its prompt first
+# Built-in ControlNets: trained and shipped (the package holding each: its CONTROLNET_DIR, checked by its damage()),
+# and made with random weights from a built-in's UNet (by that built-in's name; models.controlnet).
+SHIPPED_CONTROLNETS = {"shapes-controlnet": shapes}
+GENERATED_CONTROLNETS = {"tiny-controlnet": "tiny", "tiny-xl-controlnet": "tiny-xl",
+                         "sd15-controlnet-arch": "sd1.5-arch", "sdxl-controlnet-arch": "sdxl-arch"}
+CONTROLNET_NAMES = (*SHIPPED_CONTROLNETS, *GENERATED_CONTROLNETS)  # what --controlnet takes by name
 
 
 def scheduler_from(config: dict):

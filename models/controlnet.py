@@ -5,8 +5,9 @@ connections and mid block (every step), each scaled by its own entry of `conditi
 the ControlNet's scale, zero outside its guidance window, and guess mode's ramp), so that one stage, and one engine,
 serves every schedule.
 
-The built-ins have random weights, their zero-initialised output convolutions included (a ControlNet made from a UNet
-adds nothing until it is trained): for tests, CPU demos and benchmarks of the real architectures.
+The generated built-ins have random weights, their zero-initialised output convolutions included (a ControlNet made
+from a UNet adds nothing until it is trained): for tests, CPU demos and benchmarks of the real architectures.
+`shapes-controlnet` is trained (models/shapes/train_controlnet.py) and shipped with the `shapes` model it steers.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import ClassVar
 import torch
 
 from core.atomic import atomic_directory
-from core.errors import UsageError, field
+from core.errors import RunFailure, UsageError, field
 from models import CONTROL_IMAGE, CONTROLNET, control_image_stage, controlnet_stage
 from models.base import ONNX_OPSET, StageModel
+from models.builtin import CONTROLNET_NAMES, GENERATED_CONTROLNETS, SHIPPED_CONTROLNETS
 from models.source import ModelSource, content_fingerprint, default_cache_dir, resolve_model
 from models.unet import UNetModel, residual_names, residual_shapes
 from models.unet_cache import Branches
@@ -30,10 +32,7 @@ from models.unet_cache import Branches
 CONFIG = "config.json"
 # A conditioning image's embedding: the output of its image stage, an input of its ControlNet's.
 EMBEDDING = "controlnet_cond_embedding"
-# Built-in ControlNets: the base built-in whose UNet they are made from (ControlNetModel.from_unet).
-BUILTIN_CONTROLNETS = {"tiny-controlnet": "tiny", "tiny-xl-controlnet": "tiny-xl",
-                       "sd15-controlnet-arch": "sd1.5-arch", "sdxl-controlnet-arch": "sdxl-arch"}
-BUILTIN_CONTROLNET_VERSION = 1
+BUILTIN_CONTROLNET_VERSION = 1  # of the generated ones' folders
 
 
 @dataclass(frozen=True)
@@ -76,15 +75,21 @@ class ControlNetSource:
 
 
 def resolve_controlnet(text: str) -> ControlNetSource:
-    """A built-in ControlNet's name (generated on first use) or a ControlNetModel folder (a one-line UsageError for
-    anything else)."""
-    path = builtin_controlnet_dir(text) if text in BUILTIN_CONTROLNETS else Path(text)
+    """A built-in ControlNet's name (a shipped one checked, a generated one made on first use) or a ControlNetModel
+    folder (a one-line UsageError for anything else; a damaged shipped one: a RunFailure)."""
     where = f"{field('controlnets')} {text}"
+    if text in SHIPPED_CONTROLNETS:
+        package = SHIPPED_CONTROLNETS[text]
+        if reason := package.damage():
+            raise RunFailure(f"{where}: the ControlNet shipped with the package is damaged ({reason}): reinstall it")
+        path = package.CONTROLNET_DIR
+    else:
+        path = builtin_controlnet_dir(text) if text in GENERATED_CONTROLNETS else Path(text)
     try:
         config = json.loads((path / CONFIG).read_text())
     except FileNotFoundError:
         raise UsageError(f"{where}: no such ControlNet (a folder with {CONFIG}, or one of "
-                         f"{', '.join(BUILTIN_CONTROLNETS)})") from None
+                         f"{', '.join(CONTROLNET_NAMES)})") from None
     except (OSError, ValueError) as exc:
         raise UsageError(f"{where}: {CONFIG} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     if config.get("_class_name") != "ControlNetModel":
@@ -96,7 +101,7 @@ def builtin_controlnet_dir(name: str) -> Path:
     """The built-in ControlNet's folder, generated once (random weights, seed 0)."""
     directory = default_cache_dir() / "builtin" / f"{name}-c{BUILTIN_CONTROLNET_VERSION}"
     if not (directory / CONFIG).is_file():
-        base = resolve_model(BUILTIN_CONTROLNETS[name])
+        base = resolve_model(GENERATED_CONTROLNETS[name])
         build_builtin_controlnet(base, directory)
     return directory
 

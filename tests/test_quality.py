@@ -1,6 +1,7 @@
 """sd-quality (bench/quality.py): the detector it trusts, its pinned and balanced case set, the reference comparison
 on hand-made reports, its usage errors, and the command itself: the tiny model end to end (the machinery; its images
-are noise), and the shapes model drawing what its prompts name, and its outline LoRA at scales 1 and 0."""
+are noise), and the shapes model drawing what its prompts name, its outline LoRA at scales 1 and 0, and its
+ControlNet placing the shape."""
 
 import hashlib
 import json
@@ -167,6 +168,7 @@ def test_the_reference_comparison_counts_the_readings_that_changed(tmp_path):
     (["--cache-sweep", "3:0,1:0"], "pairs like 3:0 (interval 2 or more), got '1:0'"),
     (["--cache-sweep", "3"], "got '3'"),
     (["--cache-sweep", "3:0", "--json", "{dir}/q.json"], "--cache-sweep names its reports itself"),
+    (["--controlnet", "{dir}/none"], "no such ControlNet (a folder with config.json, or one of shapes-controlnet,"),
 ])
 def test_usage_errors_are_one_line_and_write_nothing(args, message, tmp_path, capsys):
     a_file = tmp_path / "a-file"
@@ -268,6 +270,31 @@ def test_the_shapes_model_draws_what_its_prompts_name(tmp_path):
     assert len(scale0_images) == 4
     for image in scale0_images:
         assert image.read_bytes() == (tmp_path / "base-images" / image.name).read_bytes(), image.name
+
+
+def test_shapes_controlnet_puts_the_shape_where_its_silhouette_is(tmp_path):
+    """--controlnet shapes-controlnet: the first nine cases (one per position), prompted without their position and
+    steered by their silhouettes; most shapes land where the silhouette is, and every attribute is right in most; at
+    scale 0 (the prompt alone) the position is mostly wrong."""
+    common = ("--cases", 9, "--save-images", "--json")
+    result = run_quality(*common, tmp_path / "steered.json", "--controlnet", "shapes-controlnet", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steered = json.loads((tmp_path / "steered.json").read_text())
+    assert steered["cases_run"] == {TEXT_TO_IMAGE: 9, INPAINTING: 0, IMAGE_TO_IMAGE: 0}
+    assert steered["settings"]["controlnets"] == [["shapes-controlnet", 1.0]]
+    assert "ControlNet shapes-controlnet x 1.0" in run_title(steered, detailed=False)
+    assert output_stem(steered) == "quality-shapes-torch-fp32-controlnet-shapes-controlnet-x1"
+    for entry in steered["cases"]:
+        assert entry["control_image"] == "the scene's silhouette"
+        assert not any(phrase in entry["prompt"] for _, phrase in POSITIONS.values()), entry["prompt"]
+    assert {entry["expected"]["position"] for entry in steered["cases"]} == set(POSITIONS)
+    figures = steered["summary"][TEXT_TO_IMAGE]
+    assert figures["accuracy"]["position"] >= 7 / 9 and figures["exact_match"] >= 5 / 9, result.stdout
+
+    result = run_quality(*common, tmp_path / "scale0.json", "--controlnet", "shapes-controlnet:0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    unsteered = json.loads((tmp_path / "scale0.json").read_text())
+    assert unsteered["summary"][TEXT_TO_IMAGE]["accuracy"]["position"] <= 3 / 9, result.stdout
 
 
 def test_the_cache_sweep_writes_each_run_and_the_curve(tmp_path, monkeypatch, capsys):

@@ -1,6 +1,6 @@
-"""The `shapes` built-in: the shipped files are the recorded ones and what the package loads, the training script
-makes this architecture and tokenizer, the detector reads the renderer. What the model draws is read by sd-quality's
-own test (tests/test_quality.py)."""
+"""The `shapes` built-in: the shipped files are the recorded ones and what the package loads, the training scripts
+make this architecture and tokenizer and its ControlNet's, the detector reads the renderer and the ControlNet's
+silhouettes. What the model and its ControlNet draw is read by sd-quality's own test (tests/test_quality.py)."""
 
 import json
 import random
@@ -13,24 +13,29 @@ from safetensors.torch import save_file
 
 from core.errors import RunFailure
 from models import shapes
+from models.controlnet import resolve_controlnet
 from models.shapes.detector import read_image
 from models.shapes.scenes import COLOURS, POSITIONS, SHAPES, SIZES, Scene, random_scene, render
 from models.source import resolve_model
 
-MAX_MODEL_BYTES, MAX_LORA_BYTES = 25_000_000, 2_000_000
+MAX_MODEL_BYTES, MAX_LORA_BYTES, MAX_CONTROLNET_BYTES = 25_000_000, 2_000_000, 10_000_000
 
 
 def test_the_package_loads_the_recorded_files():
     source = resolve_model("shapes")
     assert source.path == shapes.MODEL_DIR
     recorded = shapes.shipped_files()
-    on_disk = {p.relative_to(shapes.HERE).as_posix() for p in shapes.MODEL_DIR.rglob("*") if p.is_file()}
+    on_disk = {p.relative_to(shapes.HERE).as_posix() for folder in (shapes.MODEL_DIR, shapes.CONTROLNET_DIR)
+               for p in folder.rglob("*") if p.is_file()}
     assert on_disk | {shapes.OUTLINE_LORA.name} == set(recorded)  # nothing shipped unrecorded, nothing missing
     assert shapes.damage() is None
     weights = [shapes.HERE / p for p in recorded if p.endswith(".safetensors") and p.startswith("model/")]
     assert sum(p.stat().st_size for p in weights) <= MAX_MODEL_BYTES
     assert shapes.OUTLINE_LORA.stat().st_size <= MAX_LORA_BYTES
-    for path in [*weights, shapes.OUTLINE_LORA]:
+    controlnet = shapes.CONTROLNET_DIR / "diffusion_pytorch_model.safetensors"
+    assert controlnet.stat().st_size <= MAX_CONTROLNET_BYTES
+    assert resolve_controlnet("shapes-controlnet").path == shapes.CONTROLNET_DIR
+    for path in [*weights, shapes.OUTLINE_LORA, controlnet]:
         with safe_open(path, "pt") as weights_file:
             assert {weights_file.get_tensor(k).dtype for k in weights_file.keys()} == {torch.float16}
 
@@ -45,6 +50,45 @@ def test_a_changed_weight_file_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(shapes, "HERE", copy)
     with pytest.raises(RunFailure, match="damaged .*unet/diffusion_pytorch_model.safetensors.*reinstall"):
         resolve_model("shapes")
+
+
+def test_a_changed_controlnet_file_is_refused(tmp_path, monkeypatch):
+    copy = tmp_path / "shapes"
+    shutil.copytree(shapes.HERE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    weights = copy / "controlnet" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    monkeypatch.setattr(shapes, "HERE", copy)
+    with pytest.raises(RunFailure, match="shapes-controlnet: .*damaged .*controlnet/diffusion_pytorch_model"):
+        resolve_controlnet("shapes-controlnet")
+
+
+def test_a_silhouette_is_its_scene_white_on_black():
+    """The control image shapes-controlnet is steered by: the detector reads it as the scene's shape, position and
+    size, white on black."""
+    from models.shapes.scenes import silhouette
+
+    rng = random.Random(3)
+    for scene in (random_scene(rng) for _ in range(30)):
+        assert read_image(silhouette(scene)).as_dict() == {**scene.__dict__, "colour": "white", "background": "black"}
+
+
+def test_the_controlnet_training_saves_a_controlnet_for_shapes(tmp_path):
+    """The ControlNet's training at a few steps on the CPU: its folder loads as a ControlNet that fits the shipped
+    model, in the shipped one's architecture; only the ControlNet changed (the model's files are still the recorded
+    ones, checked by damage())."""
+    from models.shapes import train_controlnet
+
+    assert train_controlnet.main(["--output", str(tmp_path), "--steps", "2", "--scenes", "8", "--batch", "2",
+                                  "--read-back", "0"]) == 0
+    made = resolve_controlnet(str(tmp_path / "controlnet"))
+    made.check_for(resolve_model("shapes"))
+    assert json.loads((tmp_path / "controlnet-training.json").read_text())["controlnet"]["steps"] == 2
+    shipped = json.loads((shapes.CONTROLNET_DIR / "config.json").read_text())
+    assert {k: v for k, v in made.config.items() if not k.startswith("_")} == {
+        k: v for k, v in shipped.items() if not k.startswith("_")}
+    assert shapes.damage() is None
 
 
 def test_the_training_script_makes_the_shipped_architecture_and_tokenizer():

@@ -30,7 +30,7 @@ from demo.request import DEFAULT_PROMPT, DEFAULT_STRENGTH, Request
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from demo.schedulers import SCHEDULERS
 from models import shapes
-from models.builtin import BUILTIN_NAMES
+from models.builtin import BUILTIN_NAMES, CONTROLNET_NAMES
 from models.plugin_set import PLUGINS_HELP
 from models.source import DEFAULT_GUIDANCE_SCALE
 from plugins.contract import CONVENTIONS
@@ -183,10 +183,9 @@ class RefinerFlags:
 
 @dataclass(frozen=True)
 class ControlNetFlags:
-    controlnet: tuple[str, ...] | None = flag("steer the UNet with this ControlNet (a ControlNetModel folder, or "
-                                              "tiny-controlnet, tiny-xl-controlnet, sd15-controlnet-arch, "
-                                              "sdxl-controlnet-arch), its residuals times SCALE (default 1.0); "
-                                              "repeatable: several add up, each with its --control-image",
+    controlnet: tuple[str, ...] | None = flag(f"steer the UNet with this ControlNet (a ControlNetModel folder, or "
+                                              f"{', '.join(CONTROLNET_NAMES)}), its residuals times SCALE (default "
+                                              "1.0); repeatable: several add up, each with its --control-image",
                                               metavar="DIR[:SCALE]", repeatable=True)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "model"  # a diffusers folder: VAE, CLIP text encoder and tokenizer, UNet, scheduler
 OUTLINE_LORA = HERE / "outline.safetensors"  # draws outlines instead of filled shapes (diffusers/PEFT keys)
+CONTROLNET_DIR = HERE / "controlnet"  # a ControlNetModel: the shape where its control image's silhouette is
 HASHES = HERE / "weights.sha256"  # sha256sum's format, paths relative to this folder
 # The guidance scale it draws best at (sd-quality, fp32, 30 steps: results/quality-shapes); above it colours drift.
 GUIDANCE_SCALE = 3.0

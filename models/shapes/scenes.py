@@ -82,6 +82,11 @@ def partial_prompt(scene: Scene, keep: dict[str, bool]) -> str:
     return " ".join(words)
 
 
+def unplaced_prompt(scene: Scene) -> str:
+    """The scene's prompt without its position: what shapes-controlnet's control image gives."""
+    return partial_prompt(scene, {"position": False})
+
+
 def render_batch(shape: torch.Tensor, colour: torch.Tensor, background: torch.Tensor, centre: torch.Tensor,
                  side: torch.Tensor, outline: torch.Tensor, supersample: int = 2) -> torch.Tensor:
     """Scenes drawn as float images in [0, 1], [N, 3, SIZE, SIZE], on the inputs' device.
@@ -140,6 +145,22 @@ def render(scene: Scene, rng: random.Random | None = None):
 
     image = render_batch(**scene_tensors([scene], rng))[0]
     return Image.fromarray((image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
+
+
+def silhouettes(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """render_batch's scenes as their shapes' silhouettes, white on black, [N, 3, SIZE, SIZE] in [0, 1]: what
+    shapes-controlnet is steered by."""
+    n = tensors["shape"].shape[0]
+    return render_batch(**{**tensors, "colour": torch.ones(n, 3), "background": torch.zeros(n, 3),
+                           "outline": torch.zeros(n, dtype=torch.bool)})
+
+
+def silhouette(scene: Scene):
+    """One scene's silhouette (no jitter) as a PIL image: its control image for shapes-controlnet."""
+    from PIL import Image
+
+    pixels = silhouettes(scene_tensors([scene]))[0]
+    return Image.fromarray((pixels.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
 
 
 def object_box(scene: Scene, margin: int = 6) -> tuple[int, int, int, int]:

@@ -8,7 +8,8 @@ sometimes empty, so that classifier-free guidance works), and a LoRA on the froz
 of filled shapes. DIR receives `shapes/` (a diffusers folder, fp16 safetensors), `shapes-outline.safetensors` (the
 LoRA, diffusers/PEFT keys) and `training.json` (steps, losses, times, a first accuracy reading by the detector).
 To ship a new training, they replace models/shapes/model, outline.safetensors and training.json, and weights.sha256
-is written again (`cd models/shapes && (find model -type f | sort; echo outline.safetensors) | xargs sha256sum`).
+is written again (`cd models/shapes && (find model controlnet -type f | sort; echo outline.safetensors) | xargs
+sha256sum > weights.sha256`).
 """
 
 from __future__ import annotations
