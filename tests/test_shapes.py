@@ -40,28 +40,22 @@ def test_the_package_loads_the_recorded_files():
             assert {weights_file.get_tensor(k).dtype for k in weights_file.keys()} == {torch.float16}
 
 
-def test_a_changed_weight_file_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("damaged, load, message", [
+    ("model/unet/diffusion_pytorch_model.safetensors", lambda: resolve_model("shapes"),
+     "damaged .*unet/diffusion_pytorch_model.safetensors.*reinstall"),
+    ("controlnet/diffusion_pytorch_model.safetensors", lambda: resolve_controlnet("shapes-controlnet"),
+     "shapes-controlnet: .*damaged .*controlnet/diffusion_pytorch_model.safetensors.*reinstall"),
+], ids=["model", "controlnet"])
+def test_a_changed_weight_file_is_refused(tmp_path, monkeypatch, damaged, load, message):
     copy = tmp_path / "shapes"
     shutil.copytree(shapes.HERE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    unet = copy / "model" / "unet" / "diffusion_pytorch_model.safetensors"
-    data = bytearray(unet.read_bytes())
-    data[-1] ^= 1
-    unet.write_bytes(bytes(data))
-    monkeypatch.setattr(shapes, "HERE", copy)
-    with pytest.raises(RunFailure, match="damaged .*unet/diffusion_pytorch_model.safetensors.*reinstall"):
-        resolve_model("shapes")
-
-
-def test_a_changed_controlnet_file_is_refused(tmp_path, monkeypatch):
-    copy = tmp_path / "shapes"
-    shutil.copytree(shapes.HERE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    weights = copy / "controlnet" / "diffusion_pytorch_model.safetensors"
+    weights = copy / damaged
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     monkeypatch.setattr(shapes, "HERE", copy)
-    with pytest.raises(RunFailure, match="shapes-controlnet: .*damaged .*controlnet/diffusion_pytorch_model"):
-        resolve_controlnet("shapes-controlnet")
+    with pytest.raises(RunFailure, match=message):
+        load()
 
 
 def test_a_silhouette_is_its_scene_white_on_black():

@@ -1,9 +1,10 @@
 """The `shapes` built-in: a small text-to-image model trained on procedural scenes, shipped with the package.
 
-scenes.py defines the scenes, their prompts and the renderer; train.py trains the model and its outline LoRA from
-them (scripts/train_shapes.py); detector.py reads an image back into the attributes its prompt names. The weights
-(fp16 safetensors, model/ and outline.safetensors) are recorded in weights.sha256 beside train.py: a damaged or
-changed file is refused rather than loaded. Importing this module is light (no torch).
+scenes.py defines the scenes, their prompts, the renderer and the ControlNet's silhouettes; train.py trains the model
+and its outline LoRA from them (scripts/train_shapes.py), train_controlnet.py its ControlNet, `shapes-controlnet`
+(scripts/train_shapes_controlnet.py); detector.py reads an image back into the attributes its prompt names. The
+weights (fp16 safetensors: model/, outline.safetensors, controlnet/) are recorded in weights.sha256 beside train.py:
+a damaged or changed file is refused rather than loaded. Importing this module is light (no torch).
 """
 
 from __future__ import annotations

@@ -146,13 +146,15 @@ def read_back(pipe, controlnet, count: int, seed: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, required=True, help="folder for controlnet/ and its training.json")
+    parser.add_argument("--output", type=Path, required=True, help="folder for controlnet/ and its record")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--scenes", type=int, default=3000)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--minutes", type=float, default=27.0, help="time budget for the training steps")
+    parser.add_argument("--minutes", type=float, default=27.0,
+                        help="time budget from the start, encoding included: fewer steps run where --steps would not "
+                             "fit (controlnet-training.json records how many ran)")
     parser.add_argument("--read-back", type=int, default=45, help="scenes drawn for the first reading (0: none)")
     args = parser.parse_args(argv)
     if min(args.steps, args.batch, args.scenes) < 1 or not (args.minutes > 0 and args.lr > 0 and args.read_back >= 0):
