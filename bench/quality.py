@@ -174,11 +174,11 @@ class Case:
 
         return unplaced_prompt(self.scene) if self.steered else self.scene.prompt
 
-    def control_image(self) -> Image | None:
-        """A steered case's: its scene's shape white on black, where the scene puts it (no jitter)."""
+    def control_image(self) -> Image:
+        """What steers the case: its scene's shape white on black, where the scene puts it (no jitter)."""
         from models.shapes.scenes import silhouette
 
-        return silhouette(self.scene) if self.steered else None
+        return silhouette(self.scene)
 
     @property
     def strength(self) -> float | None:

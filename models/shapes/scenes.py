@@ -150,9 +150,10 @@ def render(scene: Scene, rng: random.Random | None = None):
 def silhouettes(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """render_batch's scenes as their shapes' silhouettes, white on black, [N, 3, SIZE, SIZE] in [0, 1]: what
     shapes-controlnet is steered by."""
-    n = tensors["shape"].shape[0]
-    return render_batch(**{**tensors, "colour": torch.ones(n, 3), "background": torch.zeros(n, 3),
-                           "outline": torch.zeros(n, dtype=torch.bool)})
+    n, device = tensors["shape"].shape[0], tensors["shape"].device
+    return render_batch(**{**tensors, "colour": torch.ones(n, 3, device=device),
+                           "background": torch.zeros(n, 3, device=device),
+                           "outline": torch.zeros(n, dtype=torch.bool, device=device)})
 
 
 def silhouette(scene: Scene):

@@ -132,8 +132,8 @@ def read_back(pipe, controlnet, count: int, seed: int) -> dict:
     scenes = [random_scene(rng) for _ in range(count)]
     prompts = [unplaced_prompt(scene) for scene in scenes]
     hits = {"position": 0, "exact": 0, "position_without": 0}
+    common = dict(num_inference_steps=20, guidance_scale=GUIDANCE_SCALE, height=128, width=128)
     for index, (scene, prompt) in enumerate(zip(scenes, prompts)):
-        common = dict(num_inference_steps=20, guidance_scale=GUIDANCE_SCALE, height=128, width=128)
         image = steered(prompt, image=silhouette(scene), generator=torch.Generator().manual_seed(seed + index),
                         **common).images[0]
         reading = read_image(image)
