@@ -15,6 +15,7 @@ EAGER = "diffusers-eager"  # the reference every image is compared with
 DEFAULTS = "ours-defaults"  # the torch backend's tuned defaults, resolved on the machine that runs it
 TRT_AUTO = "tensorrt-auto"  # engines with the plugins `--plugins auto` picks, resolved on the machine that runs it
 TRT_INT8 = "tensorrt-int8"  # the same, with the UNet's engine --int8
+DIFFUSERS = "diffusers"  # the backend of a contender that runs diffusers' own pipeline (bench.diffusers_pipeline)
 CACHED = "@cache"  # <label>@cache<N>: that contender with the step cache every N UNet calls
 
 
@@ -22,7 +23,7 @@ CACHED = "@cache"  # <label>@cache<N>: that contender with the step cache every 
 class Contender:
     label: str
     what: str
-    backend: str = "torch"  # a pipeline spec's backend: torch, or tensorrt
+    backend: str = "torch"  # a pipeline spec's backend: torch, or tensorrt; or DIFFUSERS (diffusers' pipeline)
     settings: TorchSettings | None = None  # for the torch backend (None: they cannot be resolved here)
     plugins: tuple[str, ...] = ()  # for engines
     int8: bool = False  # engines: the UNet's built with --int8
@@ -39,7 +40,9 @@ class Contender:
         if self.settings is None:
             return {"backend": self.backend, "plugins": ",".join(self.plugins) or "none", "use_cuda_graph": True,
                     **cache}
-        return {"backend": self.backend, "plugins": ",".join(self.settings.plugins) or "none",
+        # diffusers' own pipeline is planned (checked) as the torch backend with its modules' settings
+        return {"backend": "torch" if self.backend == DIFFUSERS else self.backend,
+                "plugins": ",".join(self.settings.plugins) or "none",
                 "use_cuda_graph": self.settings.cuda_graph,
                 "torch": TorchOptions(channels_last=self.settings.channels_last, compile=self.settings.compile),
                 **cache}
@@ -65,6 +68,11 @@ def contenders() -> dict[str, Contender]:
         Contender("diffusers-channels-last", "diffusers' modules in channels-last memory",
                   settings=TorchSettings(channels_last=True)),
         Contender("diffusers-compile", "diffusers + channels-last + torch.compile(mode=\"reduce-overhead\")",
+                  settings=TorchSettings(channels_last=True, compile="reduce-overhead")),
+        Contender("diffusers-pipeline", "diffusers' own pipeline and loop, its modules as they are", DIFFUSERS,
+                  settings=TorchSettings()),
+        Contender("diffusers-pipeline-compile", "diffusers' own pipeline and loop, UNet, ControlNets and VAE "
+                  "channels-last + torch.compile(mode=\"reduce-overhead\")", DIFFUSERS,
                   settings=TorchSettings(channels_last=True, compile="reduce-overhead")),
         Contender("ours", "torch backend: all plugins, channels-last, CUDA graphs, compile default", settings=ours),
         Contender("ours-no-plugins", "ours without plugins", settings=replace(ours, plugins=())),

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from bench.common import STAGES, slug, steered_model, workload_title
-from bench.contenders import Contender, contenders, resolve_here
+from bench.contenders import DIFFUSERS, Contender, contenders, resolve_here
 from bench.floor import denoiser_floor
 from bench.jobs import BuildPlan, Job
 from core.artifacts import ArtifactError
@@ -28,7 +28,7 @@ from demo.backends.tensorrt.runtime import GENERATED, plugin_counts, time_by_kin
 from demo.cli.command import flag_name
 from demo.cli.flags import EngineFlags
 from demo.cli.to_spec import options_of
-from demo.pipelines import image_psnr, to_uint8
+from demo.pipelines import StageTimer, image_psnr, to_uint8
 from demo.request import TEXT_TO_IMAGE, Request
 from demo.runtime.loader import load_pipeline, plan_pipeline, quiet
 from demo.runtime.report import device_name, precision_name
@@ -151,6 +151,8 @@ def why_skip(setup: Setup, contender: Contender, workload: Workload, first: Work
     """Why a contender cannot run here (None: it can), decided before anything is loaded."""
     if contender.skip:
         return contender.skip
+    if contender.backend == DIFFUSERS and (contender.cache_interval or setup.spec.cache_interval) > 1:
+        return "diffusers' pipeline has no step cache"
     try:
         plan_pipeline(contender_spec(setup, contender, workload, first), setup.device, log=quiet, progress=quiet)
     except UsageError as exc:
@@ -176,6 +178,8 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
         torch.cuda.reset_peak_memory_stats(device)
         free_before = torch.cuda.mem_get_info(device)[0]
     spec = contender_spec(setup, contender, workload, first)
+    if contender.backend == DIFFUSERS:
+        return run_diffusers_pipeline(setup, contender, spec, workload, free_before if cuda else 0)
     if contender.settings is None and setup.engines_from_ablation:
         say(f"{contender.label}: engines from the ablation in {setup.engines_from_ablation}")
     elif contender.settings is None:
@@ -199,25 +203,69 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
                 row.update(int8_layers(pipeline.stages["unet"], Path(spec.engine.onnx_dir)))
         images, timings = pipeline.timed_runs(request, setup.warmup_runs, setup.runs,
                                               say=lambda line: say(f"{contender.label}: {line}"))
-        row["unet_calls"] = pipeline.unet_calls(request)
-        row.update(denoiser_floor({name: stage.model for name, stage in pipeline.stages.items()}, row["unet_calls"],
-                                  spec.cache_interval, stage_batch(UNET, workload.batch, request.guided),
-                                  workload.height, workload.width, device_name(device),
-                                  controlnet_batch=workload.batch if request.guess_mode else None))
-        row["latency_ms"] = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
-        row["latency_ms_runs"] = timings
-        row["unet_ms_per_call"] = row["latency_ms"]["unet"] / row["unet_calls"]
+        row.update(timed_row(timings, pipeline.unet_calls(request), [stage.model for stage in pipeline.stages.values()],
+                             spec, workload, request, device))
         if pipeline.backend.capabilities.layer_timings:
             row["unet_ms_by_kind"], row["unet_slowest_layers"] = unet_profile(pipeline.stages["unet"].engine)
         if contender.reference:
             row["unet_error_vs_reference"] = unet_error_vs_reference(setup, contender, workload, first,
                                                                      pipeline.stages["unet"])
         if cuda:
-            row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-            row["device_used_bytes"] = free_before - torch.cuda.mem_get_info(device)[0]
+            row.update(memory_row(device, free_before))
         return row, to_uint8(images)
     finally:
         pipeline.close()
+
+
+def timed_row(timings: list[dict[str, float]], unet_calls: int, models: list, spec: PipelineSpec,
+              workload: Workload, request: Request, device) -> dict:
+    """A row's time fields from its runs' stage milliseconds: the medians, the runs, the UNet's time per call and the
+    denoiser's floor (`models`: the pipeline's stage models)."""
+    return {"unet_calls": unet_calls,
+            **denoiser_floor({model.name: model for model in models}, unet_calls, spec.cache_interval,
+                             stage_batch(UNET, workload.batch, request.guided), workload.height, workload.width,
+                             device_name(device), controlnet_batch=workload.batch if request.guess_mode else None),
+            "latency_ms": (latency := {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}),
+            "latency_ms_runs": timings, "unet_ms_per_call": latency["unet"] / unet_calls}
+
+
+def memory_row(device, free_before: int) -> dict:
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "device_used_bytes": free_before - torch.cuda.mem_get_info(device)[0]}
+
+
+def run_diffusers_pipeline(setup: Setup, contender: Contender, spec: PipelineSpec, workload: Workload,
+                           free_before: int) -> tuple[dict, object]:
+    """diffusers' own pipeline (bench.diffusers_pipeline) at one workload, measured as run_contender measures ours:
+    its first call (compiling, recording graphs) as getting ready, then the warm-up and timed runs."""
+    from bench.diffusers_pipeline import DiffusersPipeline
+
+    device, say = setup.device, setup.say
+    plan = plan_pipeline(spec, device, log=quiet, progress=quiet)  # the stage models, for the floor
+    request = setup.request_at(workload)
+    start = time.perf_counter()
+    compile_mode = None if contender.settings.compile == "none" else contender.settings.compile
+    pipeline = DiffusersPipeline(setup.source, setup.spec.controlnets, device, setup.dtype, compile_mode)
+    row = {"load_s": time.perf_counter() - start}
+    say(f"{contender.label}: getting ready (its first call compiles) ...")
+    start = time.perf_counter()
+    pipeline(request)
+    sync(device)
+    row["ready_s"] = time.perf_counter() - start
+    for run in range(setup.warmup_runs):
+        say(f"{contender.label}: warm-up run {run + 1}/{setup.warmup_runs}")
+        pipeline(request)
+    timings = []
+    for run in range(setup.runs):
+        timer = StageTimer(device)
+        images = pipeline(request, timer)
+        timings.append(timer.milliseconds())
+        say(f"{contender.label}: run {run + 1}/{setup.runs}: pipeline {timings[-1]['pipeline']:.2f} ms, "
+            f"UNet {timings[-1]['unet']:.2f} ms")
+    row.update(timed_row(timings, pipeline.unet_calls(), plan.base.models, spec, workload, request, device))
+    if device.type == "cuda":
+        row.update(memory_row(device, free_before))
+    return row, to_uint8(images)
 
 
 def unet_profile(engine) -> tuple[dict[str, float], dict[str, list[dict]]]:

@@ -259,8 +259,9 @@ def test_engines_draw_the_torch_image_and_a_lora_refits_the_unet_with_the_contro
 
 
 def test_sd_benchmark_times_a_controlnet_pipeline_apart_from_the_plain_one(tmp_path):
-    """sd-benchmark --controlnet --control-image: every contender runs the ControlNet pipeline (the reference too); a
-    plain run into the same folders keeps its rows and images apart (its own workload, its own reference image)."""
+    """sd-benchmark --controlnet --control-image: every contender runs the ControlNet pipeline (the reference too, and
+    diffusers' own pipeline: StableDiffusionControlNetPipeline, timed in the same regions); a plain run into the same
+    folders keeps its rows and images apart (its own workload, its own reference image)."""
     import json
 
     from bench.benchmark import main
@@ -268,19 +269,31 @@ def test_sd_benchmark_times_a_controlnet_pipeline_apart_from_the_plain_one(tmp_p
     control = tmp_path / "control.png"
     picture(4).save(control)
     common = ["--model", "tiny", "--height", "64", "--width", "64", "--denoising-steps", "2", "--warmup-runs", "0",
-              "--runs", "1", "--seed", "0", "--scheduler", "DDIM", "--contenders", "diffusers-eager,ours-defaults",
+              "--runs", "1", "--seed", "0", "--scheduler", "DDIM", "--contenders",
+              "diffusers-eager,ours-defaults,diffusers-pipeline,diffusers-pipeline-compile",
               "--results-dir", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work"),
               "--defaults-file", str(tmp_path / "defaults.json")]
     assert main([*common, "--controlnet", "tiny-controlnet:0.5", "--control-image", str(control)]) == 0
     assert main(common) == 0
-    rows = json.loads(next((tmp_path / "results").glob("*.json")).read_text())["rows"]
+    data = json.loads(next((tmp_path / "results").glob("*.json")).read_text())
+    rows = data["rows"]
     steered = [row for row in rows if row.get("controlnets")]
     plain = [row for row in rows if not row.get("controlnets")]
-    assert [row["label"] for row in steered] == [row["label"] for row in plain] == ["diffusers-eager", "ours-defaults"]
+    labels = ["diffusers-eager", "ours-defaults", "diffusers-pipeline"]
+    assert [row["label"] for row in steered] == [row["label"] for row in plain] == labels
     assert steered[0]["workload"].startswith("tiny + tiny-controlnet x0.5, 64x64")
     assert plain[0]["workload"].startswith("tiny, 64x64")
-    # the same modules on a CPU: the same picture, each compared with its own kind's reference
+    # the same modules on a CPU: the same picture, each compared with its own kind's reference; diffusers' own
+    # pipelines draw it within 2/255 of ours
     assert steered[1]["max_pixel_diff_vs_eager"] <= 1 and plain[1]["max_pixel_diff_vs_eager"] <= 1
+    assert steered[2]["max_pixel_diff_vs_eager"] <= 2 and plain[2]["max_pixel_diff_vs_eager"] <= 2
+    for row in (steered[2], plain[2]):
+        latency = row["latency_ms"]
+        assert latency["pipeline"] > latency["unet"] > 0 and latency["clip"] > 0 and latency["vae"] > 0
+        assert row["unet_calls"] == 2 and row["backend"] == "diffusers"
+    assert steered[2]["denoiser_gflop_per_step"] == steered[0]["denoiser_gflop_per_step"]
+    skipped = {entry["label"]: entry["reason"] for entry in data["skipped"]}
+    assert "needs a CUDA GPU" in skipped["diffusers-pipeline-compile"]
     with_control, without = (np.asarray(Image.open(row["image"])).astype(int) for row in (steered[0], plain[0]))
     assert np.abs(with_control - without).max() > 2
     assert steered[0]["denoiser_gflop_per_step"] > plain[0]["denoiser_gflop_per_step"] > 0  # the ControlNet's calls

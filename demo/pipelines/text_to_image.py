@@ -154,10 +154,14 @@ class Text2ImagePipeline:
         unet, shallow = self.stage(UNetModel), self.stages.get(UNetShallowModel.name)
         step_kwargs = self._step_kwargs(generator)
         features = None
-        for i, t in enumerate(timesteps):
+        # The scheduler steps on the host's copy of the timesteps: DDIM and PNDM index host tables with the timestep
+        # and compare it with 0, which for a timestep on the GPU waits for the GPU every step. The stages take theirs
+        # from the device's copy, so the loop never waits and the GPU never idles between steps.
+        unet_timesteps = timesteps.to(device=self.device, dtype=torch.float32).reshape(-1, 1)
+        for i, t in enumerate(timesteps.cpu()):
             model_input = torch.cat([latents] * 2) if batch.head.guided else latents
             model_input = self.scheduler.scale_model_input(model_input, t)
-            timestep = t.reshape(1).to(device=self.device, dtype=torch.float32)
+            timestep = unet_timesteps[i]
             extra = self.unet_extra(i, len(timesteps), model_input, timestep, conditioning, batch)
             inputs = (self.unet_sample(model_input).to(self.dtype), timestep, *conditioning)
             feed = dict(zip(unet.model.input_names, inputs), **extra)  # by name: the stages take what they read

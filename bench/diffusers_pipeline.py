@@ -1,0 +1,106 @@
+"""diffusers' own pipeline as a benchmark contender: StableDiffusion(XL)Pipeline, or its ControlNet twin with the run's
+ControlNets, loaded from the model's folder as a diffusers user loads it; UNet, ControlNets and VAE in channels-last
+memory and compiled with torch.compile(mode="reduce-overhead"), as diffusers' guides make it fast. The other
+contenders run diffusers' modules inside our pipeline's loop; this one runs diffusers' loop too. Timed in the regions
+our pipeline reports (demo.pipelines.StageTimer): the text encoders, the denoising loop (from the initial latents to
+the last scheduler step), the VAE decode, and the whole call up to the images on the host."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+import torch
+
+from demo.pipelines import StageTimer
+from demo.request import Request
+from demo.schedulers import make_scheduler
+from models.controlnet import resolve_controlnet
+from models.source import ModelSource
+
+# is_xl -> diffusers' pipeline without and with ControlNets
+PIPELINES = {False: ("StableDiffusionPipeline", "StableDiffusionControlNetPipeline"),
+             True: ("StableDiffusionXLPipeline", "StableDiffusionXLControlNetPipeline")}
+
+
+class DiffusersPipeline:
+    """One diffusers pipeline, compiled where `compile_mode` says (None: eager), called per request like ours."""
+
+    def __init__(self, source: ModelSource, controlnets: tuple[tuple[str, float], ...], device: torch.device,
+                 dtype: torch.dtype, compile_mode: str | None = "reduce-overhead"):
+        import diffusers
+
+        self.source, self.device = source, device
+        nets = [diffusers.ControlNetModel.from_pretrained(resolve_controlnet(name).path, torch_dtype=dtype)
+                for name, _ in controlnets]
+        self.scales = [scale for _, scale in controlnets]
+        extra = {} if source.is_xl else dict(safety_checker=None, requires_safety_checker=False)
+        if nets:
+            extra["controlnet"] = nets if len(nets) > 1 else nets[0]
+        pipe = getattr(diffusers, PIPELINES[source.is_xl][bool(nets)]).from_pretrained(source.path, torch_dtype=dtype,
+                                                                                      **extra)
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        # The VAE runs in fp32 where its config forces it (SDXL's): diffusers casts it each call, so it stays eager.
+        vae_compiled = not (pipe.vae.config.get("force_upcast", False) and dtype == torch.float16)
+        if compile_mode is not None:
+            for module in (pipe.unet, *nets, *([pipe.vae] if vae_compiled else [])):
+                module.to(memory_format=torch.channels_last)
+            pipe.unet = torch.compile(pipe.unet, mode=compile_mode)
+            if len(nets) == 1:
+                pipe.controlnet = torch.compile(pipe.controlnet, mode=compile_mode)
+            elif nets:  # diffusers' MultiControlNetModel calls each of its nets
+                pipe.controlnet.nets = torch.nn.ModuleList(torch.compile(net, mode=compile_mode) for net in nets)
+            if vae_compiled:
+                pipe.vae.decode = torch.compile(pipe.vae.decode, mode=compile_mode)
+        self.pipe = pipe
+        self._timer = StageTimer(device)
+        self._loop = contextlib.ExitStack()
+        pipe.encode_prompt = self._timed("clip", pipe.encode_prompt)
+        pipe.vae.decode = self._timed("vae", pipe.vae.decode)
+        prepare_latents = pipe.prepare_latents
+
+        @functools.wraps(prepare_latents)
+        def loop_starts(*args, **kwargs):  # the loop's region opens once the initial latents are made
+            latents = prepare_latents(*args, **kwargs)
+            self._loop.enter_context(self._timer.measure("unet"))
+            return latents
+
+        pipe.prepare_latents = loop_starts
+
+    def _timed(self, region: str, method):
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            with self._timer.measure(region):
+                return method(*args, **kwargs)
+        return timed
+
+    def _step_end(self, pipe, step: int, timestep, tensors: dict) -> dict:
+        if step == pipe.num_timesteps - 1:
+            self._loop.close()
+        return {}
+
+    def __call__(self, request: Request, timer: StageTimer | None = None) -> np.ndarray:
+        """The request's images (text-to-image) as float32 [B, H, W, 3] in [0, 1]; `timer` gets the regions."""
+        self._timer = timer or StageTimer(self.device)
+        self.pipe.scheduler = make_scheduler(request.scheduler, self.source)
+        control = {}
+        if self.scales:
+            images = list(request.control_images)
+            control = dict(image=images if len(images) > 1 else images[0],
+                           controlnet_conditioning_scale=self.scales if len(self.scales) > 1 else self.scales[0],
+                           control_guidance_start=request.control_guidance_start,
+                           control_guidance_end=request.control_guidance_end, guess_mode=request.guess_mode)
+        with self._timer.measure("pipeline"):
+            images = self.pipe(request.prompts, negative_prompt=request.negative_prompts, height=request.height,
+                               width=request.width, num_inference_steps=request.denoising_steps,
+                               guidance_scale=request.guidance_scale,
+                               generator=torch.Generator("cpu").manual_seed(request.seed), output_type="pt",
+                               callback_on_step_end=self._step_end, **control).images
+            images = images.float().cpu()
+        return images.permute(0, 2, 3, 1).numpy()
+
+    def unet_calls(self) -> int:
+        """How many times the last call ran the UNet."""
+        return self.pipe.num_timesteps
