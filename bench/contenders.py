@@ -73,7 +73,8 @@ def contenders() -> dict[str, Contender]:
                   settings=TorchSettings()),
         Contender("diffusers-pipeline-compile", "diffusers' own pipeline and loop, UNet, ControlNets and VAE "
                   "channels-last + torch.compile(mode=\"reduce-overhead\")", DIFFUSERS,
-                  settings=TorchSettings(channels_last=True, compile="reduce-overhead")),
+                  settings=TorchSettings(channels_last=True, compile="reduce-overhead"),
+                  reference="diffusers-pipeline"),
         Contender("ours", "torch backend: all plugins, channels-last, CUDA graphs, compile default", settings=ours),
         Contender("ours-no-plugins", "ours without plugins", settings=replace(ours, plugins=())),
         Contender("ours-no-channels-last", "ours without channels-last", settings=replace(ours, channels_last=False)),

@@ -42,8 +42,8 @@ class DiffusersPipeline:
                                                                                       **extra)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
-        # The VAE runs in fp32 where its config forces it (SDXL's): diffusers casts it each call, so it stays eager.
-        vae_compiled = not (pipe.vae.config.get("force_upcast", False) and dtype == torch.float16)
+        # SDXL's pipelines cast a VAE whose config forces fp32 to it at every call: that one stays eager.
+        vae_compiled = not (source.is_xl and pipe.vae.config.get("force_upcast", False) and dtype == torch.float16)
         if compile_mode is not None:
             for module in (pipe.unet, *nets, *([pipe.vae] if vae_compiled else [])):
                 module.to(memory_format=torch.channels_last)

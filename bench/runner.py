@@ -28,7 +28,8 @@ from demo.backends.tensorrt.runtime import GENERATED, plugin_counts, time_by_kin
 from demo.cli.command import flag_name
 from demo.cli.flags import EngineFlags
 from demo.cli.to_spec import options_of
-from demo.pipelines import StageTimer, image_psnr, to_uint8
+from demo.pipelines import image_psnr, to_uint8
+from demo.pipelines.timer import timed_runs
 from demo.request import TEXT_TO_IMAGE, Request
 from demo.runtime.loader import load_pipeline, plan_pipeline, quiet
 from demo.runtime.report import device_name, precision_name
@@ -221,15 +222,16 @@ def timed_row(timings: list[dict[str, float]], unet_calls: int, models: list, sp
               workload: Workload, request: Request, device) -> dict:
     """A row's time fields from its runs' stage milliseconds: the medians, the runs, the UNet's time per call and the
     denoiser's floor (`models`: the pipeline's stage models)."""
-    return {"unet_calls": unet_calls,
-            **denoiser_floor({model.name: model for model in models}, unet_calls, spec.cache_interval,
-                             stage_batch(UNET, workload.batch, request.guided), workload.height, workload.width,
-                             device_name(device), controlnet_batch=workload.batch if request.guess_mode else None),
-            "latency_ms": (latency := {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}),
-            "latency_ms_runs": timings, "unet_ms_per_call": latency["unet"] / unet_calls}
+    floor = denoiser_floor({model.name: model for model in models}, unet_calls, spec.cache_interval,
+                           stage_batch(UNET, workload.batch, request.guided), workload.height, workload.width,
+                           device_name(device), controlnet_batch=workload.batch if request.guess_mode else None)
+    latency = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
+    return {"unet_calls": unet_calls, **floor, "latency_ms": latency, "latency_ms_runs": timings,
+            "unet_ms_per_call": latency["unet"] / unet_calls}
 
 
 def memory_row(device, free_before: int) -> dict:
+    """A row's memory fields on a GPU: the peak torch allocated, and the device memory held since `free_before`."""
     return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
             "device_used_bytes": free_before - torch.cuda.mem_get_info(device)[0]}
 
@@ -252,16 +254,10 @@ def run_diffusers_pipeline(setup: Setup, contender: Contender, spec: PipelineSpe
     pipeline(request)
     sync(device)
     row["ready_s"] = time.perf_counter() - start
-    for run in range(setup.warmup_runs):
-        say(f"{contender.label}: warm-up run {run + 1}/{setup.warmup_runs}")
-        pipeline(request)
-    timings = []
-    for run in range(setup.runs):
-        timer = StageTimer(device)
-        images = pipeline(request, timer)
-        timings.append(timer.milliseconds())
-        say(f"{contender.label}: run {run + 1}/{setup.runs}: pipeline {timings[-1]['pipeline']:.2f} ms, "
-            f"UNet {timings[-1]['unet']:.2f} ms")
+    if compile_mode is not None:
+        row["compile_s"] = row["ready_s"]
+    images, timings = timed_runs(lambda timer: pipeline(request, timer), device, setup.warmup_runs, setup.runs,
+                                 say=lambda line: say(f"{contender.label}: {line}"))
     row.update(timed_row(timings, pipeline.unet_calls(), plan.base.models, spec, workload, request, device))
     if device.type == "cuda":
         row.update(memory_row(device, free_before))

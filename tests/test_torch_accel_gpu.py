@@ -192,7 +192,7 @@ def test_controlnet_residuals_reach_the_unet_through_cuda_graphs_unchanged():
 def test_the_denoising_loop_never_waits_for_the_gpu(monkeypatch):
     """Each step is queued while the GPU runs the one before: the synchronizing calls torch reports inside the
     loop (DDIM's step indexing its host tables with a timestep on the GPU made two a step) are as few for 8 steps
-    as for 4, with a ControlNet and CUDA graphs."""
+    as for 4, with a ControlNet and CUDA graphs (after a first call, whose one-time work may wait once more)."""
     from demo.request import TEXT_TO_IMAGE
     from demo.runtime.loader import load_pipeline
     from demo.runtime.spec import PipelineSpec
@@ -215,7 +215,7 @@ def test_the_denoising_loop_never_waits_for_the_gpu(monkeypatch):
     spec = PipelineSpec(model="tiny", backend="torch", precision="fp16", plugins="none", use_cuda_graph=True,
                         controlnets=(("tiny-controlnet", 1.0),), modes=(TEXT_TO_IMAGE,))
     with load_pipeline(spec, CUDA, progress=lambda *_: None) as pipeline:
-        for steps in (4, 8):
+        for steps in (4, 4, 8):
             pipeline(Request("a red circle", height=64, width=64, denoising_steps=steps, seed=5, scheduler="DDIM",
                              control_images=(picture(11),)))
-    assert syncs[0] == syncs[1] < 4, syncs
+    assert syncs[1] == syncs[2] < 4, syncs

@@ -15,7 +15,7 @@ from PIL import Image
 from core.errors import UsageError, field
 from demo.pipelines import ExpertsPipeline, make_pipeline, to_uint8
 from demo.pipelines.lora import LoraSpec
-from demo.pipelines.timer import StageTimer
+from demo.pipelines.timer import StageTimer, timed_runs
 from demo.request import TEXT_TO_IMAGE, Request
 from demo.runtime.report import LatencyReport, device_name, library_versions, precision_name
 from demo.schedulers import default_scheduler_name, make_scheduler
@@ -134,17 +134,8 @@ class Pipeline:
     def timed_runs(self, request: Request, warmup_runs: int, runs: int,
                    say: Callable[[str], None] = lambda _: None) -> tuple[np.ndarray, list[dict[str, float]]]:
         """`warmup_runs` untimed runs, then `runs` timed ones: the last run's images and each run's stage
-        milliseconds, for benchmarks to take medians of. `say` hears of each run."""
-        for run in range(warmup_runs):
-            say(f"warm-up run {run + 1}/{warmup_runs}")
-            self.run([request])
-        timings, images = [], None
-        for run in range(runs):
-            timer = StageTimer(self.device)
-            images = self.run([request], timer)
-            timings.append(timer.milliseconds())
-            say(f"run {run + 1}/{runs}: pipeline {timings[-1]['pipeline']:.2f} ms, UNet {timings[-1]['unet']:.2f} ms")
-        return images, timings
+        milliseconds (demo.pipelines.timer.timed_runs)."""
+        return timed_runs(lambda timer: self.run([request], timer), self.device, warmup_runs, runs, say)
 
     def unet_calls(self, request: Request) -> int:
         """How many times the UNet runs for a resolved request (some schedulers take extra warm-up steps)."""
