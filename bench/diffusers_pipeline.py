@@ -55,8 +55,7 @@ class DiffusersPipeline:
             if vae_compiled:
                 pipe.vae.decode = torch.compile(pipe.vae.decode, mode=compile_mode)
         self.pipe = pipe
-        self._timer = StageTimer(device)
-        self._loop = contextlib.ExitStack()
+        self._timer, self._loop = StageTimer(device), contextlib.ExitStack()  # each call's (__call__)
         pipe.encode_prompt = self._timed("clip", pipe.encode_prompt)
         pipe.vae.decode = self._timed("vae", pipe.vae.decode)
         prepare_latents = pipe.prepare_latents
@@ -84,6 +83,7 @@ class DiffusersPipeline:
     def __call__(self, request: Request, timer: StageTimer | None = None) -> np.ndarray:
         """The request's images (text-to-image) as float32 [B, H, W, 3] in [0, 1]; `timer` gets the regions."""
         self._timer = timer or StageTimer(self.device)
+        self._loop = contextlib.ExitStack()  # a call that failed mid-loop leaves nothing open for the next
         self.pipe.scheduler = make_scheduler(request.scheduler, self.source)
         control = {}
         if self.scales:
