@@ -139,12 +139,16 @@ def scene_tensors(scenes: list[Scene], rng: random.Random | None = None, device=
     }
 
 
-def render(scene: Scene, rng: random.Random | None = None):
-    """One scene as a PIL image (SIZE x SIZE, RGB)."""
+def to_pil(image: torch.Tensor):
+    """One drawn image ([3, SIZE, SIZE] in [0, 1]) as a PIL image."""
     from PIL import Image
 
-    image = render_batch(**scene_tensors([scene], rng))[0]
-    return Image.fromarray((image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
+    return Image.fromarray((image.permute(1, 2, 0) * 255).round().to(torch.uint8).cpu().numpy())
+
+
+def render(scene: Scene, rng: random.Random | None = None):
+    """One scene as a PIL image (SIZE x SIZE, RGB)."""
+    return to_pil(render_batch(**scene_tensors([scene], rng))[0])
 
 
 def silhouettes(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -158,10 +162,7 @@ def silhouettes(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def silhouette(scene: Scene):
     """One scene's silhouette (no jitter) as a PIL image: its control image for shapes-controlnet."""
-    from PIL import Image
-
-    pixels = silhouettes(scene_tensors([scene]))[0]
-    return Image.fromarray((pixels.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())
+    return to_pil(silhouettes(scene_tensors([scene]))[0])
 
 
 def object_box(scene: Scene, margin: int = 6) -> tuple[int, int, int, int]:
