@@ -15,6 +15,7 @@ STAGE_NAMES = (CLIP, CLIP2, UNET, VAE, VAE_ENCODER)
 UNET_SHALLOW = "unet_shallow"  # the step cache's second UNet stage, made with the UNet's (models.stages.stage_models)
 CONTROLNET = "controlnet"  # ControlNet stages: controlnet0, controlnet1, ... (models.controlnet)
 CONTROL_IMAGE = "_image"  # each one's conditioning image embedding, a stage run once per image: controlnet0_image ...
+SHALLOW = "_shallow"  # under the step cache, each one's shallow pass (the residuals a shallow UNet pass reads)
 
 
 def controlnet_stage(index: int) -> str:
@@ -32,8 +33,17 @@ def is_controlnet_stage(name: str) -> bool:
     return name.startswith(CONTROLNET) and name[len(CONTROLNET):].isdigit()
 
 
+def shallow_controlnet_stage(index: int) -> str:
+    """The name of the `index`-th ControlNet's shallow pass under the step cache."""
+    return controlnet_stage(index) + SHALLOW
+
+
 def is_control_image_stage(name: str) -> bool:
     return name.endswith(CONTROL_IMAGE) and is_controlnet_stage(name.removesuffix(CONTROL_IMAGE))
+
+
+def is_shallow_controlnet_stage(name: str) -> bool:
+    return name.endswith(SHALLOW) and is_controlnet_stage(name.removesuffix(SHALLOW))
 
 # name -> the module defining it, imported on first use
 _LAZY = {**{name: "models.stages" for name in (

@@ -22,12 +22,12 @@ import torch
 
 from core.atomic import atomic_directory
 from core.errors import RunFailure, UsageError, field
-from models import CONTROL_IMAGE, CONTROLNET, control_image_stage, controlnet_stage
+from models import CONTROL_IMAGE, CONTROLNET, control_image_stage, controlnet_stage, shallow_controlnet_stage
 from models.base import ONNX_OPSET, StageModel
 from models.builtin import CONTROLNET_NAMES, GENERATED_CONTROLNETS, SHIPPED_CONTROLNETS
 from models.source import ModelSource, content_fingerprint, default_cache_dir, resolve_model
-from models.unet import UNetModel, residual_names, residual_shapes
-from models.unet_cache import Branches
+from models.unet import ADDED_CONDITIONS, TEXT, UNetModel, residual_names, residual_shapes
+from models.unet_cache import Branches, controlnet_shallow_residuals
 
 CONFIG = "config.json"
 # A conditioning image's embedding: the output of its image stage, an input of its ControlNet's.
@@ -158,6 +158,24 @@ class _ScaledControlNet(torch.nn.Module):
         return (*(residual * scales[i] for i, residual in enumerate(down)), mid * scales[-1])
 
 
+class _ShallowScaledControlNet(torch.nn.Module):
+    """_ScaledControlNet's residuals of skip connections 0..branch alone (models.unet_cache), on the inputs named
+    `input_names` (a shallow pass from branch 0 reads neither the time nor the text)."""
+
+    def __init__(self, controlnet, branch: int, input_names: tuple[str, ...]):
+        super().__init__()
+        self.controlnet, self.branch, self.input_names = controlnet, branch, input_names
+        self.branches = Branches.of(controlnet.config)
+
+    def forward(self, *inputs):
+        named = dict(zip(self.input_names, inputs))
+        added = {name: named[name] for name in ADDED_CONDITIONS if name in named} or None
+        residuals = controlnet_shallow_residuals(self.controlnet, self.branches, self.branch, named["sample"],
+                                                 named.get("timestep"), named.get(TEXT), added, named[EMBEDDING])
+        scales = named["conditioning_scale"]
+        return tuple(residual * scales[i] for i, residual in enumerate(residuals))
+
+
 class _ControlNetStage(StageModel):
     """A stage computed with a ControlNet folder's module (`controlnet`): `wrapper` around its ControlNetModel."""
 
@@ -175,13 +193,20 @@ class _ControlNetStage(StageModel):
     def load_module(self):
         from diffusers import ControlNetModel
 
-        return self.wrapper(ControlNetModel.from_pretrained(self.controlnet.path))
+        return self.wrap(ControlNetModel.from_pretrained(self.controlnet.path))
+
+    def wrap(self, controlnet) -> torch.nn.Module:
+        """The stage's module around a ControlNetModel (the torch backend's shallow pass wraps its full stage's)."""
+        return self.wrapper(controlnet)
+
+    def component_module(self, module):
+        return module.controlnet
 
     def meta_module(self):
         from diffusers import ControlNetModel
 
         with torch.device("meta"):
-            return self.wrapper(ControlNetModel.from_config(self.controlnet.config))
+            return self.wrap(ControlNetModel.from_config(self.controlnet.config))
 
 
 class ControlNetStageModel(_ControlNetStage):
@@ -231,6 +256,54 @@ class ControlNetStageModel(_ControlNetStage):
     @property
     def artifact_name(self) -> str:
         return f"{CONTROLNET}-{self.controlnet.fingerprint}"
+
+
+class ShallowControlNetStageModel(ControlNetStageModel):
+    """The `index`-th ControlNet's shallow pass under the step cache (stage controlnet<index>_shallow): the residuals
+    of skip connections 0..`cache_branch` alone, which a shallow UNet pass from that branch reads; with its full
+    stage's weights (the torch backend runs both on one module) and scales (the same `conditioning_scale`, of which
+    it reads the first cache_branch + 1). Only what those layers read is an input: a ResNet reads the time (and
+    SDXL's added conditions), a transformer the text."""
+
+    def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int, cache_branch: int,
+                 scale: float = 1.0):
+        super().__init__(source, controlnet, index, scale)
+        self.cache_branch, self.part_of = cache_branch, self.name
+        self.name = shallow_controlnet_stage(index)
+        branches = Branches.of(controlnet.config)
+        branches.check(cache_branch)
+        unread = (() if branches.shallow_reads_time(cache_branch) else ("timestep", *ADDED_CONDITIONS)) + (
+            () if branches.down_reads_text(cache_branch) else (TEXT,))
+        self.input_names = tuple(name for name in self.input_names if name not in unread)
+        self.output_names = self.output_names[:cache_branch + 1]
+        self.dynamic_axes = {name: axes for name, axes in self.dynamic_axes.items()
+                             if name in (*self.input_names, *self.output_names)}
+
+    def input_shapes(self, batch, height, width):
+        return self._read(super().input_shapes(batch, height, width), self.input_names)
+
+    def input_dtypes(self, dtype):
+        return self._read(super().input_dtypes(dtype), self.input_names)
+
+    def sample_inputs(self, batch, height, width, device="cpu", dtype=torch.float32, generator=None):
+        return self._read(super().sample_inputs(batch, height, width, device, dtype, generator), self.input_names)
+
+    def output_shapes(self, batch, height, width):
+        return self._read(super().output_shapes(batch, height, width), self.output_names)
+
+    @staticmethod
+    def _read(values: dict, names: tuple[str, ...]) -> dict:
+        return {name: values[name] for name in names}
+
+    def wrap(self, controlnet):
+        return _ShallowScaledControlNet(controlnet, self.cache_branch, self.input_names)
+
+    def onnx_key(self, dtype, opset=ONNX_OPSET):
+        return dict(super().onnx_key(dtype, opset), cache_branch=self.cache_branch)
+
+    @property
+    def artifact_name(self) -> str:
+        return f"{super().artifact_name}.cache{self.cache_branch}"
 
 
 class ControlNetImageModel(_ControlNetStage):

@@ -1,10 +1,20 @@
 """The stage registry: each stage's model class by its name, and which stages a model and a mode run."""
 
 from core.errors import UsageError
-from models import CLIP, CLIP2, UNET, UNET_SHALLOW, VAE, VAE_ENCODER, is_control_image_stage, is_controlnet_stage
+from models import (
+    CLIP,
+    CLIP2,
+    UNET,
+    UNET_SHALLOW,
+    VAE,
+    VAE_ENCODER,
+    is_control_image_stage,
+    is_controlnet_stage,
+    is_shallow_controlnet_stage,
+)
 from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
-from models.controlnet import ControlNetImageModel, ControlNetStageModel
+from models.controlnet import ControlNetImageModel, ControlNetStageModel, ShallowControlNetStageModel
 from models.unet import UNetModel, UNetShallowModel
 from models.vae import VAEDecoderModel, VAEEncoderModel
 
@@ -35,16 +45,20 @@ def image_to_image_stages(source) -> tuple[str, ...]:
 def stage_models(source, names, cache_branch: int | None = None, controlnets=()) -> list[StageModel]:
     """The stage models of `names` for `source`; with a step-cache branch (models.unet_cache), the UNet's returns its
     deep features there and the shallow pass's stage follows it; with ControlNets ((ControlNetSource, scale) each),
-    the UNet takes their residuals and their stages follow it, each with its conditioning image's."""
+    the UNet (and its shallow pass) takes their residuals and their stages follow it, each with its shallow pass
+    under the cache and its conditioning image's."""
     models = []
     for name in names:
-        if name == UNET and controlnets:
-            models.append(UNetModel(source, controlled=True))
+        if name == UNET:
+            controlled = bool(controlnets)
+            models.append(UNetModel(source, cache_branch, controlled))
+            if cache_branch is not None:
+                models.append(UNetShallowModel(source, cache_branch, controlled))
             for index, (controlnet, scale) in enumerate(controlnets):
-                models += [ControlNetStageModel(source, controlnet, index, scale),
-                           ControlNetImageModel(source, controlnet, index)]
-        elif name == UNET and cache_branch is not None:
-            models += [UNetModel(source, cache_branch), UNetShallowModel(source, cache_branch)]
+                models.append(ControlNetStageModel(source, controlnet, index, scale))
+                if cache_branch is not None:
+                    models.append(ShallowControlNetStageModel(source, controlnet, index, cache_branch, scale))
+                models.append(ControlNetImageModel(source, controlnet, index))
         else:
             models.append(STAGE_MODELS[name](source))
     return models
@@ -54,7 +68,7 @@ def stage_batch(stage: str, images: int, guided: bool) -> int:
     """The batch `stage` sees for `images` images."""
     if stage in SINGLE_IMAGE_STAGES:
         return 1
-    steering = is_controlnet_stage(stage) or is_control_image_stage(stage)
+    steering = is_controlnet_stage(stage) or is_shallow_controlnet_stage(stage) or is_control_image_stage(stage)
     return images * 2 if guided and (stage in GUIDED_STAGES or steering) else images
 
 

@@ -47,34 +47,23 @@ class _ControlledDenoiser(_Denoiser):
                          return_dict=False)[0]
 
 
-class _CachingDenoiser(_Denoiser):
-    """The full pass: the prediction and the deep features at `branch`."""
+class _CachingDenoiser(torch.nn.Module):
+    """The step cache's passes (models.unet_cache.cached_forward) on the inputs named `input_names` (the stage's): the
+    full pass returns the prediction and the deep features at `branch`; with the deep features among the inputs, the
+    shallow pass from them returns the prediction. ControlNet residuals among the inputs go in where diffusers adds
+    them."""
 
-    def __init__(self, unet, branch: int):
-        super().__init__(unet)
-        self.branches, self.branch = Branches.of(unet.config), branch
+    def __init__(self, unet, branch: int, input_names: tuple[str, ...]):
+        super().__init__()
+        self.unet, self.branches, self.branch, self.input_names = unet, Branches.of(unet.config), branch, input_names
+        *self.down_residuals, self.mid_residual = residual_names(self.branches.count)
 
-    def forward(self, sample, timestep, encoder_hidden_states, *added):
-        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
-        return cached_forward(self.unet, self.branches, self.branch, sample, timestep, encoder_hidden_states,
-                              added_cond_kwargs)
-
-
-class _ShallowDenoiser(_CachingDenoiser):
-    """The shallow pass from the deep features (the last input); without the text embeddings where it does not attend
-    to the text (an ONNX export drops an input nothing reads)."""
-
-    def __init__(self, unet, branch: int):
-        super().__init__(unet, branch)
-        self.reads_text = self.branches.shallow_reads_text(branch)
-
-    def forward(self, sample, timestep, *rest):
-        added, features, text = rest[:-1], rest[-1], None
-        if self.reads_text:
-            text, added = added[0], added[1:]
-        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
-        return cached_forward(self.unet, self.branches, self.branch, sample, timestep, text, added_cond_kwargs,
-                              features)
+    def forward(self, *inputs):
+        named = dict(zip(self.input_names, inputs))
+        added = {name: named[name] for name in ADDED_CONDITIONS if name in named} or None
+        down = [named[name] for name in self.down_residuals if name in named] or None
+        return cached_forward(self.unet, self.branches, self.branch, named["sample"], named["timestep"],
+                              named.get(TEXT), added, named.get(DEEP_FEATURES), down, named.get(self.mid_residual))
 
 
 class UNetModel(StageModel):
@@ -110,9 +99,8 @@ class UNetModel(StageModel):
 
     @property
     def artifact_name(self) -> str:
-        if self.controlled:
-            return f"{self.name}.controlled"
-        return self.name if self.cache_branch is None else f"{self.name}.cache{self.cache_branch}"
+        controlled = ".controlled" if self.controlled else ""
+        return self.name + controlled + ("" if self.cache_branch is None else f".cache{self.cache_branch}")
 
     def feature_shape(self, batch: int, height: int, width: int) -> tuple[int, ...]:
         """The deep features' shape at the stage's cache branch for this batch and image size."""
@@ -174,9 +162,9 @@ class UNetModel(StageModel):
     def wrap(self, unet) -> torch.nn.Module:
         """The stage's module around a loaded UNet2DConditionModel (the torch backend's shallow stage wraps the full
         stage's)."""
-        if self.controlled:
-            return _ControlledDenoiser(unet, Branches.of(self.config).count)
-        return _Denoiser(unet) if self.cache_branch is None else _CachingDenoiser(unet, self.cache_branch)
+        if self.cache_branch is not None:
+            return _CachingDenoiser(unet, self.cache_branch, self.input_names)
+        return _ControlledDenoiser(unet, Branches.of(self.config).count) if self.controlled else _Denoiser(unet)
 
     def meta_module(self):
         return self.wrap(self.component_skeleton())
@@ -197,15 +185,19 @@ class UNetModel(StageModel):
 
 
 class UNetShallowModel(UNetModel):
-    """The step cache's shallow pass: the UNet's inputs and the deep features a full pass kept -> the prediction."""
+    """The step cache's shallow pass: the UNet's inputs (with ControlNets, the residuals of the branches it recomputes)
+    and the deep features a full pass kept -> the prediction."""
 
     name = UNET_SHALLOW
     part_of = UNET
 
-    def __init__(self, source, cache_branch: int):
-        super().__init__(source, cache_branch)
-        reads_text = Branches.of(self.config).shallow_reads_text(cache_branch)
-        self.input_names = (*(name for name in self.input_names if reads_text or name != TEXT), DEEP_FEATURES)
+    def __init__(self, source, cache_branch: int, controlled: bool = False):
+        super().__init__(source, cache_branch, controlled)
+        branches = Branches.of(self.config)
+        reads_text = branches.shallow_reads_text(cache_branch)
+        deeper = residual_names(branches.count)[cache_branch + 1:]  # what they did is in the kept features
+        self.input_names = (*(name for name in self.input_names if (reads_text or name != TEXT) and name not in deeper),
+                            DEEP_FEATURES)
         self.output_names = (LATENT,)
         self.dynamic_axes = {name: axes for name, axes in self.dynamic_axes.items()
                              if name in (*self.input_names, *self.output_names)}
@@ -213,9 +205,6 @@ class UNetShallowModel(UNetModel):
     def input_shapes(self, batch, height, width):
         shapes = {**super().input_shapes(batch, height, width), DEEP_FEATURES: self.feature_shape(batch, height, width)}
         return {name: shapes[name] for name in self.input_names}
-
-    def wrap(self, unet):
-        return _ShallowDenoiser(unet, self.cache_branch)
 
 
 def residual_names(count: int) -> tuple[str, ...]:

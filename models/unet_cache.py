@@ -12,6 +12,11 @@ from that layer on, starting from the kept features: DeepCache's `cache_branch_i
 Both passes call diffusers' own modules (ResNets, transformers, samplers, embeddings) in diffusers' order
 (UNet2DConditionModel.forward and its blocks' forward), so the full pass gives the UNet's output bit for bit and
 our plugins substitute into both as into the UNet.
+
+With ControlNets, a full pass adds their residuals where diffusers does (each skip connection's, the mid block's),
+and a shallow pass adds those of the branches it recomputes (0..K), which a ControlNet's own shallow pass gives
+(controlnet_shallow_residuals: conv_in and the same down layers); what the deeper residuals did is in the kept
+features, the mid block's included.
 """
 
 from __future__ import annotations
@@ -72,11 +77,22 @@ class Branches:
         """The up layer (index into `up`) that consumes `branch`: where a shallow pass starts."""
         return self.count - 1 - branch
 
+    def shallow_down(self, branch: int) -> tuple[tuple[int, int | None], ...]:
+        """The down layers a shallow pass from `branch` recomputes (branch 0: conv_in alone)."""
+        return self.down[:branch]
+
+    def shallow_reads_time(self, branch: int) -> bool:
+        """Whether a ControlNet's shallow pass from `branch` reads the time embedding: a ResNet among its layers."""
+        return any(layer is not None for _, layer in self.shallow_down(branch))
+
+    def down_reads_text(self, branch: int) -> bool:
+        """Whether the down layers a shallow pass from `branch` recomputes attend to the text."""
+        return any(self.cross_attention[0][block] for block, layer in self.shallow_down(branch) if layer is not None)
+
     def shallow_reads_text(self, branch: int) -> bool:
         """Whether a shallow pass from `branch` attends to the text (else its export has no text input)."""
-        down, up = self.cross_attention
-        return (any(down[block] for block, _ in self.down[:branch])
-                or any(up[block] for block, _ in self.up[self.entry_layer(branch):]))
+        return self.down_reads_text(branch) or any(self.cross_attention[1][block]
+                                                   for block, _ in self.up[self.entry_layer(branch):])
 
     def branch_size(self, branch: int, height: int, width: int) -> tuple[int, int]:
         """The spatial size of `branch` for latents of height x width (downsamplers: 3x3 convolutions of stride 2)."""
@@ -124,16 +140,48 @@ def _up_layer(block, layer: int, hidden, skip, emb, text):
 
 
 def cached_forward(unet, branches: Branches, branch: int, sample, timestep, encoder_hidden_states,
-                   added_cond_kwargs=None, features=None):
-    """UNet2DConditionModel.forward (no ControlNet, adapter or class labels), as a full pass when `features` is None
-    (returns the prediction and the features entering the up layer of `branch`) or as a shallow pass from `features`
-    (returns the prediction)."""
+                   added_cond_kwargs=None, features=None, down_residuals=None, mid_residual=None):
+    """UNet2DConditionModel.forward (no adapter or class labels), as a full pass when `features` is None (returns the
+    prediction and the features entering the up layer of `branch`) or as a shallow pass from `features` (returns the
+    prediction). ControlNet residuals, where given, are added as diffusers adds them: `down_residuals` to the skip
+    connections the pass computes (all of them, or 0..branch), `mid_residual` (a full pass's) to the mid block's
+    output."""
     with traced_under(unet):
         return _cached_forward(unet, branches, branch, sample, timestep, encoder_hidden_states, added_cond_kwargs,
-                               features)
+                               features, down_residuals, mid_residual)
 
 
-def _cached_forward(unet, branches, branch, sample, timestep, encoder_hidden_states, added_cond_kwargs, features):
+def _time_embedding(model, sample, timestep, added_cond_kwargs):
+    """A ControlNetModel's time embedding, as its forward makes it (the time ids added in for SDXL's)."""
+    emb = model.time_embedding(model.time_proj(timestep.expand(sample.shape[0])).to(dtype=sample.dtype), None)
+    if model.config.addition_embed_type == "text_time":
+        text_embeds, time_ids = added_cond_kwargs["text_embeds"], added_cond_kwargs["time_ids"]
+        time_embeds = model.add_time_proj(time_ids.flatten()).reshape((text_embeds.shape[0], -1))
+        emb = emb + model.add_embedding(torch.concat([text_embeds, time_embeds], dim=-1).to(emb.dtype))
+    return emb
+
+
+def controlnet_shallow_residuals(controlnet, branches: Branches, branch: int, sample, timestep, encoder_hidden_states,
+                                 added_cond_kwargs, embedding) -> list[torch.Tensor]:
+    """A ControlNetModel's residuals for skip connections 0..branch (unscaled), as its forward computes them, from its
+    conditioning image's `embedding`: conv_in and the down layers a shallow UNet pass recomputes, each through its
+    zero convolution; the time embedding only where a ResNet reads it (branch 0 has none)."""
+    with traced_under(controlnet):
+        emb = (_time_embedding(controlnet, sample, timestep, added_cond_kwargs)
+               if branches.shallow_reads_time(branch) else None)
+        hidden = controlnet.conv_in(sample) + embedding
+        skips = [hidden]
+        for block_index, layer in branches.shallow_down(branch):
+            block = controlnet.down_blocks[block_index]
+            with traced_under(block):
+                hidden = (block.downsamplers[0](hidden) if layer is None
+                          else _down_layer(block, layer, hidden, emb, encoder_hidden_states))
+            skips.append(hidden)
+        return [zero_conv(skip) for skip, zero_conv in zip(skips, controlnet.controlnet_down_blocks)]
+
+
+def _cached_forward(unet, branches, branch, sample, timestep, encoder_hidden_states, added_cond_kwargs, features,
+                    down_residuals, mid_residual):
     upsample_factor = 2 ** branches.final_down_size
     forward_upsample_size = any(size % upsample_factor != 0 for size in sample.shape[-2:])
     if unet.config.center_input_sample:
@@ -149,17 +197,21 @@ def _cached_forward(unet, branches, branch, sample, timestep, encoder_hidden_sta
 
     hidden = unet.conv_in(sample)
     skips = [hidden]
-    for block_index, layer in branches.down if features is None else branches.down[:branch]:
+    for block_index, layer in branches.down if features is None else branches.shallow_down(branch):
         block = unet.down_blocks[block_index]
         with traced_under(block):
             hidden = (block.downsamplers[0](hidden) if layer is None
                       else _down_layer(block, layer, hidden, emb, text))
         skips.append(hidden)
+    if down_residuals is not None:
+        skips = [skip + residual for skip, residual in zip(skips, down_residuals, strict=True)]
     if features is None and unet.mid_block is not None:
         if getattr(unet.mid_block, "has_cross_attention", False):
             hidden = unet.mid_block(hidden, emb, encoder_hidden_states=text)
         else:
             hidden = unet.mid_block(hidden, emb)
+    if mid_residual is not None:
+        hidden = hidden + mid_residual
 
     entry = branches.entry_layer(branch)
     kept = None

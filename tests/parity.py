@@ -1,6 +1,7 @@
 """Same seed, same image: our pipeline against diffusers' own for the request's mode (StableDiffusionPipeline,
 StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline or their SDXL twins, as the model's model_index.json
-says), on the CPU in fp32; and the torch backend's stages those tests run."""
+says), on the CPU in fp32; the torch backend's stages those tests run; and diffusers' UNet with the step cache
+written from its own modules alone (reference_unet), for diffusers' pipelines to run cached."""
 
 import diffusers
 import numpy as np
@@ -60,3 +61,40 @@ def check_parity(source, stages, scheduler: str, request: Request, **components)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2
     assert ours.std() > 5
     return ours
+
+
+def entry_module(unet, branch: int) -> torch.nn.Module:
+    """The diffusers module whose output enters the up layer that consumes skip `branch` (counted as the UNet's
+    forward collects its down_block_res_samples): the reference cache replaces its output."""
+    down_outputs = 1 + sum(len(block.resnets) + (block.downsamplers is not None) for block in unet.down_blocks)
+    entry = down_outputs - 1 - branch
+    if entry == 0:
+        return unet.mid_block
+    layers = [(block, layer) for block in unet.up_blocks for layer in range(len(block.resnets))]
+    block, layer = layers[entry - 1]
+    if layer == len(block.resnets) - 1 and block.upsamplers is not None:
+        return block.upsamplers[0]
+    return block.attentions[layer] if getattr(block, "attentions", None) is not None else block.resnets[layer]
+
+
+def reference_unet(source, interval: int, branch: int):
+    """diffusers' UNet, cached as the step cache does it, by diffusers' modules alone."""
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(source.component_dir("unet"))
+    module, state = entry_module(unet, branch), {"calls": 0, "kept": None}
+    forward, module_forward = unet.forward, module.forward
+
+    def unet_forward(*args, **kwargs):
+        state["full"] = state["calls"] % interval == 0
+        state["calls"] += 1
+        return forward(*args, **kwargs)
+
+    def cached_module_forward(*args, **kwargs):
+        output = module_forward(*args, **kwargs)
+        if state["full"]:
+            state["kept"] = output
+        return state["kept"]
+
+    unet.forward, module.forward = unet_forward, cached_module_forward
+    return unet

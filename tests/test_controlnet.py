@@ -1,6 +1,7 @@
 """ControlNet (issue 42) on the CPU: every mode (text-to-image, image-to-image, inpainting) and family (SD 1.x/2.x,
 SDXL) against diffusers' own ControlNet pipelines, same seed, same image within 2/255; several ControlNets (diffusers'
-MultiControlNetModel) with a guidance window; guess mode; and each bad input as one line."""
+MultiControlNetModel) with a guidance window; guess mode; with the step cache (diffusers' pipelines on a UNet cached
+from its own modules, tests.parity.reference_unet); and each bad input as one line."""
 
 import diffusers
 import numpy as np
@@ -43,20 +44,22 @@ def request_for(mode: str, controls: tuple, **fields) -> Request:
     return Request("a red circle", height=64, width=64, **common)
 
 
-def ours(model: str, controlnets, request: Request) -> np.ndarray:
+def ours(model: str, controlnets, request: Request, **spec_fields) -> np.ndarray:
     spec = PipelineSpec(model=model, backend="torch", precision="fp32", controlnets=tuple(controlnets),
-                        modes=(request.mode,))
+                        modes=(request.mode,), **spec_fields)
     with load_pipeline(spec, CPU, progress=QUIET) as pipeline:
         return pipeline(request).pixels
 
 
-def theirs(model: str, controlnets, request: Request) -> np.ndarray:
+def theirs(model: str, controlnets, request: Request, **components) -> np.ndarray:
+    """diffusers' ControlNet pipeline for the request's mode, with `components` in place of its own."""
     source = resolve_model(model)
     nets = [diffusers.ControlNetModel.from_pretrained(resolve_controlnet(name).path) for name, _ in controlnets]
     scales = [scale for _, scale in controlnets]
     reference = getattr(diffusers, REFERENCES[request.mode][source.is_xl])
     extra = {} if source.is_xl else dict(safety_checker=None, requires_safety_checker=False)
-    pipe = reference.from_pretrained(source.path, controlnet=nets if len(nets) > 1 else nets[0], **extra)
+    pipe = reference.from_pretrained(source.path, controlnet=nets if len(nets) > 1 else nets[0], **extra,
+                                     **components)
     pipe.scheduler = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     controls = list(request.control_images) if len(nets) > 1 else request.control_images[0]
@@ -96,6 +99,86 @@ def test_same_seed_same_image_as_diffusers_controlnet_pipelines(model, controlne
     assert np.abs(mine.astype(int) - theirs(model, controlnets, request).astype(int)).max() <= 2
     without = ours(model, [(name, 0.0) for name, _ in controlnets], request)
     assert np.abs(mine.astype(int) - without.astype(int)).max() > 2  # the ControlNets steer the picture
+
+
+@pytest.mark.parametrize("model, controlnet", [("tiny", "tiny-controlnet"), ("tiny-xl", "tiny-xl-controlnet")])
+def test_cached_passes_with_a_controlnet_are_the_controlled_unet(model, controlnet):
+    """At every branch: the full pass with the ControlNet's residuals is the controlled UNet bit for bit; the
+    ControlNet's shallow pass gives its first residuals bit for bit; the UNet's shallow pass on them, from the full
+    pass's own features, gives the prediction again."""
+    from models.controlnet import ControlNetStageModel, ShallowControlNetStageModel
+    from models.unet import UNetModel, UNetShallowModel
+    from models.unet_cache import Branches
+
+    source, net = resolve_model(model), resolve_controlnet(controlnet)
+    full_net = ControlNetStageModel(source, net, 0)
+    net_module = full_net.load_module().eval()
+    plain = UNetModel(source, controlled=True)
+    unet = plain.load_module().eval()
+    inputs = full_net.sample_inputs(2, 64, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        residuals = dict(zip(full_net.output_names, net_module(*(inputs[name] for name in full_net.input_names))))
+        feed = {**inputs, **residuals}
+        expected = unet(*(feed[name] for name in plain.input_names))
+        for branch in range(Branches.of(source.config("unet")).count):
+            full, shallow = UNetModel(source, branch, controlled=True), UNetShallowModel(source, branch, True)
+            prediction, features = full.wrap(unet.unet)(*(feed[name] for name in full.input_names))
+            assert torch.equal(prediction, expected), branch
+            shallow_net = ShallowControlNetStageModel(source, net, 0, branch)
+            mine = shallow_net.wrap(net_module.controlnet)(*(inputs[name] for name in shallow_net.input_names))
+            assert len(mine) == branch + 1 and all(torch.equal(a, residuals[name]) for a, name in
+                                                   zip(mine, shallow_net.output_names)), branch
+            shallow_feed = {**feed, **dict(zip(shallow_net.output_names, mine)), "deep_features": features}
+            again = shallow.wrap(unet.unet)(*(shallow_feed[name] for name in shallow.input_names))
+            assert torch.equal(again, expected), branch
+            assert "mid_residual" not in shallow.input_names and ("timestep" in shallow_net.input_names) == (branch > 0)
+
+
+def test_the_cached_controlled_passes_compile_to_one_graph_each():
+    """torch.compile traces the ControlNet's shallow pass and the controlled UNet's two passes whole: no graph break,
+    the same outputs."""
+    from models.controlnet import ShallowControlNetStageModel
+    from models.unet import UNetModel, UNetShallowModel
+
+    source, net = resolve_model("tiny-xl"), resolve_controlnet("tiny-xl-controlnet")
+    stages = [UNetModel(source, 4, controlled=True), UNetShallowModel(source, 4, controlled=True),
+              ShallowControlNetStageModel(source, net, 0, 4)]
+    feed = {name: value for stage in stages
+            for name, value in stage.sample_inputs(2, 64, 64, generator=torch.Generator().manual_seed(2)).items()}
+    unet, controlnet = stages[0].load_module().eval(), stages[2].load_module().eval()
+    feed["deep_features"] = unet(*(feed[name] for name in stages[0].input_names))[1]
+    for stage, module in zip(stages, (unet, stages[1].wrap(unet.unet), controlnet)):
+        args = [feed[name] for name in stage.input_names]
+        with torch.no_grad():
+            compiled = torch.compile(module, backend="eager", dynamic=False, fullgraph=True)
+            expected, again = module(*args), compiled(*args)
+        expected, again = (x if isinstance(x, tuple) else (x,) for x in (expected, again))
+        assert all(torch.equal(a, b) for a, b in zip(expected, again, strict=True)), stage.name
+
+
+CACHED = [  # model, ControlNets and scales, mode, request fields, interval, branch
+    ("tiny", [("tiny-controlnet", 0.8)], TEXT_TO_IMAGE, {}, 3, 0),
+    ("tiny", [("tiny-controlnet", 1.2)], INPAINTING, {}, 2, 2),
+    ("tiny", [("tiny-controlnet", 0.6), ("tiny-controlnet", 1.1)], TEXT_TO_IMAGE,
+     dict(control_guidance_start=0.2, control_guidance_end=0.7), 3, 1),
+    ("tiny-xl", [("tiny-xl-controlnet", 1.0)], IMAGE_TO_IMAGE, {}, 2, 3),
+    ("tiny-xl", [("tiny-xl-controlnet", 1.0)], TEXT_TO_IMAGE, dict(guess_mode=True), 3, 1),
+]
+
+
+@pytest.mark.parametrize("model, controlnets, mode, fields, interval, branch", CACHED)
+def test_a_cached_run_with_controlnets_equals_diffusers_with_a_reference_cache(model, controlnets, mode, fields,
+                                                                                interval, branch):
+    """The step cache with ControlNets: diffusers' ControlNet pipeline, its UNet cached from its own modules (every
+    residual goes in at every call; a cached call keeps the deep part's output), draws our cached picture."""
+    from tests.parity import reference_unet
+
+    controls = tuple(picture(11 + index) for index in range(len(controlnets)))
+    request = request_for(mode, controls, **fields)
+    mine = ours(model, controlnets, request, cache_interval=interval, cache_branch=branch)
+    reference = theirs(model, controlnets, request, unet=reference_unet(resolve_model(model), interval, branch))
+    assert np.abs(mine.astype(int) - reference.astype(int)).max() <= 2
+    assert np.abs(mine.astype(int) - ours(model, controlnets, request).astype(int)).max() > 2  # the cache is on
 
 
 def test_the_conditioning_image_is_embedded_once_per_call_and_a_bgr_controlnet_matches_diffusers(tmp_path):
@@ -182,8 +265,6 @@ def test_channels_last_hands_the_residuals_over_in_that_layout_and_draws_the_sam
      "controlnets no/such/folder: no such ControlNet"),
     (dict(controlnets=(("tiny-controlnet", float("nan")),)), dict(control_images=(picture(1),)),
      "the scale must be a finite number, got nan"),
-    (dict(controlnets=(("tiny-controlnet", 1.0),), cache_interval=3), dict(control_images=(picture(1),)),
-     "the step cache does not run with controlnets yet"),
     (dict(controlnets=(("tiny-controlnet", 1.0),)), dict(control_images=(picture(1),), control_guidance_start=0.5,
                                                           control_guidance_end=0.5),
      "must be 0 <= start < end <= 1, got 0.5 and 0.5"),
@@ -256,6 +337,25 @@ def test_engines_draw_the_torch_image_and_a_lora_refits_the_unet_with_the_contro
     assert np.abs(plain.astype(int) - torch_plain.astype(int)).max() <= 1
     assert np.abs(with_lora.astype(int) - torch_lora.astype(int)).max() <= 1
     assert np.abs(with_lora.astype(int) - plain.astype(int)).max() > 2
+
+
+def test_engines_with_the_step_cache_draw_the_torch_paths_cached_image(tmp_path):
+    """Under the step cache, the ControlNet's shallow pass and the controlled UNet's two passes are engines of their
+    own (stand-in TensorRT, fp32) beside the uncached ones' names: the torch path's cached picture."""
+    from tests.fake_tensorrt import stand_in_pipeline
+
+    request = request_for(TEXT_TO_IMAGE, (picture(11),))
+    fields = dict(model="tiny", precision="fp32", controlnets=(("tiny-controlnet", 0.8),), modes=(TEXT_TO_IMAGE,),
+                  cache_interval=3, cache_branch=1)
+    with stand_in_pipeline(tmp_path, **fields) as pipeline:
+        engines = pipeline(request).pixels
+    with load_pipeline(PipelineSpec(backend="torch", **fields), CPU, progress=QUIET) as pipeline:
+        torch_image = pipeline(request).pixels
+    names = sorted(p.name for p in (tmp_path / "engine").glob("*.engine"))
+    assert [name for name in names if name.startswith("unet")] == ["unet.controlled.cache1.engine",
+                                                                   "unet_shallow.controlled.cache1.engine"]
+    assert sum(name.startswith("controlnet-") and name.endswith(".cache1.engine") for name in names) == 1
+    assert np.abs(engines.astype(int) - torch_image.astype(int)).max() <= 1
 
 
 def test_sd_benchmark_times_a_controlnet_pipeline_apart_from_the_plain_one(tmp_path):

@@ -27,7 +27,7 @@ from models.source import resolve_model
 from models.unet import UNetModel, UNetShallowModel
 from models.unet_cache import Branches
 from tests.fake_tensorrt import stand_in_pipeline
-from tests.parity import diffusers_images
+from tests.parity import diffusers_images, reference_unet
 
 CPU = torch.device("cpu")
 QUIET = lambda *_: None  # noqa: E731
@@ -70,43 +70,6 @@ def test_both_passes_compile_to_one_graph_each(model):
         shallow_module = torch.compile(shallow.wrap(module.unet), backend="eager", dynamic=False, fullgraph=True)
         assert torch.equal(shallow_module(*[feed[name] for name in shallow.input_names]), prediction)
     assert torch.equal(again, prediction) and torch.equal(kept, features)
-
-
-def entry_module(unet, branch: int) -> torch.nn.Module:
-    """The diffusers module whose output enters the up layer that consumes skip `branch` (counted as the UNet's
-    forward collects its down_block_res_samples): the reference cache replaces its output."""
-    down_outputs = 1 + sum(len(block.resnets) + (block.downsamplers is not None) for block in unet.down_blocks)
-    entry = down_outputs - 1 - branch
-    if entry == 0:
-        return unet.mid_block
-    layers = [(block, layer) for block in unet.up_blocks for layer in range(len(block.resnets))]
-    block, layer = layers[entry - 1]
-    if layer == len(block.resnets) - 1 and block.upsamplers is not None:
-        return block.upsamplers[0]
-    return block.attentions[layer] if getattr(block, "attentions", None) is not None else block.resnets[layer]
-
-
-def reference_unet(source, interval: int, branch: int):
-    """diffusers' UNet, cached as the step cache does it, by diffusers' modules alone."""
-    from diffusers import UNet2DConditionModel
-
-    unet = UNet2DConditionModel.from_pretrained(source.component_dir("unet"))
-    module, state = entry_module(unet, branch), {"calls": 0, "kept": None}
-    forward, module_forward = unet.forward, module.forward
-
-    def unet_forward(*args, **kwargs):
-        state["full"] = state["calls"] % interval == 0
-        state["calls"] += 1
-        return forward(*args, **kwargs)
-
-    def cached_module_forward(*args, **kwargs):
-        output = module_forward(*args, **kwargs)
-        if state["full"]:
-            state["kept"] = output
-        return state["kept"]
-
-    unet.forward, module.forward = unet_forward, cached_module_forward
-    return unet
 
 
 def our_images(source, request: Request, interval: int, branch: int, scheduler: str) -> np.ndarray:

@@ -166,10 +166,12 @@ def test_graphs_on_a_second_gpu(tiny):
         assert rel_error(output, eager(feed)["latent"]) < 1e-3
 
 
-def test_controlnet_residuals_reach_the_unet_through_cuda_graphs_unchanged():
+@pytest.mark.parametrize("cache_interval", [1, 3])
+def test_controlnet_residuals_reach_the_unet_through_cuda_graphs_unchanged(cache_interval):
     """A ControlNet's graph returns its own output buffers, channels-last (no clone; StageModel.feeds_a_stage); the UNet
     copies them in before the ControlNet runs again: two ControlNets with a guidance window, channels-last and CUDA
-    graphs draw the plain modules' picture, twice the same."""
+    graphs draw the plain modules' picture, twice the same; with the step cache too (the shallow passes' graphs on
+    the full passes' modules)."""
     from demo.backends.torch.options import TorchOptions
     from demo.request import TEXT_TO_IMAGE
     from demo.runtime.loader import load_pipeline
@@ -182,7 +184,8 @@ def test_controlnet_residuals_reach_the_unet_through_cuda_graphs_unchanged():
     for graphed in (False, True):
         spec = PipelineSpec(model="tiny", backend="torch", precision="fp16", plugins="none", use_cuda_graph=graphed,
                             controlnets=(("tiny-controlnet", 0.6), ("tiny-controlnet", 1.1)), modes=(TEXT_TO_IMAGE,),
-                            torch=TorchOptions(channels_last=graphed, compile="none"))
+                            torch=TorchOptions(channels_last=graphed, compile="none"), cache_interval=cache_interval,
+                            cache_branch=1)
         with load_pipeline(spec, CUDA, progress=lambda *_: None) as pipeline:
             images[graphed] = [pipeline(request).pixels for _ in range(2)]
     assert np.array_equal(*images[True])

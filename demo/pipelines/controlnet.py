@@ -3,7 +3,9 @@ ControlNet stage (controlnet0, controlnet1, ...) sees the UNet's input and its c
 once per call by its image stage, controlnet0_image ...); the residuals of all of them add up (diffusers'
 MultiControlNetModel) and go into the UNet by name. Outside a ControlNet's guidance window
 (control_guidance_start/end) its scale is 0; in guess mode it sees the prompt's half of the batch alone, its residuals
-ramp from 0.1 to 1 times its scale down the skip connections, and the unconditional half gets none."""
+ramp from 0.1 to 1 times its scale down the skip connections, and the unconditional half gets none. Under the step
+cache, a step that runs the UNet's shallow pass runs each ControlNet's (controlnet0_shallow ...): the residuals of the
+skip connections that pass recomputes."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from demo.pipelines.image_to_image import (
 )
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
-from models import control_image_stage, is_controlnet_stage
+from models import control_image_stage, is_controlnet_stage, shallow_controlnet_stage
 from models.controlnet import EMBEDDING
 
 if TYPE_CHECKING:
@@ -64,24 +66,28 @@ class ControlNetSteps:
         return super().denoise(batch, latents, conditioning, generator, timesteps, progress)
 
     def conditioning_scales(self, stage: Stage, on: bool, batch: Batch) -> torch.Tensor:
-        """The scale of each of `stage`'s residuals: its ControlNet's (0 where not `on`), ramped in guess mode;
-        made once per request batch (a step takes one of two)."""
-        key = (stage.model.name, on)
+        """The scale of each of `stage`'s ControlNet's residuals (a shallow pass reads the first of them): its
+        ControlNet's (0 where not `on`), ramped in guess mode; made once per request batch (a step takes one of
+        two)."""
+        key = (stage.model.part_of or stage.model.name, on)
         if key not in self._scales:
-            count, scale = len(stage.model.output_names), stage.model.scale * float(on)
+            count, scale = stage.model.count + 1, stage.model.scale * float(on)
             self._scales[key] = (torch.logspace(-1, 0, count, device=self.device) * scale if batch.head.guess_mode
                                  else torch.full((count,), scale, device=self.device))
         return self._scales[key]
 
-    def unet_extra(self, step, steps, model_input, timestep, conditioning, batch):
+    def unet_extra(self, step, steps, model_input, timestep, conditioning, batch, whole):
         head = batch.head
         halves = head.guided and head.guess_mode  # the ControlNets see the prompts' half alone
         sample = model_input.chunk(2)[1] if halves else model_input
         text = tuple(part.chunk(2)[1] for part in conditioning) if halves else conditioning
         inside = head.control_guidance_start <= step / steps and (step + 1) / steps <= head.control_guidance_end
-        calls = [(stage, {**dict(zip(stage.model.input_names, (sample.to(self.dtype), timestep, *text))),
-                          EMBEDDING: embedding, "conditioning_scale": self.conditioning_scales(stage, inside, batch)})
-                 for stage, embedding in zip(self.controlnets, self._control)]
+        stages = self.controlnets if whole else [self.stages[shallow_controlnet_stage(index)]
+                                                 for index in range(len(self.controlnets))]
+        inputs = dict(zip(self.controlnets[0].model.input_names, (sample.to(self.dtype), timestep, *text)))
+        calls = [(stage, {**inputs, EMBEDDING: embedding,  # by name: a shallow pass reads fewer
+                          "conditioning_scale": self.conditioning_scales(stage, inside, batch)})
+                 for stage, embedding in zip(stages, self._control)]
         residuals = controlnet_residuals(calls)
         if halves:  # the unconditional half gets no residual
             residuals = {name: torch.cat([torch.zeros_like(value), value]) for name, value in residuals.items()}

@@ -133,9 +133,9 @@ class Text2ImagePipeline:
         return self.noise(shape, generator) * self.scheduler.init_noise_sigma
 
     def unet_extra(self, step: int, steps: int, model_input: torch.Tensor, timestep: torch.Tensor,
-                   conditioning: tuple[torch.Tensor, ...], batch: Batch) -> dict[str, torch.Tensor]:
+                   conditioning: tuple[torch.Tensor, ...], batch: Batch, whole: bool) -> dict[str, torch.Tensor]:
         """The UNet's inputs beside its sample and conditioning at `step` of `steps` (ControlNets' residuals), from the
-        scaled model input; none here."""
+        scaled model input, for a whole UNet pass or (not `whole`) the step cache's shallow pass; none here."""
         return {}
 
     def unet_sample(self, model_input: torch.Tensor) -> torch.Tensor:
@@ -162,12 +162,13 @@ class Text2ImagePipeline:
             model_input = torch.cat([latents] * 2) if batch.head.guided else latents
             model_input = self.scheduler.scale_model_input(model_input, t)
             timestep = unet_timesteps[i]
-            extra = self.unet_extra(i, len(timesteps), model_input, timestep, conditioning, batch)
+            whole = shallow is None or i % self.cache_interval == 0
+            extra = self.unet_extra(i, len(timesteps), model_input, timestep, conditioning, batch, whole)
             inputs = (self.unet_sample(model_input).to(self.dtype), timestep, *conditioning)
             feed = dict(zip(unet.model.input_names, inputs), **extra)  # by name: the stages take what they read
             if shallow is None:
                 prediction = unet(feed)[LATENT]
-            elif i % self.cache_interval == 0:  # both guidance halves' features, kept together
+            elif whole:  # both guidance halves' features, kept together
                 outputs = unet(feed)
                 prediction, features = outputs[LATENT], outputs[DEEP_FEATURES]
             else:

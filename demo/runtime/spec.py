@@ -80,9 +80,6 @@ class PipelineSpec:
         for name, scale in self.controlnets:
             if not math.isfinite(scale):
                 raise UsageError(f"{field('controlnets')} {name}: the scale must be a finite number, got {scale}")
-        if self.controlnets and self.cached_branch is not None:
-            raise UsageError(f"{field('cache_interval')} {self.cache_interval}: the step cache does not run with "
-                             f"{field('controlnets')} yet")
         if self.max_batch_size is not None:
             at_least("max_batch_size", self.max_batch_size, 1)
         unknown = [mode for mode in self.modes or () if mode not in MODES]
