@@ -399,13 +399,21 @@ def test_sd_benchmark_times_a_controlnet_pipeline_apart_from_the_plain_one(tmp_p
     assert steered[0]["denoiser_gflop_per_step"] > plain[0]["denoiser_gflop_per_step"] > 0  # the ControlNet's calls
 
 
-def test_build_engines_builds_the_controlnet_and_the_controlled_unet_with_tensorrt_for_rtx(tmp_path):
+@pytest.mark.parametrize("cache", [[], ["--cache-interval", "3", "--cache-branch", "0"]], ids=["plain", "cached"])
+def test_build_engines_builds_the_controlnet_and_the_controlled_unet_with_tensorrt_for_rtx(tmp_path, cache):
+    """A real builder parses and builds every graph: with the step cache, the ControlNet's shallow pass from branch 0
+    too (conv_in and a zero convolution: no time or text input)."""
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx-cu13 is not installed")
     from demo.cli.build_engines import main
 
     assert main(["--model", "tiny", "--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine"),
                  "--optimization-level", "0", "--build-static-batch", "--stages", "unet",
-                 "--controlnet", "tiny-controlnet"]) == 0
+                 "--controlnet", "tiny-controlnet", *cache]) == 0
     names = sorted(p.name for p in (tmp_path / "engine").glob("*.engine"))
-    assert len(names) == 3 and names[2] == "unet.controlled.engine"
-    assert names[0].startswith("controlnet-") and names[1] == names[0].replace(".engine", "_image.engine")
+    controlnet = names[0].split(".")[0]
+    assert controlnet.startswith("controlnet-")
+    if cache:
+        assert names == [f"{controlnet}.cache0.engine", f"{controlnet}.engine", f"{controlnet}_image.engine",
+                         "unet.controlled.cache0.engine", "unet_shallow.controlled.cache0.engine"]
+    else:
+        assert names == [f"{controlnet}.engine", f"{controlnet}_image.engine", "unet.controlled.engine"]
