@@ -272,6 +272,9 @@ class ShallowControlNetStageModel(ControlNetStageModel):
         self.name = shallow_controlnet_stage(index)
         branches = Branches.of(controlnet.config)
         branches.check(cache_branch)
+        if controlnet.config.get("addition_embed_type") not in (None, "text_time"):  # what _time_embedding makes
+            raise UsageError(f"{field('controlnets')} {controlnet.name}: the step cache does not take a ControlNet "
+                             f"with '{controlnet.config['addition_embed_type']}' added embeddings")
         unread = (() if branches.shallow_reads_time(cache_branch) else ("timestep", *ADDED_CONDITIONS)) + (
             () if branches.down_reads_text(cache_branch) else (TEXT,))
         self.input_names = tuple(name for name in self.input_names if name not in unread)

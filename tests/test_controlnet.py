@@ -293,6 +293,22 @@ def test_a_controlnet_for_another_text_width_is_refused(tmp_path):
     assert "attends to text 48 wide; model 'tiny' has 32" in raised.value.render()
 
 
+def test_the_step_cache_refuses_a_controlnet_whose_time_embedding_it_cannot_make(tmp_path):
+    import json
+    import shutil
+
+    from demo.runtime.loader import plan_pipeline
+
+    folder = tmp_path / "text-embedding"
+    shutil.copytree(resolve_controlnet("tiny-controlnet").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "addition_embed_type": "text"}))
+    spec = PipelineSpec(model="tiny", backend="torch", controlnets=((str(folder), 1.0),), cache_interval=2)
+    with pytest.raises(UsageError) as raised:
+        plan_pipeline(spec, CPU, progress=QUIET)
+    assert "the step cache does not take a ControlNet with 'text' added embeddings" in raised.value.render()
+
+
 def test_the_command_line_draws_with_a_controlnet_and_refuses_bad_input_in_one_line(tmp_path, capsys):
     from demo.cli.generate import main
 
