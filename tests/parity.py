@@ -1,6 +1,7 @@
 """Same seed, same image: our pipeline against diffusers' own for the request's mode (StableDiffusionPipeline,
 StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline or their SDXL twins, as the model's model_index.json
-says), on the CPU in fp32; the torch backend's stages those tests run; and diffusers' UNet with the step cache
+says), on the CPU in fp32; the torch backend's stages those tests run; its input images against diffusers' image
+processors' (check_input_images); and diffusers' UNet with the step cache
 written from its own modules alone (reference_unet), for diffusers' pipelines to run cached."""
 
 import diffusers
@@ -10,6 +11,7 @@ import torch
 from demo.backends.registry import REFERENCE
 from demo.backends.torch.settings import FALLBACK
 from demo.pipelines import StageTimer, make_pipeline, to_uint8
+from demo.pipelines.images import preprocess
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Request
 from demo.schedulers import SCHEDULERS
 from models import STAGE_MODELS, text_to_image_stages
@@ -23,6 +25,28 @@ def torch_stages(source, names=None, settings=FALLBACK, device=CPU, dtype=torch.
     diffusers modules as they are)."""
     models = [STAGE_MODELS[name](source) for name in names or text_to_image_stages(source)]
     return REFERENCE.create_stages(models, lambda _: settings, device, dtype, QUIET, QUIET)
+def check_input_images(device: torch.device) -> None:
+    """demo.pipelines.images.preprocess on `device` makes what diffusers' image processors make on the CPU, bit for
+    bit: with the input image's, the mask's and a control image's processor (as diffusers' pipelines configure
+    them), for random RGB and grayscale images at their own size and resized."""
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    mask = dict(do_normalize=False, do_binarize=True, do_convert_grayscale=True)
+    processors = (VaeImageProcessor(vae_scale_factor=8), VaeImageProcessor(vae_scale_factor=8, **mask),
+                  VaeImageProcessor(vae_scale_factor=8, do_convert_rgb=True, do_normalize=False))
+    pixels = np.random.default_rng(5).integers(0, 256, (64, 48, 3), dtype=np.uint8)
+    images = (Image.fromarray(pixels), Image.fromarray(pixels[..., 0]))
+    for processor in processors:
+        for image in images:
+            for height, width in ((64, 48), (40, 56)):
+                expected = processor.preprocess(image, height=height, width=width)
+                made = preprocess(processor, image, height, width, device)
+                assert made.device.type == device.type and made.is_contiguous()
+                assert made.dtype == expected.dtype, (made.dtype, expected.dtype)
+                assert torch.equal(made.cpu(), expected), (processor.config, image.mode, height, width)
+
+
 # A request's mode -> diffusers' pipelines for it (SD 1.x/2.x, SDXL).
 REFERENCES = {
     TEXT_TO_IMAGE: ("StableDiffusionPipeline", "StableDiffusionXLPipeline"),

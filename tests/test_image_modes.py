@@ -31,7 +31,7 @@ from demo.runtime.loader import load_pipeline
 from demo.runtime.spec import PipelineSpec
 from models import STAGE_MODELS, image_to_image_stages, stage_batch
 from models.source import resolve_model
-from tests.parity import CPU, check_parity, torch_stages
+from tests.parity import CPU, check_input_images, check_parity, torch_stages
 
 PROMPTS = ("a photo of an astronaut riding a horse", "a red car")
 HEIGHT, WIDTH = 64, 48  # a non-square request; tiny's native size is 64
@@ -52,6 +52,10 @@ def a_mask(height: int, width: int) -> Image.Image:
 IMAGE = random_image(HEIGHT, WIDTH)
 LARGER = random_image(96, 72, seed=2)  # same proportions: resized to the request's size, as diffusers does
 MASK = a_mask(HEIGHT, WIDTH)
+
+
+def test_input_images_are_made_on_the_device_as_diffusers_makes_them():
+    check_input_images(CPU)
 
 
 def request(mode: str, strength: float, image=IMAGE, mask=MASK, negatives=None, guidance=7.0, **kwargs):

@@ -2,7 +2,8 @@
 plugin library): each plugin family substituted into the tiny model's modules against the unsubstituted
 module; the whole tiny pipeline with plugins, channels-last, CUDA graphs and torch.compile against the plain
 diffusers modules (PSNR and largest pixel difference); and the CUDA-graph path's outputs (static output
-poisoned before each replay, no aliasing between calls), on a second GPU too where there is one."""
+poisoned before each replay, no aliasing between calls), on a second GPU too where there is one; input images made
+on the GPU as diffusers' image processors make them on the CPU."""
 
 import copy
 import warnings
@@ -19,6 +20,7 @@ from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
 from plugins import torch_ops
 from plugins.contract import PLUGIN_KEYS
 from plugins.diffusers_modules import substitute
+from tests.parity import check_input_images
 
 pytestmark = pytest.mark.gpu
 needs_plugins = pytest.mark.skipif(not torch_ops.available(), reason=f"plugins cannot run here: {torch_ops.status()}")
@@ -164,6 +166,10 @@ def test_graphs_on_a_second_gpu(tiny):
         output = graphed(feed)["latent"]
         assert output.device == second_gpu
         assert rel_error(output, eager(feed)["latent"]) < 1e-3
+
+
+def test_input_images_are_made_on_the_gpu_as_diffusers_makes_them_on_the_cpu():
+    check_input_images(CUDA)
 
 
 @pytest.mark.parametrize("cache_interval", [1, 3])

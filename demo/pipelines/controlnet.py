@@ -20,6 +20,7 @@ from demo.pipelines.image_to_image import (
     SDXLImage2ImagePipeline,
     SDXLInpaintPipeline,
 )
+from demo.pipelines.images import preprocess
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
 from models import control_image_stage, is_controlnet_stage, shallow_controlnet_stage
@@ -49,10 +50,9 @@ class ControlNetSteps:
         head = batch.head
         images = []
         for index in range(len(self.controlnets)):
-            rows = torch.cat([processor.preprocess(request.control_images[index], height=head.height,
-                                                   width=head.width).to(torch.float32).repeat_interleave(
-                request.images, dim=0) for request in batch.requests])
-            rows = rows.to(device=self.device, dtype=self.dtype)
+            rows = torch.cat([preprocess(processor, request.control_images[index], head.height, head.width,
+                                         self.device).repeat_interleave(request.images, dim=0)
+                              for request in batch.requests]).to(self.dtype)
             rows = torch.cat([rows] * 2) if head.guided and not head.guess_mode else rows
             images.append(self.stages[control_image_stage(index)]({"controlnet_cond": rows})[EMBEDDING])
         return images

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from demo.pipelines.batch import Batch
+from demo.pipelines.images import preprocess
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
 from models.source import ModelSource
@@ -34,8 +35,8 @@ class Image2ImagePipeline(Text2ImagePipeline):
 
     def preprocess(self, batch: Batch) -> torch.Tensor:
         """The input image as diffusers' image processor makes it: resized to the request's size (Lanczos), in
-        [-1, 1], [1, 3, H, W] on the host."""
-        return self.image_processor.preprocess(batch.head.image, height=batch.head.height, width=batch.head.width)
+        [-1, 1], [1, 3, H, W] (fp32, on the device)."""
+        return preprocess(self.image_processor, batch.head.image, batch.head.height, batch.head.width, self.device)
 
     def encode_image(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The latents of images in [-1, 1] (fp32): the VAE encoder stage's Gaussian, in the stage's dtype (fp32 where
@@ -86,7 +87,7 @@ class InpaintPipeline(Image2ImagePipeline):
         size, inpainting_unet, full = batch.batch_size, self.source.inpainting, batch.strength == 1.0
         height, width = batch.head.height, batch.head.width
         image = self.preprocess(batch)
-        mask = self.mask_processor.preprocess(batch.head.mask, height=height, width=width)
+        mask = preprocess(self.mask_processor, batch.head.mask, height, width, self.device)
         shape = self.source.latent_shape(size, height, width)
         image_latents = None
         if not (inpainting_unet and full):  # for the noised start, or the blend
@@ -94,7 +95,7 @@ class InpaintPipeline(Image2ImagePipeline):
         noise = self.noise(shape, generator)
         latents = (noise * self.scheduler.init_noise_sigma if full
                    else self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(size)))
-        latent_mask = torch.nn.functional.interpolate(mask, size=shape[2:]).to(self.device).repeat(size, 1, 1, 1)
+        latent_mask = torch.nn.functional.interpolate(mask, size=shape[2:]).repeat(size, 1, 1, 1)
         if inpainting_unet:
             masked = self.encode_image(image * (mask < 0.5), generator).repeat(size, 1, 1, 1)
             extra = torch.cat([latent_mask, masked], dim=1)
