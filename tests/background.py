@@ -2,7 +2,8 @@
 beside the tests that come before the one needing it: the suite leaves 46% of a 2-core CPU idle on average
 (subprocesses starting, servers coming up), and the two jobs below took 200 s of its 1125 when they ran in line.
 A job is a module with `build(directory)`; tests/conftest.py starts the jobs whose fixture a collected test uses,
-and stops and removes them all when the session ends."""
+and stops and removes them all when the session ends. A pytest-xdist worker (the README's two keep the CPU busy by
+themselves) collects every test and runs some: its jobs start where a test of its own first needs them."""
 
 from __future__ import annotations
 

@@ -5,6 +5,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Under pytest-xdist (-n 2) the workers share the CPU: one thread each (and in what they start), not two each
+# spinning against the other's.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def _no_gpu() -> str | None:
@@ -22,7 +27,17 @@ def _no_tensorrt() -> str | None:
 NEEDS = {"gpu": _no_gpu, "tensorrt": _no_tensorrt}
 
 
+# The slowest files, longest first (each a worker's for minutes, two waiting on a background job in line): under
+# pytest-xdist they are handed out first, so that the two workers finish together rather than one alone at the end.
+SLOWEST_FILES = ("test_plugin_passes.py", "test_quality.py", "test_step_cache.py", "test_serve.py",
+                 "test_controlnet.py", "test_benchmark.py", "test_plugins_cpu.py", "test_lora_refit.py",
+                 "test_int8.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    if WORKER:  # every worker sorts alike: xdist checks that they collected the same
+        order = {name: rank for rank, name in enumerate(SLOWEST_FILES)}
+        items.sort(key=lambda item: order.get(item.path.name, len(order)))
     reasons = {}
     for item in items:
         for marker, why_not in NEEDS.items():
@@ -37,7 +52,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     from tests import background
 
-    background.start_for(session.items)
+    if not WORKER:  # a worker collects every test but runs some: its jobs start where a test first needs them
+        background.start_for(session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,8 +1,8 @@
 """Same seed, same image: our pipeline against diffusers' own for the request's mode (StableDiffusionPipeline,
 StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline or their SDXL twins, as the model's model_index.json
 says), on the CPU in fp32; the torch backend's stages those tests run; its input images against diffusers' image
-processors' (check_input_images); and diffusers' UNet with the step cache
-written from its own modules alone (reference_unet), for diffusers' pipelines to run cached."""
+processors' (check_input_images); and diffusers' UNet with the step cache written from its own modules alone
+(reference_unet), for diffusers' pipelines to run cached."""
 
 import diffusers
 import numpy as np
@@ -25,6 +25,8 @@ def torch_stages(source, names=None, settings=FALLBACK, device=CPU, dtype=torch.
     diffusers modules as they are)."""
     models = [STAGE_MODELS[name](source) for name in names or text_to_image_stages(source)]
     return REFERENCE.create_stages(models, lambda _: settings, device, dtype, QUIET, QUIET)
+
+
 def check_input_images(device: torch.device) -> None:
     """demo.pipelines.images.preprocess on `device` makes what diffusers' image processors make on the CPU, bit for
     bit: with the input image's, the mask's and a control image's processor (as diffusers' pipelines configure

@@ -286,7 +286,7 @@ def test_int8_engines_are_compared_with_their_fp16_ones(tmp_path, monkeypatch):
     fake_tensorrt.install(monkeypatch, "8.6.0")  # runs "on" a compute capability 9.0 GPU: engines run here
     monkeypatch.chdir(tmp_path)  # the engines' default folders
     status, data, results = run(tmp_path, "--runs", "1", "--contenders", "diffusers-eager,tensorrt-auto,tensorrt-int8",
-                                "--optimization-level", "0")
+                                "--optimization-level", "0", "--calibration-steps", "4")
     assert status == 0 and not data["failed"] and not data["skipped"], data
     rows = {row["label"]: row for row in data["rows"]}
     int8, fp16 = rows["tensorrt-int8"], rows["tensorrt-auto"]
