@@ -219,7 +219,7 @@ def ablate(flags, configs: list[tuple[str, tuple[str, ...], str]]) -> int:
             "build_budget_s": ablation.build_budget_s, "build_gpus": ablation.build_gpus}
     json_path = write_results(Path(output.results_dir), rows, failed, meta)
     if output.update_defaults:
-        update_plugins_auto(output.defaults_path, rows, meta, json_path, source.is_xl)
+        update_plugins_auto(output.defaults_path, rows, meta, json_path, source.family.tuned_key)
     return 0
 
 
@@ -248,9 +248,10 @@ def write_results(results: Path, rows: list[dict], failed: dict, meta: dict) -> 
     return json_path
 
 
-def update_plugins_auto(path: Path, rows: list[dict], meta: dict, json_path: Path, xl: bool = False) -> None:
+def update_plugins_auto(path: Path, rows: list[dict], meta: dict, json_path: Path,
+                        family: str | None = None) -> None:
     """Record the plugins that measured faster alone than none as this compute capability's `--plugins auto` (for
-    SDXL models where the ablation ran one: `xl`)."""
+    the family's models where it has a tuned key of its own: models.families Family.tuned_key)."""
     if meta["compute_capability"] is None:
         say("no GPU here: the tuned defaults are left as they are")
         return
@@ -258,7 +259,7 @@ def update_plugins_auto(path: Path, rows: list[dict], meta: dict, json_path: Pat
         say("no 'none' configuration ran, so nothing was measured against it: the tuned defaults are left as they are")
         return
     plugins = faster_than_none(rows)
-    key = entry_key(meta["compute_capability"], xl)
+    key = entry_key(meta["compute_capability"], family)
     write_entry(PLUGINS_AUTO, key, {
         "plugins": plugins, "gpu": meta["gpu"], "date": meta["date"], "tensorrt": meta["tensorrt"],
         "source": f"sd-ablation, {json_path.parent.name}/{json_path.name}"}, path)

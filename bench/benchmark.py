@@ -287,7 +287,7 @@ def benchmark(flags, chosen: list[Contender]) -> int:
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
     setup = Setup(spec_from_flags(flags), source, device, dtype, request, engine, bench.runs, bench.warmup_runs,
                   bench.engines_from_ablation, flags[ModelFlags].verbose, say)
-    chosen = [resolve_here(c, device, source.is_xl) for c in chosen]
+    chosen = [resolve_here(c, device, source.family.tuned_key) for c in chosen]
     results = Results(Path(output.results_dir), bench.fresh, gpu, meta)
     say(f"{len(chosen)} contender(s) x {len(workloads)} workload(s) on {gpu}: {', '.join(c.label for c in chosen)}; "
         f"{request.scheduler}, seed {request.seed}")
@@ -304,7 +304,7 @@ def benchmark(flags, chosen: list[Contender]) -> int:
             say("a run with ControlNets does not set the torch defaults: they are left as they are")
         else:
             write_defaults(output.defaults_path, results.data, setup.title(workloads[0]),
-                           gpu, entry_key(capability, source.is_xl), results.json_path)
+                           gpu, entry_key(capability, source.family.tuned_key), results.json_path)
     print(benchmark_table(results.data), end="")
     say(f"wrote {results.json_path} and its .md and .png")
     return 0

@@ -136,23 +136,23 @@ def select_contenders(text: str | None) -> list[Contender]:
     return sorted(chosen, key=lambda c: c.label != EAGER)
 
 
-def resolve_here(contender: Contender, device, xl: bool = False) -> Contender:
+def resolve_here(contender: Contender, device, family: str | None = None) -> Contender:
     """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot
-    run); tensorrt-auto with the plugins `--plugins auto` means here; for an SDXL model (`xl`) or an SD 1.x/2.x one;
+    run); tensorrt-auto with the plugins `--plugins auto` means here; for a family's models (its tuned key);
     any other contender as it is."""
     if contender.cache_interval is not None:
-        uncached = resolve_here(replace(contender, label=contender.uncached_label, cache_interval=None), device, xl)
+        uncached = resolve_here(replace(contender, label=contender.uncached_label, cache_interval=None), device, family)
         return replace(uncached, label=contender.label, cache_interval=contender.cache_interval,
                        what=f"{uncached.what}; step cache every {contender.cache_interval}")
     if contender.label in (TRT_AUTO, TRT_INT8):
-        plugins = parse_plugin_set("auto", xl=xl)
+        plugins = parse_plugin_set("auto", family=family)
         return replace(contender, plugins=plugins, what=f"{contender.what}: {', '.join(plugins) or 'none'}")
     if contender.label != DEFAULTS:
         return contender
     from demo.backends.torch.settings import resolve_torch_settings  # torch: not needed for --help
 
     try:
-        settings, source = resolve_torch_settings(device=device, xl=xl)
+        settings, source = resolve_torch_settings(device=device, family=family)
     except UsageError as exc:
         return replace(contender, what=f"{contender.what}: {exc}", skip=str(exc))
     return replace(contender, settings=settings, what=f"torch backend defaults here: {settings.describe()} ({source})")

@@ -14,14 +14,10 @@ import numpy as np
 import torch
 
 from demo.pipelines import StageTimer
-from demo.request import Request
+from demo.request import TEXT_TO_IMAGE, Request
 from demo.schedulers import make_scheduler
 from models.controlnet import resolve_controlnet
 from models.source import ModelSource
-
-# is_xl -> diffusers' pipeline without and with ControlNets
-PIPELINES = {False: ("StableDiffusionPipeline", "StableDiffusionControlNetPipeline"),
-             True: ("StableDiffusionXLPipeline", "StableDiffusionXLControlNetPipeline")}
 
 
 class DiffusersPipeline:
@@ -32,18 +28,19 @@ class DiffusersPipeline:
         import diffusers
 
         self.source, self.device = source, device
-        nets = [diffusers.ControlNetModel.from_pretrained(resolve_controlnet(name).path, torch_dtype=dtype)
+        nets = [diffusers.ControlNetModel.from_pretrained(resolve_controlnet(name, source).path, torch_dtype=dtype)
                 for name, _ in controlnets]
         self.scales = [scale for _, scale in controlnets]
-        extra = {} if source.is_xl else dict(safety_checker=None, requires_safety_checker=False)
+        family = source.family
+        extra = dict(family.diffusers_options)
         if nets:
             extra["controlnet"] = nets if len(nets) > 1 else nets[0]
-        pipe = getattr(diffusers, PIPELINES[source.is_xl][bool(nets)]).from_pretrained(source.path, torch_dtype=dtype,
-                                                                                      **extra)
+        pipe = getattr(diffusers, family.diffusers_pipeline(TEXT_TO_IMAGE, bool(nets))).from_pretrained(
+            source.path, torch_dtype=dtype, **extra)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         # SDXL's pipelines cast a VAE whose config forces fp32 to it at every call: that one stays eager.
-        vae_compiled = not (source.is_xl and pipe.vae.config.get("force_upcast", False) and dtype == torch.float16)
+        vae_compiled = not (dtype == torch.float16 and family.fp16_runs_fp32("vae", pipe.vae.config))
         if compile_mode is not None:
             for module in (pipe.unet, *nets, *([pipe.vae] if vae_compiled else [])):
                 module.to(memory_format=torch.channels_last)

@@ -550,7 +550,8 @@ def sweep(flags, spec, counts: dict[str, int], pairs: list[tuple[int, int]], com
     from models.unet_cache import Branches
 
     quality = flags[QualityFlags]
-    branches = Branches.of(resolve_model(spec.model, vae=spec.vae).config("unet"))
+    branches = Branches.of(resolve_model(spec.model, vae=spec.vae, config=spec.model_config,
+                                      prediction_type=spec.prediction_type).denoiser_config)
     for _, branch in pairs:  # a bad branch is a usage error before anything renders
         branches.check(branch)
     uncached, path = measure(flags, dataclasses.replace(spec, cache_interval=1), counts, None, command, warm_up=True)
@@ -647,10 +648,8 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
     cases = select_cases(quality_cases(), counts)
     if spec.controlnets:
         cases = [dataclasses.replace(case, steered=True) for case in cases]
-    requests = [plan.resolve(request) for request in case_requests(cases, render, plan.source.native_image_size,
+    requests = [plan.checked(request) for request in case_requests(cases, render, plan.source.native_image_size,
                                                                     len(spec.controlnets))]
-    for request in requests:
-        plan.check(request)
     for note in plan.notes + requests[0].unused():
         to_stderr(f"note: {render_fields(note, flag_name)}")
     say(f"model {plan.source.name} ({plan.source.path}), backend {plan.backend.name} ({plan.backend_reason}), "

@@ -283,7 +283,8 @@ def unet_error_vs_reference(setup: Setup, contender: Contender, workload: Worklo
     """The UNet's output against the reference contender's UNet engine (built beside it, not rebuilt here) on the
     same random inputs: largest absolute difference and relative L2 error; None where that engine is not built.
     The other stages' engines are the reference's own files (an INT8 contender quantizes only the UNet)."""
-    reference = resolve_here(contenders()[contender.reference], setup.device, setup.source.is_xl)
+    reference = resolve_here(contenders()[contender.reference], setup.device,
+                             setup.source.family.tuned_key)
     spec = contender_spec(setup, reference, workload, first)
     spec = replace(spec, stages=("unet",), engine=replace(spec.engine, build_missing=False))
     try:

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Callable
 
 from core.errors import UsageError, at_least, field
 from demo.schedulers import check_steps, default_scheduler_name, make_scheduler, scheduler_named
+from models.families import CLASSIFIER_FREE, EMBEDDED, IMAGE_TO_IMAGE, INPAINTING, MODES, NO_GUIDANCE, TEXT_TO_IMAGE
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
     from models.source import ModelSource
 
-# What a request does, from the images it brings: the pipeline and the stages it needs follow from it.
-TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING = "text-to-image", "image-to-image", "inpainting"
-MODES = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
+# What a request does follows from the images it brings (Request.mode: TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING, of
+# models.families): the pipeline and the stages it needs follow from that.
 # How much of the schedule re-draws the input image unless the request says: diffusers' pipelines' defaults.
 DEFAULT_STRENGTH = {IMAGE_TO_IMAGE: 0.8, INPAINTING: 1.0}
 DEFAULT_PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -39,6 +39,12 @@ def is_guided(guidance_scale: float | None) -> bool:
     """Classifier-free guidance runs above a scale of 1 (at 1 or below it would change nothing). None, the model's own
     scale (models.source.ModelSource.default_guidance_scale), guides: every model's is above 1."""
     return guidance_scale is None or guidance_scale > 1.0
+
+
+def guidance_of(kind: str, guidance_scale: float | None) -> str:
+    """How a request at `guidance_scale` is guided on a model of guidance `kind` (models.families GUIDANCE_KINDS):
+    classifier-free guidance at a scale of 1 or below is none."""
+    return NO_GUIDANCE if kind == CLASSIFIER_FREE and not is_guided(guidance_scale) else kind
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class Request:
     control_guidance_start: float = 0.0
     control_guidance_end: float = 1.0
     guess_mode: bool = False
+    # How the model guides it (models.families GUIDANCE_KINDS): filled in by `resolved` from the model, not given
+    guidance: str | None = None
 
     @property
     def mode(self) -> str:
@@ -73,7 +81,9 @@ class Request:
 
     @property
     def guided(self) -> bool:
-        return is_guided(self.guidance_scale)
+        """Whether it runs classifier-free guidance's two halves, the unconditional and the conditional (the batch
+        doubled); before it is resolved, by its scale alone."""
+        return guidance_of(self.guidance or CLASSIFIER_FREE, self.guidance_scale) == CLASSIFIER_FREE
 
     @property
     def prompts(self) -> list[str]:
@@ -98,8 +108,8 @@ class Request:
     def resolved(self, source: ModelSource, draw_seed: Callable[[], int] = random_seed) -> Request:
         """The request with what it leaves to the model filled in: the size (the input image's own, rounded down to a
         multiple of 8, where it brings one; else the model's native size), the model's own scheduler and guidance
-        scale, a seed from `draw_seed`, the mode's strength; a UsageError where the image's own size is one the model
-        cannot take."""
+        scale, how the model guides it, a seed from `draw_seed`, the mode's strength; a UsageError where the image's
+        own size is one the model cannot take."""
         native = source.native_image_size
         given = self.height, self.width  # None: left to the image or the model (0 is given, and refused)
         height, width = (native if value is None else value for value in given)
@@ -122,10 +132,13 @@ class Request:
         guidance_scale = source.default_guidance_scale if self.guidance_scale is None else self.guidance_scale
         return replace(self, height=height, width=width, scheduler=scheduler, guidance_scale=guidance_scale,
                        seed=self.seed if self.seed is not None else draw_seed(), image=image, strength=strength,
-                       control_images=controls)
+                       control_images=controls, guidance=guidance_of(source.guidance, guidance_scale))
 
     def unused(self) -> list[str]:
         """What the request sets that its run does not use, each naming fields (core.errors.field)."""
+        if self.negative_prompt is not None and self.guidance == EMBEDDED:
+            return [f"{field('negative_prompt')} unused: the model embeds {field('guidance_scale')} (no unconditional "
+                    "half)"]
         if self.negative_prompt is not None and not self.guided:
             return [f"{field('negative_prompt')} unused at {field('guidance_scale')} {self.guidance_scale}: there is "
                     "no classifier-free guidance at 1 or below"]
@@ -186,9 +199,12 @@ def check_image_size(source: ModelSource, height: int, width: int) -> None:
 
 
 def check_mode(source: ModelSource, mode: str) -> None:
-    """A UsageError where the model's UNet cannot run `mode`: an inpainting UNet (mask and masked image beside the
-    latents) only inpaints, other UNets must take just the latents."""
-    channels = source.config("unet")["in_channels"]
+    """A UsageError where the model cannot run `mode`: its family lacks the mode, or its UNet cannot (an inpainting
+    UNet, taking the mask and masked image beside the latents, only inpaints; other UNets must take just the
+    latents)."""
+    if mode != TEXT_TO_IMAGE:
+        source.family.require(mode, source.name, field("mask" if mode == INPAINTING else "image"))
+    channels = source.denoiser_config["in_channels"]
     if source.inpainting and mode != INPAINTING:
         raise UsageError(f"model '{source.name}' is an inpainting model (its UNet takes {channels} channels: latents, "
                          f"mask, masked image): it only inpaints, with {field('image')} and {field('mask')}")

@@ -47,7 +47,7 @@ def is_shallow_controlnet_stage(name: str) -> bool:
 
 # name -> the module defining it, imported on first use
 _LAZY = {**{name: "models.stages" for name in (
-    "STAGE_MODELS", "TEXT_TO_IMAGE_STAGES", "XL_TEXT_TO_IMAGE_STAGES", "GUIDED_STAGES", "SINGLE_IMAGE_STAGES",
+    "STAGE_MODELS", "GUIDED_STAGES", "SINGLE_IMAGE_STAGES",
     "text_to_image_stages", "image_to_image_stages", "stage_batch", "check_model_stages", "stage_models")},
          "StageModel": "models.base", "CLIPModel": "models.clip", "CLIP2Model": "models.clip",
          "UNetModel": "models.unet", "VAEDecoderModel": "models.vae", "VAEEncoderModel": "models.vae"}

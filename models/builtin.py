@@ -20,6 +20,7 @@ from typing import Callable
 from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
 from core.errors import UsageError
 from models import shapes
+from models.families import IMAGE_TO_IMAGE, INPAINTING, SD, SDXL, TEXT_TO_IMAGE
 from models.validate import check_weight_file
 
 # Bump when the generated files change, so cached directories (and artifacts keyed by them) are rebuilt.
@@ -338,18 +339,19 @@ def build_builtin_model(name: str, directory: Path) -> None:
     finally:
         torch.random.set_rng_state(generator_state)
     scheduler = scheduler_from(spec["scheduler"])
+    # saved by diffusers' pipeline of the family's mode: its model_index.json names it
+    family, mode = (SDXL if xl else SD), INPAINTING if spec.get("inpainting") else TEXT_TO_IMAGE
     if spec.get("refiner"):  # as SDXL 1.0's refiner: aesthetic scores, an empty negative prompt encoded
-        pipe = diffusers.StableDiffusionXLImg2ImgPipeline(
+        pipe = getattr(diffusers, family.diffusers_pipeline(IMAGE_TO_IMAGE))(
             **parts, tokenizer=None, tokenizer_2=_tokenizer({**spec, "text_encoder": spec["text_encoder_2"]}, XL_PAD),
             scheduler=scheduler, requires_aesthetics_score=True, force_zeros_for_empty_prompt=False)
     elif xl:
-        xl_class = "StableDiffusionXLInpaintPipeline" if spec.get("inpainting") else "StableDiffusionXLPipeline"
-        pipe = getattr(diffusers, xl_class)(**parts, tokenizer=tokenizer, tokenizer_2=_tokenizer(spec, XL_PAD),
-                                            scheduler=scheduler)
+        pipe = getattr(diffusers, family.diffusers_pipeline(mode))(**parts, tokenizer=tokenizer,
+                                                                   tokenizer_2=_tokenizer(spec, XL_PAD),
+                                                                   scheduler=scheduler)
     else:
-        sd_class = "StableDiffusionInpaintPipeline" if spec.get("inpainting") else "StableDiffusionPipeline"
-        pipe = getattr(diffusers, sd_class)(**parts, tokenizer=tokenizer, scheduler=scheduler, safety_checker=None,
-                                            feature_extractor=None, requires_safety_checker=False)
+        pipe = getattr(diffusers, family.diffusers_pipeline(mode))(**parts, tokenizer=tokenizer, scheduler=scheduler,
+                                                                   feature_extractor=None, **family.diffusers_options)
     if "dtype" in spec:
         pipe.to(getattr(torch, spec["dtype"]))
     pipe.save_pretrained(directory)

@@ -1,8 +1,8 @@
 """CLIP text encoders: token ids -> per-token text embeddings (the UNet's cross-attention context).
 
-SD 1.x/2.x take the last layer's states of one encoder. SDXL takes the penultimate layer's states of two
-(`clip`: CLIP ViT-L, `clip2`: OpenCLIP bigG, concatenated by the pipeline) and the second one's pooled,
-projected output (`text_embeds`), one of the UNet's added conditions.
+Which layer's states are the context is the family's (models.families: SD 1.x/2.x the last layer's of one encoder;
+SDXL the penultimate layer's of two, `clip`: CLIP ViT-L, `clip2`: OpenCLIP bigG, concatenated by the pipeline); the
+second one's pooled, projected output (`text_embeds`) is one of SDXL's added conditions.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class CLIPModel(StageModel):
 
         encoder = getattr(transformers, self.encoder_class).from_pretrained(
             self.source.component_dir(self.component), attn_implementation=attn_implementation)
-        return _TextEmbeddings(encoder, penultimate=self.source.is_xl, pooled=len(self.output_names) > 1)
+        return _TextEmbeddings(encoder, penultimate=self.source.family.penultimate_text,
+                               pooled=len(self.output_names) > 1)
 
     def component_module(self, module):
         return module.text_encoder

@@ -25,7 +25,11 @@ from core.errors import RunFailure, UsageError, field
 from models import CONTROL_IMAGE, CONTROLNET, control_image_stage, controlnet_stage, shallow_controlnet_stage
 from models.base import ONNX_OPSET, StageModel
 from models.builtin import CONTROLNET_NAMES, GENERATED_CONTROLNETS, SHIPPED_CONTROLNETS
-from models.source import ModelSource, content_fingerprint, default_cache_dir, resolve_model
+from models.cache import content_fingerprint, default_cache_dir
+from models.families import CONTROLNET as CONTROLNET_FEATURE
+from models.families import Family, family_of_denoiser
+from models.single_file import convert_controlnet_file
+from models.source import SINGLE_FILE_DIR, ModelSource, resolve_model
 from models.unet import ADDED_CONDITIONS, TEXT, UNetModel, residual_names, residual_shapes
 from models.unet_cache import Branches, controlnet_shallow_residuals
 
@@ -49,17 +53,19 @@ class ControlNetSource:
         return content_fingerprint([(file, file.name) for file in sorted(self.path.iterdir()) if file.is_file()])
 
     @property
-    def is_xl(self) -> bool:
-        return self.config.get("addition_embed_type") == "text_time"
+    def family(self) -> Family:
+        """The family whose UNets it steers (its config is a UNet's, less the up blocks)."""
+        return family_of_denoiser(self.config)
 
     def check_for(self, source: ModelSource) -> None:
-        """A UsageError where this ControlNet cannot steer `source`'s UNet: another family (SD 1.x/2.x or SDXL) or
-        another cross-attention width, other latents."""
-        unet = source.config("unet")
+        """A UsageError where this ControlNet cannot steer `source`'s UNet: a family without ControlNets, another
+        family, another cross-attention width, other latents."""
+        unet = source.denoiser_config
         own = f"{field('controlnets')} {self.name}"
-        if self.is_xl != source.is_xl:
-            families = ("SDXL" if self.is_xl else "SD 1.x/2.x", "SDXL" if source.is_xl else "SD 1.x/2.x")
-            raise UsageError(f"{own} is an {families[0]} ControlNet; model '{source.name}' is {families[1]}")
+        source.family.require(CONTROLNET_FEATURE, source.name, field("controlnets"))
+        if self.family is not source.family:
+            raise UsageError(f"{own} is an {self.family.label} ControlNet; model '{source.name}' is "
+                             f"{source.family.label}")
         if self.config["cross_attention_dim"] != unet["cross_attention_dim"]:
             raise UsageError(f"{own} attends to text {self.config['cross_attention_dim']} wide; model "
                              f"'{source.name}' has {unet['cross_attention_dim']}")
@@ -74,15 +80,20 @@ class ControlNetSource:
                              f"{source.latent_channels}")
 
 
-def resolve_controlnet(text: str) -> ControlNetSource:
-    """A built-in ControlNet's name (a shipped one checked, a generated one made on first use) or a ControlNetModel
-    folder (a one-line UsageError for anything else; a damaged shipped one: a RunFailure)."""
+def resolve_controlnet(text: str, base: ModelSource | None = None) -> ControlNetSource:
+    """A built-in ControlNet's name (a shipped one checked, a generated one made on first use), a ControlNetModel
+    folder, or a single file in the original layout for `base` (converted once, its config from base's UNet's) (a
+    one-line UsageError for anything else; a damaged shipped one: a RunFailure)."""
     where = f"{field('controlnets')} {text}"
     if text in SHIPPED_CONTROLNETS:
         package = SHIPPED_CONTROLNETS[text]
         if reason := package.damage():
             raise RunFailure(f"{where}: the ControlNet shipped with the package is damaged ({reason}): reinstall it")
         path = package.CONTROLNET_DIR
+    elif text not in GENERATED_CONTROLNETS and Path(text).is_file():
+        if base is None:
+            raise UsageError(f"{where}: a single-file ControlNet is converted for its model; give the model too")
+        path = convert_controlnet_file(Path(text), base.denoiser_config, default_cache_dir() / SINGLE_FILE_DIR)
     else:
         path = builtin_controlnet_dir(text) if text in GENERATED_CONTROLNETS else Path(text)
     try:
@@ -114,7 +125,7 @@ def build_builtin_controlnet(base: ModelSource, directory: Path) -> None:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
-        unet = UNet2DConditionModel.from_pretrained(base.component_dir("unet"))
+        unet = UNet2DConditionModel.from_pretrained(base.component_dir(base.family.denoiser))
         # its conditioning embedding brings the image down to latent size: one halving per entry after the first
         embedding = (16, 32, 96, 256, 512)[:base.vae_scale_factor.bit_length()]
         controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=embedding)
@@ -152,7 +163,7 @@ class _ScaledControlNet(torch.nn.Module):
 
     def forward(self, sample, timestep, encoder_hidden_states, *rest):
         *added, embedding, scales = rest
-        added_cond_kwargs = dict(zip(("text_embeds", "time_ids"), added)) if added else None
+        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
         down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=embedding,
                                     conditioning_scale=1.0, added_cond_kwargs=added_cond_kwargs, return_dict=False)
         return (*(residual * scales[i] for i, residual in enumerate(down)), mid * scales[-1])
@@ -223,7 +234,7 @@ class ControlNetStageModel(_ControlNetStage):
         self.scale = scale
         self.name = controlnet_stage(index)
         self.count = Branches.of(controlnet.config).count  # residuals: one per skip connection, then the mid's
-        added = ("text_embeds", "time_ids") if controlnet.is_xl else ()
+        added = controlnet.family.added_conditions
         self.input_names = ("sample", "timestep", "encoder_hidden_states", *added, EMBEDDING, "conditioning_scale")
         self.output_names = residual_names(self.count)
         self.dynamic_axes = {"sample": {0: "B", 2: "latent_height", 3: "latent_width"},
@@ -272,9 +283,10 @@ class ShallowControlNetStageModel(ControlNetStageModel):
         self.name = shallow_controlnet_stage(index)
         branches = Branches.of(controlnet.config)
         branches.check(cache_branch)
-        if controlnet.config.get("addition_embed_type") not in (None, "text_time"):  # what _time_embedding makes
+        foreign = controlnet.family.foreign_added_embedding(controlnet.config)  # what _time_embedding cannot make
+        if foreign:
             raise UsageError(f"{field('controlnets')} {controlnet.name}: the step cache does not take a ControlNet "
-                             f"with '{controlnet.config['addition_embed_type']}' added embeddings")
+                             f"with '{foreign}' added embeddings")
         unread = (() if branches.shallow_reads_time(cache_branch) else ("timestep", *ADDED_CONDITIONS)) + (
             () if branches.down_reads_text(cache_branch) else (TEXT,))
         self.input_names = tuple(name for name in self.input_names if name not in unread)

@@ -21,17 +21,17 @@ PLUGINS_HELP = (f"our CUDA plugins the ONNX passes put into the engines: none, a
 
 
 def parse_plugin_set(text: str, compute_capability: str | None = None,
-                     table: Path = TUNED_DEFAULTS_FILE, xl: bool = False) -> tuple[str, ...]:
+                     table: Path = TUNED_DEFAULTS_FILE, family: str | None = None) -> tuple[str, ...]:
     """A --plugins value as a sorted tuple of plugin keys; `compute_capability` ("9.0") resolves
     `auto` for a GPU other than this machine's; `table` is the tuned-defaults file `auto` reads, for an SDXL
-    model (`xl`) or an SD 1.x/2.x one."""
+    family's models (its tuned key, plugins.tuned.entry_key)."""
     if text == "none":
         return ()
     if text == "all":
         return tuple(sorted(PLUGIN_KEYS))
     if text == "auto":
         capability = compute_capability or local_compute_capability()
-        found = find_entry(PLUGINS_AUTO, capability, xl, table) if capability else None
+        found = find_entry(PLUGINS_AUTO, capability, family, table) if capability else None
         return tuple(sorted(found[1]["plugins"])) if found else ()
     names = [name for name in text.split(",") if name]
     unknown = [name for name in names if name not in PLUGIN_KEYS]

@@ -8,8 +8,6 @@ are read from that directory's configs.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,23 +15,16 @@ from pathlib import Path
 from core.errors import RunFailure, UsageError, field
 from models import shapes
 from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES, SHIPPED_MODELS, builtin_model_dir
-from models.validate import (
-    COMPONENTS,
-    is_xl_index,
-    model_components,
-    read_config,
-    validate_component,
-    validate_model_folder,
-)
+from models.cache import content_fingerprint, default_cache_dir
+from models.families import Family, family_of
+from models.single_file import convert_model_file, convert_vae_file
+from models.validate import COMPONENTS, read_config, validate_component, validate_model_folder
 
+SINGLE_FILE_DIR = "single-file"  # in the model cache: converted single-file checkpoints
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # The classifier-free guidance scale a request that gives none gets, on every model but those that say otherwise
 # (ModelSource.default_guidance_scale).
 DEFAULT_GUIDANCE_SCALE = 7.5
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("DEMO_DIFFUSION_CACHE", Path.home() / ".cache" / "demo_diffusion"))
 
 
 @dataclass(frozen=True)
@@ -57,14 +48,24 @@ class ModelSource:
         path = self.path / "model_index.json"
         return read_config(path, "model_index") if path.exists() else {}
 
-    @property
-    def is_xl(self) -> bool:
-        """An SDXL model: two text encoders, and text embeddings and time ids as the UNet's added conditions."""
-        return is_xl_index(self.index)
+    @functools.cached_property
+    def family(self) -> Family:
+        """Its family (models.families), from its own configs."""
+        return family_of(self.index, self.config, self.name)
 
     @property
     def components(self) -> tuple[str, ...]:
-        return model_components(self.index)
+        return self.family.model_components(self.index)
+
+    @property
+    def denoiser_config(self) -> dict:
+        """The config of the component that denoises (the family's denoiser: a UNet)."""
+        return self.config(self.family.denoiser)
+
+    @property
+    def guidance(self) -> str:
+        """How it is guided (models.families GUIDANCE_KINDS): classifier-free, or the scale embedded."""
+        return self.family.guidance(self.denoiser_config)
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -91,22 +92,23 @@ class ModelSource:
     @property
     def latent_channels(self) -> int:
         """The channels of the latents the UNet denoises: its output's (an inpainting UNet takes more)."""
-        return self.config("unet")["out_channels"]
+        return self.denoiser_config["out_channels"]
 
     @property
     def inpainting(self) -> bool:
         """An inpainting model: its UNet takes the mask and the masked image's latents beside the latents (9 input
         channels for 4)."""
-        return self.config("unet")["in_channels"] == 2 * self.latent_channels + 1
+        return self.denoiser_config["in_channels"] == 2 * self.latent_channels + 1
 
     @property
     def text_length(self) -> int:
-        encoder = "text_encoder" if "text_encoder" in self.components else "text_encoder_2"  # an SDXL refiner
+        """The token length of its (first) text encoder (an SDXL refiner's first is CLIP2's)."""
+        encoder = next(name for name in ("text_encoder", "text_encoder_2") if name in self.components)
         return self.config(encoder)["max_position_embeddings"]
 
     @property
     def text_width(self) -> int:
-        return self.config("unet")["cross_attention_dim"]
+        return self.denoiser_config["cross_attention_dim"]
 
     @property
     def prediction_type(self) -> str:
@@ -114,7 +116,7 @@ class ModelSource:
 
     @property
     def native_image_size(self) -> int:
-        sample_size = self.config("unet")["sample_size"]
+        sample_size = self.denoiser_config["sample_size"]
         if isinstance(sample_size, (list, tuple)):
             sample_size = sample_size[0]
         return sample_size * self.vae_scale_factor
@@ -133,24 +135,22 @@ class ModelSource:
         return DEFAULT_GUIDANCE_SCALE
 
 
-def content_fingerprint(files) -> str:
-    """Files ((path, the name it goes by) each) for artifact cache keys: config files hashed, weight files by name,
-    size and modification time (hashing gigabytes of weights on every run would cost more than the cache saves)."""
-    digest = hashlib.sha256()
-    for file, rel in files:
-        if file.suffix in (".json", ".txt"):
-            digest.update(f"{rel}:".encode() + file.read_bytes())
-        else:
-            stat = file.stat()
-            digest.update(f"{rel}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()[:16]
-
-
-def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = None) -> ModelSource:
-    """Turn a --model value (and a --vae folder) into a ModelSource; raises UsageError with the reason when it
-    cannot."""
-    source = _resolve_model(spec, cache_dir or default_cache_dir())
-    return replace(source, vae=_vae_folder(vae, source)) if vae else source
+def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = None, config: str | None = None,
+                  prediction_type: str | None = None, given: str = "model") -> ModelSource:
+    """Turn a --model value (a single file with its --model-config and --prediction-type; and a --vae folder or file)
+    into a ModelSource; raises UsageError with the reason when it cannot, naming the field `given` where the file is
+    at fault (model, refiner)."""
+    cache_dir = cache_dir or default_cache_dir()
+    path = Path(spec).expanduser()
+    if spec not in BUILTIN_NAMES and path.is_file():  # a single-file checkpoint: converted once, cached
+        source = ModelSource(spec, convert_model_file(path, None if config is None else Path(config).expanduser(),
+                                                      prediction_type, cache_dir / SINGLE_FILE_DIR, given=given))
+    else:
+        for name, value in (("model_config", config), ("prediction_type", prediction_type)):
+            if value is not None:
+                raise UsageError(f"{field(name)} describes a single-file model; model '{spec}' is not a file")
+        source = _resolve_model(spec, cache_dir)
+    return replace(source, vae=_vae_folder(vae, source, cache_dir)) if vae else source
 
 
 def _resolve_model(spec: str, cache_dir: Path) -> ModelSource:
@@ -171,14 +171,16 @@ def _resolve_model(spec: str, cache_dir: Path) -> ModelSource:
         return ModelSource(spec, _download_from_hub(spec))
     raise UsageError(
         f"unknown model '{spec}': not a built-in ({', '.join(BUILTIN_NAMES)}), "
-        "not a diffusers-format directory, not a hub id"
+        "not a diffusers-format directory, not a single-file checkpoint, not a hub id"
     )
 
 
-def _vae_folder(spec: str, source: ModelSource) -> Path:
-    """A --vae value as a checked VAE folder: an AutoencoderKL folder, or a model folder holding one in vae/, whose
-    latents are the UNet's."""
+def _vae_folder(spec: str, source: ModelSource, cache_dir: Path) -> Path:
+    """A --vae value as a checked VAE folder: an AutoencoderKL folder, a model folder holding one in vae/, or a
+    single-file VAE (converted once, described by the model's own VAE config), whose latents are the UNet's."""
     folder = Path(spec).expanduser()
+    if folder.is_file():
+        folder = convert_vae_file(folder, source.config("vae"), cache_dir / SINGLE_FILE_DIR)
     if (folder / "vae" / COMPONENTS["vae"][0]).is_file():
         folder = folder / "vae"
     if not (folder / COMPONENTS["vae"][0]).is_file():

@@ -21,9 +21,6 @@ from models.vae import VAEDecoderModel, VAEEncoderModel
 STAGE_MODELS: dict[str, type[StageModel]] = {
     cls.name: cls for cls in (CLIPModel, CLIP2Model, UNetModel, VAEDecoderModel, VAEEncoderModel)
 }
-# The stages text-to-image runs, in order (SD 1.x/2.x; SDXL adds its second text encoder).
-TEXT_TO_IMAGE_STAGES = (CLIP, UNET, VAE)
-XL_TEXT_TO_IMAGE_STAGES = (CLIP, CLIP2, UNET, VAE)
 # Under classifier-free guidance these run the unconditional and conditional halves in one batch.
 GUIDED_STAGES = (CLIP, CLIP2, UNET, UNET_SHALLOW)
 # These see one image whatever the batch: the input image (and inpainting's masked one) is encoded once and its
@@ -32,8 +29,9 @@ SINGLE_IMAGE_STAGES = (VAE_ENCODER,)
 
 
 def text_to_image_stages(source) -> tuple[str, ...]:
-    """The stages text-to-image runs for this model (an SDXL refiner has no first text encoder)."""
-    stages = XL_TEXT_TO_IMAGE_STAGES if source.is_xl else TEXT_TO_IMAGE_STAGES
+    """The stages text-to-image runs for this model: its family's text encoders (those it has: an SDXL refiner has no
+    first one), the denoiser, the VAE decoder."""
+    stages = (*source.family.text_stages, UNET, VAE)
     return tuple(name for name in stages if STAGE_MODELS[name].component in source.components)
 
 

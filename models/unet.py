@@ -1,7 +1,8 @@
 """UNet: noisy latents, timestep and text embeddings -> the model's prediction (noise or v).
 
-An SDXL UNet (`addition_embed_type` "text_time" in its config) also takes the added conditions: the second
-text encoder's pooled embeddings (`text_embeds`) and the six time ids (original size, crop corner, target size).
+Its other inputs follow from its family and config (models.families): SDXL's added conditions (the second text
+encoder's pooled embeddings `text_embeds` and the six time ids: original size, crop corner, target size), and, where
+the model embeds the guidance scale (LCM's `time_cond_proj_dim`), that embedding (`timestep_cond`).
 
 With the step cache (models.unet_cache), the UNet stage made with a cache branch also returns the deep features
 there, and a second stage, UNetShallowModel, takes them: the shallow pass the cached steps run. Both hold the same
@@ -16,54 +17,51 @@ from models import UNET, UNET_SHALLOW
 from models.base import ONNX_OPSET, StageModel
 from models.unet_cache import DEEP_FEATURES, Branches, cached_forward
 
+# diffusers' names of the added conditions (added_cond_kwargs), of the text, of the guidance scale's embedding
 ADDED_CONDITIONS = ("text_embeds", "time_ids")
-TEXT, LATENT = "encoder_hidden_states", "latent"
+TEXT, LATENT, TIMESTEP_COND = "encoder_hidden_states", "latent", "timestep_cond"
 
 
-class _Denoiser(torch.nn.Module):
-    def __init__(self, unet):
+class _NamedInputs(torch.nn.Module):
+    """A UNet wrapper taking the stage's inputs in `input_names` order, sorted here into what diffusers' UNet takes:
+    the added conditions, the guidance embedding, a ControlNet's residuals (each skip connection's, the mid block's)."""
+
+    def __init__(self, unet, input_names: tuple[str, ...]):
         super().__init__()
-        self.unet = unet
-
-    def forward(self, sample, timestep, encoder_hidden_states, *added):
-        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
-        return self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
-                         return_dict=False)[0]
-
-
-class _ControlledDenoiser(_Denoiser):
-    """The UNet with a ControlNet's residuals (the last inputs: each skip connection's, then the mid block's) added in,
-    as diffusers' ControlNet pipelines pass them."""
-
-    def __init__(self, unet, residuals: int):
-        super().__init__(unet)
-        self.residuals = residuals
-
-    def forward(self, sample, timestep, encoder_hidden_states, *rest):
-        added, down, mid = rest[:-self.residuals - 1], rest[-self.residuals - 1:-1], rest[-1]
-        added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
-        return self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
-                         down_block_additional_residuals=tuple(down), mid_block_additional_residual=mid,
-                         return_dict=False)[0]
-
-
-class _CachingDenoiser(torch.nn.Module):
-    """The step cache's passes (models.unet_cache.cached_forward) on the inputs named `input_names` (the stage's): the
-    full pass returns the prediction and the deep features at `branch`; with the deep features among the inputs, the
-    shallow pass from them returns the prediction. ControlNet residuals among the inputs go in where diffusers adds
-    them."""
-
-    def __init__(self, unet, branch: int, input_names: tuple[str, ...]):
-        super().__init__()
-        self.unet, self.branches, self.branch, self.input_names = unet, Branches.of(unet.config), branch, input_names
+        self.unet, self.input_names, self.branches = unet, input_names, Branches.of(unet.config)
         *self.down_residuals, self.mid_residual = residual_names(self.branches.count)
 
-    def forward(self, *inputs):
+    def sorted(self, inputs) -> tuple[dict, dict | None, list | None]:
         named = dict(zip(self.input_names, inputs))
         added = {name: named[name] for name in ADDED_CONDITIONS if name in named} or None
         down = [named[name] for name in self.down_residuals if name in named] or None
+        return named, added, down
+
+
+class _Denoiser(_NamedInputs):
+    """The UNet's forward, as diffusers' pipelines call it."""
+
+    def forward(self, *inputs):
+        named, added, down = self.sorted(inputs)
+        return self.unet(named["sample"], named["timestep"], named[TEXT], timestep_cond=named.get(TIMESTEP_COND),
+                         added_cond_kwargs=added, down_block_additional_residuals=None if down is None else tuple(down),
+                         mid_block_additional_residual=named.get(self.mid_residual), return_dict=False)[0]
+
+
+class _CachingDenoiser(_NamedInputs):
+    """The step cache's passes (models.unet_cache.cached_forward): the full pass returns the prediction and the deep
+    features at `branch`; with the deep features among the inputs, the shallow pass from them returns the prediction.
+    ControlNet residuals among the inputs go in where diffusers adds them."""
+
+    def __init__(self, unet, branch: int, input_names: tuple[str, ...]):
+        super().__init__(unet, input_names)
+        self.branch = branch
+
+    def forward(self, *inputs):
+        named, added, down = self.sorted(inputs)
         return cached_forward(self.unet, self.branches, self.branch, named["sample"], named["timestep"],
-                              named.get(TEXT), added, named.get(DEEP_FEATURES), down, named.get(self.mid_residual))
+                              named.get(TEXT), added, named.get(DEEP_FEATURES), down, named.get(self.mid_residual),
+                              named.get(TIMESTEP_COND))
 
 
 class UNetModel(StageModel):
@@ -84,9 +82,10 @@ class UNetModel(StageModel):
         too (None: no cache). `controlled`: it takes ControlNet residuals (models.controlnet.residual_names) too."""
         super().__init__(source)
         self.cache_branch, self.controlled = cache_branch, controlled
-        if self.added_conditions:  # the config decides the inputs
-            self.input_names = (*UNetModel.input_names, *ADDED_CONDITIONS)
-            self.dynamic_axes = {**UNetModel.dynamic_axes, **{name: {0: "B"} for name in ADDED_CONDITIONS}}
+        own = (*source.family.added_conditions, *((TIMESTEP_COND,) if self.guidance_width else ()))
+        if own:  # the family and config decide the inputs
+            self.input_names = (*UNetModel.input_names, *own)
+            self.dynamic_axes = {**UNetModel.dynamic_axes, **{name: {0: "B"} for name in own}}
         if controlled:
             shapes = residual_shapes(self.config, 1, 1, 1)
             self.input_names = (*self.input_names, *shapes)
@@ -108,7 +107,12 @@ class UNetModel(StageModel):
 
     @property
     def added_conditions(self) -> bool:
-        return self.config.get("addition_embed_type") == "text_time"
+        return bool(self.source.family.added_conditions)
+
+    @property
+    def guidance_width(self) -> int | None:
+        """The width of the guidance scale's embedding it takes (None: it takes none)."""
+        return self.source.family.guidance_embedding_width(self.config)
 
     @property
     def text_embeds_width(self) -> int:
@@ -129,6 +133,8 @@ class UNetModel(StageModel):
             "timestep": (1,),
             "encoder_hidden_states": (batch, self.source.text_length, self.config["cross_attention_dim"]),
         }
+        if self.guidance_width:
+            shapes[TIMESTEP_COND] = (batch, self.guidance_width)
         if self.added_conditions:
             shapes.update(text_embeds=(batch, self.text_embeds_width), time_ids=(batch, self.time_ids))
         if self.controlled:
@@ -164,7 +170,7 @@ class UNetModel(StageModel):
         stage's)."""
         if self.cache_branch is not None:
             return _CachingDenoiser(unet, self.cache_branch, self.input_names)
-        return _ControlledDenoiser(unet, Branches.of(self.config).count) if self.controlled else _Denoiser(unet)
+        return _Denoiser(unet, self.input_names)
 
     def meta_module(self):
         return self.wrap(self.component_skeleton())

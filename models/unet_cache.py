@@ -140,21 +140,21 @@ def _up_layer(block, layer: int, hidden, skip, emb, text):
 
 
 def cached_forward(unet, branches: Branches, branch: int, sample, timestep, encoder_hidden_states,
-                   added_cond_kwargs=None, features=None, down_residuals=None, mid_residual=None):
+                   added_cond_kwargs=None, features=None, down_residuals=None, mid_residual=None, timestep_cond=None):
     """UNet2DConditionModel.forward (no adapter or class labels), as a full pass when `features` is None (returns the
     prediction and the features entering the up layer of `branch`) or as a shallow pass from `features` (returns the
     prediction). ControlNet residuals, where given, are added as diffusers adds them: `down_residuals` to the skip
     connections the pass computes (all of them, or 0..branch), `mid_residual` (a full pass's) to the mid block's
-    output."""
+    output. `timestep_cond`: the guidance scale's embedding, where the UNet takes one (models.families EMBEDDED)."""
     with traced_under(unet):
         return _cached_forward(unet, branches, branch, sample, timestep, encoder_hidden_states, added_cond_kwargs,
-                               features, down_residuals, mid_residual)
+                               features, down_residuals, mid_residual, timestep_cond)
 
 
 def _time_embedding(model, sample, timestep, added_cond_kwargs):
     """A ControlNetModel's time embedding, as its forward makes it (the time ids added in for SDXL's)."""
     emb = model.time_embedding(model.time_proj(timestep.expand(sample.shape[0])).to(dtype=sample.dtype), None)
-    if model.config.addition_embed_type == "text_time":
+    if added_cond_kwargs is not None:  # SDXL's text-time embedding (the only one a cached ControlNet may have)
         text_embeds, time_ids = added_cond_kwargs["text_embeds"], added_cond_kwargs["time_ids"]
         time_embeds = model.add_time_proj(time_ids.flatten()).reshape((text_embeds.shape[0], -1))
         emb = emb + model.add_embedding(torch.concat([text_embeds, time_embeds], dim=-1).to(emb.dtype))
@@ -181,12 +181,12 @@ def controlnet_shallow_residuals(controlnet, branches: Branches, branch: int, sa
 
 
 def _cached_forward(unet, branches, branch, sample, timestep, encoder_hidden_states, added_cond_kwargs, features,
-                    down_residuals, mid_residual):
+                    down_residuals, mid_residual, timestep_cond):
     upsample_factor = 2 ** branches.final_down_size
     forward_upsample_size = any(size % upsample_factor != 0 for size in sample.shape[-2:])
     if unet.config.center_input_sample:
         sample = 2 * sample - 1.0
-    emb = unet.time_embedding(unet.get_time_embed(sample=sample, timestep=timestep), None)
+    emb = unet.time_embedding(unet.get_time_embed(sample=sample, timestep=timestep), timestep_cond)
     aug_emb = unet.get_aug_embed(emb=emb, encoder_hidden_states=encoder_hidden_states,
                                  added_cond_kwargs=added_cond_kwargs)
     emb = emb + aug_emb if aug_emb is not None else emb

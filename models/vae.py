@@ -40,7 +40,7 @@ class _VAEStage(StageModel):
 
     def stage_dtype(self, dtype):
         # SDXL's VAE overflows in fp16: its pipelines encode and decode in fp32 where the config says force_upcast.
-        upcast = self.source.is_xl and dtype == torch.float16 and self.config.get("force_upcast", True)
+        upcast = dtype == torch.float16 and self.source.family.fp16_runs_fp32(self.component, self.config)
         return torch.float32 if upcast else dtype
 
 

@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 from core.errors import UsageError
+from models.families import family_of
 
 # component -> (the config file in its folder, the key naming its class, where that class lives)
 COMPONENTS = {
@@ -22,21 +23,7 @@ COMPONENTS = {
     "vae": ("config.json", "_class_name", "diffusers"),
     "scheduler": ("scheduler_config.json", "_class_name", "diffusers"),
 }
-XL_ONLY = ("text_encoder_2", "tokenizer_2")  # SDXL's second text encoder (its refiner has only that one)
 WEIGHTED = ("text_encoder", "text_encoder_2", "unet", "vae")
-
-
-def is_xl_index(index: dict) -> bool:
-    """Whether a model_index.json describes an SDXL pipeline (two text encoders, added conditions)."""
-    return str(index.get("_class_name", "")).startswith("StableDiffusionXL")
-
-
-def model_components(index: dict) -> tuple[str, ...]:
-    """The components a model of this model_index.json has: for SDXL those it names (the refiner names no first
-    text encoder), for SD 1.x/2.x (or a folder without one) all but SDXL's second text encoder."""
-    if is_xl_index(index):
-        return tuple(c for c in COMPONENTS if isinstance(index.get(c), list) and index[c][0] is not None)
-    return tuple(c for c in COMPONENTS if c not in XL_ONLY)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -109,7 +96,9 @@ def validate_model_folder(path: Path, name: str) -> None:
 
     index_file = path / "model_index.json"
     index = read_config(index_file, "model_index") if index_file.exists() else {}
-    for component in model_components(index):
+    family = family_of(index, lambda component: read_config(path / component / COMPONENTS[component][0], component),
+                       name)
+    for component in family.model_components(index):
         file_name = COMPONENTS[component][0]
         if not (path / component / file_name).exists():
             raise UsageError(f"model '{name}' is missing component '{component}' (no {component}/{file_name} in "

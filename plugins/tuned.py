@@ -8,8 +8,9 @@ One data file, plugins/tuned_defaults.json (TUNED_DEFAULTS_FILE), with two secti
   by the benchmark: {"<major>.<minor>": {"plugins": [...], "channels_last": bool, "cuda_graph": bool,
   "compile": "...", "gpu": "...", "date": "...", "source": "..."}}.
 
-SDXL's UNet is measured apart from SD 1.x/2.x's: its entries are keyed "<major>.<minor>/sdxl" (entry_key), and an
-SDXL model takes the compute capability's plain entry where the file has none of its own (find_entry).
+A model family may be measured apart (models.families Family.tuned_key: SDXL's UNet apart from SD 1.x/2.x's): its
+entries are keyed "<major>.<minor>/<family>" (entry_key, "9.0/sdxl"), and its models take the compute capability's
+plain entry where the file has none of their own (find_entry).
 
 Read and written only through `read_entry`, `find_entry` and `write_entry`. Imports nothing heavy.
 """
@@ -28,7 +29,6 @@ TUNED_DEFAULTS_FILE = Path(__file__).resolve().parent / "tuned_defaults.json"
 PLUGINS_AUTO = "plugins_auto"
 TORCH_DEFAULTS = "torch_defaults"
 SECTIONS = (PLUGINS_AUTO, TORCH_DEFAULTS)
-XL_KEY_SUFFIX = "/sdxl"
 
 _PLUGINS_FIELD = f"\"plugins\" (a list of {', '.join(PLUGIN_KEYS)})"
 # What each section's entries need beyond their free-form notes (gpu, date, source, ...).
@@ -80,16 +80,17 @@ def read_entry(section: str, compute_capability: str, path: Path = TUNED_DEFAULT
     return entry
 
 
-def entry_key(compute_capability: str, xl: bool = False) -> str:
-    """The key of the entry measured on a compute capability ("9.0") for SDXL (`xl`) or SD 1.x/2.x models."""
-    return compute_capability + XL_KEY_SUFFIX if xl else compute_capability
+def entry_key(compute_capability: str, family: str | None = None) -> str:
+    """The key of the entry measured on a compute capability ("9.0") for a family's models (its tuned key; None: the
+    plain entry's)."""
+    return f"{compute_capability}/{family}" if family else compute_capability
 
 
-def find_entry(section: str, compute_capability: str, xl: bool = False,
+def find_entry(section: str, compute_capability: str, family: str | None = None,
                path: Path = TUNED_DEFAULTS_FILE) -> tuple[str, dict] | None:
-    """The entry a model takes on a compute capability, with its key: an SDXL model's own where there is one, else
-    the compute capability's; None where neither exists."""
-    for key in dict.fromkeys((entry_key(compute_capability, xl), compute_capability)):
+    """The entry a model takes on a compute capability, with its key: its family's own where there is one, else the
+    compute capability's; None where neither exists."""
+    for key in dict.fromkeys((entry_key(compute_capability, family), compute_capability)):
         entry = read_entry(section, key, path)
         if entry is not None:
             return key, entry
@@ -100,8 +101,8 @@ def write_entry(section: str, key: str, entry: dict, path: Path = TUNED_DEFAULTS
     """Set the section's entry under `key` (entry_key: "9.0", "9.0/sdxl"), keeping the other section and entries;
     the file is replaced atomically (a reader sees the old file or the new one, never half of one)."""
     _check_section(section)
-    if not re.fullmatch(rf"\d+\.\d+(?:{re.escape(XL_KEY_SUFFIX)})?", key):
-        raise ValueError(f"entry key {key!r} is not <major>.<minor> or <major>.<minor>{XL_KEY_SUFFIX}")
+    if not re.fullmatch(r"\d+\.\d+(?:/[a-z0-9.-]+)?", key):
+        raise ValueError(f"entry key {key!r} is not <major>.<minor> or <major>.<minor>/<family>")
     if not _well_formed(section, entry):
         raise ValueError(f"a \"{section}\" entry needs {_REQUIRES[section]}, got {entry!r}")
     path = Path(path)

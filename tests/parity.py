@@ -12,7 +12,7 @@ from demo.backends.registry import REFERENCE
 from demo.backends.torch.settings import FALLBACK
 from demo.pipelines import StageTimer, make_pipeline, to_uint8
 from demo.pipelines.images import preprocess
-from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Request
+from demo.request import IMAGE_TO_IMAGE, INPAINTING, Request
 from demo.schedulers import SCHEDULERS
 from models import STAGE_MODELS, text_to_image_stages
 
@@ -49,20 +49,11 @@ def check_input_images(device: torch.device) -> None:
                 assert torch.equal(made.cpu(), expected), (processor.config, image.mode, height, width)
 
 
-# A request's mode -> diffusers' pipelines for it (SD 1.x/2.x, SDXL).
-REFERENCES = {
-    TEXT_TO_IMAGE: ("StableDiffusionPipeline", "StableDiffusionXLPipeline"),
-    IMAGE_TO_IMAGE: ("StableDiffusionImg2ImgPipeline", "StableDiffusionXLImg2ImgPipeline"),
-    INPAINTING: ("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline"),
-}
-
-
 def diffusers_images(source, scheduler: str, request: Request, **components) -> np.ndarray:
     """diffusers' pipeline for the model and the request's mode (with `components` in place of its own), as 8-bit
     pixels."""
-    reference = getattr(diffusers, REFERENCES[request.mode][source.is_xl])
-    no_checker = {} if source.is_xl else dict(safety_checker=None, requires_safety_checker=False)
-    ref = reference.from_pretrained(source.path, **no_checker, **components)
+    reference = getattr(diffusers, source.family.diffusers_pipeline(request.mode))
+    ref = reference.from_pretrained(source.path, **source.family.diffusers_options, **components)
     ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config)
     ref.set_progress_bar_config(disable=True)
     inputs = dict(height=request.height, width=request.width)

@@ -293,7 +293,7 @@ def test_write_entry_keeps_the_other_section_and_entries(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["tuned.json"]  # no staging file left behind
     with pytest.raises(ValueError, match="needs"):
         write_entry(TORCH_DEFAULTS, "9.0", {"plugins": []}, path)
-    for bad_key in ("sm90", "9.0/sd15", "9.0/"):
+    for bad_key in ("sm90", "9.0/SDXL", "9.0/", "9.0/sd xl"):  # a family key: a family's tuned_key
         with pytest.raises(ValueError, match="entry key"):
             write_entry(PLUGINS_AUTO, bad_key, {"plugins": []}, path)
     with pytest.raises(ValueError, match="unknown tuned-defaults section"):
@@ -306,22 +306,23 @@ def test_an_sdxl_model_takes_its_own_entry_and_else_the_compute_capabilitys(tmp_
 
     path = tmp_path / "tuned.json"
     write_entry(PLUGINS_AUTO, "9.0", {"plugins": ["GroupNorm"]}, path)
-    assert find_entry(PLUGINS_AUTO, "9.0", xl=True, path=path) == ("9.0", {"plugins": ["GroupNorm"]})  # no own one
-    write_entry(PLUGINS_AUTO, entry_key("9.0", xl=True), {"plugins": ["fMHA", "LayerNorm"]}, path)
-    assert parse_plugin_set("auto", "9.0", path, xl=True) == ("LayerNorm", "fMHA")
+    # no own one
+    assert find_entry(PLUGINS_AUTO, "9.0", family="sdxl", path=path) == ("9.0", {"plugins": ["GroupNorm"]})
+    write_entry(PLUGINS_AUTO, entry_key("9.0", family="sdxl"), {"plugins": ["fMHA", "LayerNorm"]}, path)
+    assert parse_plugin_set("auto", "9.0", path, family="sdxl") == ("LayerNorm", "fMHA")
     assert parse_plugin_set("auto", "9.0", path) == ("GroupNorm",)  # SD 1.x/2.x keep theirs
-    assert parse_plugin_set("auto", "8.6", path, xl=True) == ()
+    assert parse_plugin_set("auto", "8.6", path, family="sdxl") == ()
     torch_entry = {"plugins": ["fMHA"], "channels_last": True, "cuda_graph": True, "compile": "default"}
     write_entry(TORCH_DEFAULTS, "9.0/sdxl", torch_entry, path)
-    assert defaults_entry("9.0", path, xl=True) == ("9.0/sdxl", torch_entry)
+    assert defaults_entry("9.0", path, family="sdxl") == ("9.0/sdxl", torch_entry)
     assert defaults_entry("9.0", path) is None
 
 
 def test_the_shipped_sdxl_defaults_for_compute_capability_9_0():
     """Measured on an H200 (results/sdxl-h200/): all our kernels with channels-last, graphs and compile were the
     fastest torch path for sdxl-arch, and all plugins the fastest engines."""
-    assert find_entry(TORCH_DEFAULTS, "9.0", xl=True)[0] == "9.0/sdxl"
-    assert find_entry(PLUGINS_AUTO, "9.0", xl=True)[1]["plugins"] == sorted(PLUGIN_KEYS)
+    assert find_entry(TORCH_DEFAULTS, "9.0", family="sdxl")[0] == "9.0/sdxl"
+    assert find_entry(PLUGINS_AUTO, "9.0", family="sdxl")[1]["plugins"] == sorted(PLUGIN_KEYS)
 
 
 BROKEN_FILES = [("{not json", "is not valid JSON"),

@@ -18,11 +18,6 @@ from models.source import resolve_model
 
 CPU = torch.device("cpu")
 QUIET = lambda *_: None  # noqa: E731
-REFERENCES = {  # mode -> diffusers' ControlNet pipelines (SD 1.x/2.x, SDXL)
-    TEXT_TO_IMAGE: ("StableDiffusionControlNetPipeline", "StableDiffusionXLControlNetPipeline"),
-    IMAGE_TO_IMAGE: ("StableDiffusionControlNetImg2ImgPipeline", "StableDiffusionXLControlNetImg2ImgPipeline"),
-    INPAINTING: ("StableDiffusionControlNetInpaintPipeline", "StableDiffusionXLControlNetInpaintPipeline"),
-}
 
 
 def picture(seed: int, size: int = 64) -> Image.Image:
@@ -56,8 +51,8 @@ def theirs(model: str, controlnets, request: Request, **components) -> np.ndarra
     source = resolve_model(model)
     nets = [diffusers.ControlNetModel.from_pretrained(resolve_controlnet(name).path) for name, _ in controlnets]
     scales = [scale for _, scale in controlnets]
-    reference = getattr(diffusers, REFERENCES[request.mode][source.is_xl])
-    extra = {} if source.is_xl else dict(safety_checker=None, requires_safety_checker=False)
+    reference = getattr(diffusers, source.family.diffusers_pipeline(request.mode, controlled=True))
+    extra = dict(source.family.diffusers_options)
     pipe = reference.from_pretrained(source.path, controlnet=nets if len(nets) > 1 else nets[0], **extra,
                                      **components)
     pipe.scheduler = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)

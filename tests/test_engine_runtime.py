@@ -40,8 +40,10 @@ from demo.backends.tensorrt.runtime import (
 )
 from demo.pipelines import StageTimer, Text2ImagePipeline
 from demo.request import Request
-from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES, stage_batch
+from models import CLIP, STAGE_MODELS, UNET, VAE, stage_batch
 from tests import fake_tensorrt
+
+SD_STAGES = (CLIP, UNET, VAE)  # the text-to-image stages of an SD 1.x/2.x model (tiny's)
 
 QUIET = lambda *_: None  # noqa: E731
 CPU = torch.device("cpu")
@@ -57,7 +59,7 @@ def trt(request, monkeypatch):
 def onnx_dir(tiny, tmp_path_factory):
     """fp32 ONNX of the tiny model's stages, exported once (the stand-in runs it with ONNX Runtime)."""
     root = tmp_path_factory.mktemp("onnx")
-    for name in TEXT_TO_IMAGE_STAGES:
+    for name in SD_STAGES:
         STAGE_MODELS[name](tiny).prepare_onnx(root, "cpu", torch.float32, log=QUIET)
     return root
 
@@ -68,7 +70,7 @@ def engine_settings(onnx_dir, tmp_path, tiny, guided=True, batch=1, static=True)
 
 
 def build(tiny, onnx_dir, tmp_path, **kwargs):
-    models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
+    models = [STAGE_MODELS[name](tiny) for name in SD_STAGES]
     settings = engine_settings(onnx_dir, tmp_path, tiny, **kwargs)
     return models, prepare_stage_engines(models, settings, CPU, torch.float32, QUIET, QUIET)
 
@@ -284,7 +286,7 @@ def test_cached_engines_are_found_without_exporting_again(trt, tiny, onnx_dir, t
     # An export here would break a build.
     monkeypatch.setattr("models.base.StageModel.prepare_onnx", lambda *a, **k: exported.append(a))
     models, engines = build(tiny, onnx_dir, tmp_path)
-    assert exported == [] and set(engines) == set(TEXT_TO_IMAGE_STAGES)
+    assert exported == [] and set(engines) == set(SD_STAGES)
 
 
 def test_a_timing_cache_is_written_and_one_from_another_device_is_left_alone(trt, tiny, onnx_dir, tmp_path):
@@ -320,7 +322,7 @@ def test_latents_and_scheduler_stay_fp32_with_fp16_stages(tiny, monkeypatch):
             shape = self.model.output_shapes(batch, HEIGHT, WIDTH)[name]
             return {name: torch.randn(shape).half()}
 
-    stages = {name: HalfStage(STAGE_MODELS[name](tiny)) for name in TEXT_TO_IMAGE_STAGES}
+    stages = {name: HalfStage(STAGE_MODELS[name](tiny)) for name in SD_STAGES}
     pipeline = Text2ImagePipeline(tiny, stages, "DDIM", CPU, torch.float16)
     stepped = []
     original = pipeline.scheduler.step

@@ -29,7 +29,7 @@ from demo.backends.tensorrt.build import (  # noqa: E402
 from demo.backends.tensorrt.flavour import TensorRTAPI  # noqa: E402
 from demo.backends.tensorrt.options import EngineOptions  # noqa: E402
 from demo.backends.tensorrt.settings import engine_settings  # noqa: E402
-from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES  # noqa: E402
+from models import CLIP, STAGE_MODELS, UNET, VAE  # noqa: E402
 
 TARGETS = ((8, 0), (8, 6), (8, 9))
 QUIET = lambda *_: None  # noqa: E731
@@ -42,7 +42,7 @@ def built(tiny, tmp_path_factory):
     profile = ImageProfile.for_request(tiny, batch_size=2, height=64, width=48, static_batch=False, dynamic_shape=False)
     options = BuildOptions("tensorrt-rtx", optimization_level=0)
     settings = EngineSettings(root / "onnx", root / "engine", profile, options)
-    models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
+    models = [STAGE_MODELS[name](tiny) for name in (CLIP, UNET, VAE)]  # tiny's text-to-image stages
     engines = prepare_stage_engines(models, settings, "cpu", torch.float16, QUIET, QUIET)
     return settings, models, engines
 

@@ -30,6 +30,7 @@ from demo.request import IMAGE_TO_IMAGE, INPAINTING, Request
 from demo.runtime.loader import load_pipeline
 from demo.runtime.spec import PipelineSpec
 from models import STAGE_MODELS, image_to_image_stages, stage_batch
+from models.families import SDXL
 from models.source import resolve_model
 from tests.parity import CPU, check_input_images, check_parity, torch_stages
 
@@ -109,7 +110,7 @@ def test_inpainting_matches_diffusers(model, scheduler, strength):
 @pytest.mark.parametrize("model, scheduler, strength", [("tiny-xl-inpaint", "Euler", 0.8), ("tiny-xl", "EulerA", 0.6)])
 def test_sdxl_inpainting_matches_diffusers(model, scheduler, strength):
     source, used = stages(model)
-    assert source.is_xl and source.inpainting == (model == "tiny-xl-inpaint")
+    assert source.family is SDXL and source.inpainting == (model == "tiny-xl-inpaint")
     assert isinstance(make_pipeline(source, used, scheduler, CPU, torch.float32, INPAINTING), SDXLInpaintPipeline)
     check_parity(source, used, scheduler, request(INPAINTING, strength, guidance=1.0))  # unguided: no doubled mask
 

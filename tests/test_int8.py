@@ -26,7 +26,7 @@ from demo.pipelines import StageTimer, Text2ImagePipeline, image_psnr, to_uint8
 from demo.request import Request
 from demo.runtime.loader import activation_recorder
 from demo.runtime.spec import PipelineSpec
-from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+from models import CLIP, STAGE_MODELS, UNET, VAE
 from models.provenance import Provenance
 from models.quantize import (
     MIN_CHANNELS,
@@ -37,6 +37,8 @@ from models.quantize import (
 )
 from tests import fake_tensorrt
 from tests.conftest import ROOT
+
+SD_STAGES = (CLIP, UNET, VAE)  # the text-to-image stages of an SD 1.x/2.x model (tiny's)
 
 QUIET = lambda *_: None  # noqa: E731
 CPU = torch.device("cpu")
@@ -165,7 +167,7 @@ def test_pipeline_on_int8_engines_draws_the_torch_image(trt, tiny, tiny_stages, 
     profile = ImageProfile.for_request(tiny, 1, SIZE, SIZE, static_batch=True, dynamic_shape=False)
     settings = EngineSettings(tmp_path / "onnx", tmp_path / "engine", profile, BuildOptions("tensorrt", 0),
                               int8=request)
-    models = [STAGE_MODELS[name](tiny) for name in TEXT_TO_IMAGE_STAGES]
+    models = [STAGE_MODELS[name](tiny) for name in SD_STAGES]
     prepare_stage_engines(models[1:2], settings, CPU, torch.float32, QUIET, QUIET)  # the UNet first: its flags
     assert ("INT8" in trt.last_build["config_flags"]) != TensorRTAPI("tensorrt").strongly_typed
     engines = prepare_stage_engines(models, settings, CPU, torch.float32, QUIET, QUIET)

@@ -155,12 +155,13 @@ def test_ruff_finds_nothing():
 
 # ---- layering ---------------------------------------------------------------------------------------------------
 
-def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
+def imports(path: Path, known: set[str], type_only: bool = False) -> list[tuple[str, bool]]:
     """The project modules `path` imports (those in `known`, or the package a name is imported from), with whether
-    the import runs at module level; imports under `if TYPE_CHECKING:` are left out (they never run)."""
+    the import runs at module level; imports under `if TYPE_CHECKING:` are left out (they never run) unless
+    `type_only`."""
     tree = ast.parse(path.read_text())
-    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(block.test) for node in ast.walk(block)}
+    skipped = set() if type_only else {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                                       and "TYPE_CHECKING" in ast.unparse(block.test) for node in ast.walk(block)}
     top_level = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
@@ -177,10 +178,10 @@ def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
     return found
 
 
-def import_graph(module_level_only: bool = False) -> dict[str, set[str]]:
+def import_graph(module_level_only: bool = False, type_only: bool = False) -> dict[str, set[str]]:
     paths = {module_name(path): path for path in package_modules()}
     known = set(paths)
-    return {name: {target for target, top in imports(path, known) if top or not module_level_only}
+    return {name: {target for target, top in imports(path, known, type_only) if top or not module_level_only}
             for name, path in paths.items()}
 
 
@@ -211,8 +212,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle_anywhere_in_the_packages():
-    """Not at module level, nor through the imports a function makes when it runs."""
+    """Not at module level, nor through the imports a function makes when it runs, nor through imports made for type
+    annotations alone (a module that needs another's type and is imported by it takes a Protocol instead)."""
     assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+    graph = import_graph(type_only=True)
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 # Each layer and what it must never import (deferred imports included): the request, the pipelines and the backends
@@ -269,3 +273,48 @@ def test_project_imports_are_at_module_top_except_where_a_face_defers_the_runtim
                 and not any(module_name(path) == face or module_name(path).startswith(face + ".")
                             for face in DEFERRING)]
     assert deferred == []
+
+
+# ---- family facts --------------------------------------------------------------------------------------------------
+
+# What tells one model family from another, read anywhere but in models/families/ (issue 54's rule): an `is_xl`
+# flag, the tests of a config that decide a family or its guidance (SDXL's added text-time embedding, LCM's guidance
+# embedding width, SDXL's VAE upcast), the denoiser's config found by the name "unet", and diffusers' SDXL pipelines
+# named. Data that merely sets them (a built-in's config dict) is no read.
+FAMILY_FACTS = {
+    "an is_xl flag": r"\bis_xl\w*\b",
+    "the added-embedding test": r"(\.addition_embed_type\b|get\(\s*[\"']addition_embed_type"
+                                r"|config\w*\s*\[\s*[\"']addition_embed_type|==\s*[\"']text_time)",
+    "the guidance-embedding test": r"time_cond_proj_dim",
+    "the VAE upcast test": r"[\"']force_upcast[\"']\s*[,)\]]",
+    "the denoiser found by name": r"config\(\s*[\"']unet[\"']\s*\)",
+    "an SDXL pipeline named": r"StableDiffusionXL\w*Pipeline",
+}
+
+
+def code_of(text: str) -> str:
+    """A module's code without its comments and docstrings (which may name what the code must not read)."""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            body[0] = ast.Pass()
+    return ast.unparse(tree)
+
+
+def family_fact_readers(sources: dict[str, str]) -> list[str]:
+    """'<module>: <fact>' for each module outside models/families/ whose code reads a family fact."""
+    return [f"{name}: {fact}" for name, text in sorted(sources.items()) if not name.startswith("models/families/")
+            for fact, pattern in FAMILY_FACTS.items() if re.search(pattern, code_of(text))]
+
+
+def test_only_the_families_read_family_facts():
+    sources = {str(path.relative_to(ROOT)): path.read_text() for path in package_modules()}
+    assert family_fact_readers(sources) == []
+    planted = {"models/vae.py": 'if config.get("force_upcast", True):\n    pass',
+               "demo/pipelines/sdxl.py": '"""is_xl in a docstring is no read."""\nif source.is_xl:\n    pass',
+               "bench/runner.py": 'source.config("unet")  # a comment: StableDiffusionXLPipeline'}
+    assert family_fact_readers(planted) == ["bench/runner.py: the denoiser found by name",
+                                            "demo/pipelines/sdxl.py: an is_xl flag",
+                                            "models/vae.py: the VAE upcast test"]

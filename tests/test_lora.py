@@ -14,8 +14,9 @@ from demo.backends.registry import REFERENCE
 from demo.backends.torch.settings import TorchSettings
 from demo.cli.to_spec import parse_lora_spec
 from demo.pipelines import StageTimer, Text2ImagePipeline, make_pipeline, to_uint8
-from demo.request import Request
+from demo.request import TEXT_TO_IMAGE, Request
 from models import STAGE_MODELS
+from models.families import SDXL
 from models.lora import lora_deltas, lora_targets, model_targets, read_lora
 from models.source import resolve_model
 from tests.parity import CPU, diffusers_images, torch_stages
@@ -134,10 +135,11 @@ def write_lora(path, model: Model, form: str, seed: int, alphas: bool = False, m
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for component in components or model.modules:
-        names = (XL_UNET if model.source.is_xl else SD_UNET) if component == "unet" else TEXT
+        xl = model.source.family is SDXL
+        names = (XL_UNET if xl else SD_UNET) if component == "unet" else TEXT
         for index, name in enumerate(names):
             module = name if component == "unet" else model.text_path(component, name)
-            down_key, up_key, alpha_key = layer_keys(form, component, module, model.source.is_xl, index)
+            down_key, up_key, alpha_key = layer_keys(form, component, module, xl, index)
             tensors[down_key], tensors[up_key] = random_pair(model.targets[component][module], generator)
             if alphas:
                 tensors[alpha_key] = torch.tensor(ALPHAS[component])
@@ -149,9 +151,9 @@ def reference(model: Model, fuse):
     """diffusers' pipeline for the model with `fuse(pipeline)` done: the LoRA fused into its modules."""
     import diffusers
 
-    name = "StableDiffusionXLPipeline" if model.source.is_xl else "StableDiffusionPipeline"
-    extra = {} if model.source.is_xl else dict(safety_checker=None, requires_safety_checker=False)
-    pipe = getattr(diffusers, name).from_pretrained(model.source.path, **extra)
+    family = model.source.family
+    pipe = getattr(diffusers, family.diffusers_pipeline(TEXT_TO_IMAGE)).from_pretrained(model.source.path,
+                                                                                        **family.diffusers_options)
     fuse(pipe)
     return pipe
 

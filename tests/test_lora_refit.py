@@ -30,6 +30,7 @@ from demo.request import Request
 from demo.runtime.loader import load_pipeline
 from demo.runtime.spec import PipelineSpec
 from models import STAGE_MODELS, text_to_image_stages
+from models.families import SDXL
 from models.lora import LoraFusion, lora_deltas, model_targets, read_lora
 from models.provenance import Provenance, ProvenanceError, check_provenance
 from models.refit import RefitWeights, read_initializers
@@ -84,7 +85,7 @@ def write_lora(path, targets, modules, form: str, seed: int):
 
 def loras_for(source, folder):
     targets = model_targets(source)
-    modules = lora_modules(targets, last_layer=source.is_xl)
+    modules = lora_modules(targets, last_layer=source.family is SDXL)
     first = write_lora(folder / "peft.safetensors", targets, modules, "peft", seed=1)
     half = {component: paths[::2] for component, paths in modules.items()}  # overlapping: the deltas add up
     second = write_lora(folder / "kohya.safetensors", targets, half, "kohya", seed=2)

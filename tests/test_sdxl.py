@@ -15,6 +15,7 @@ from demo.pipelines import ExpertsPipeline, SDXLPipeline, StageTimer, make_pipel
 from demo.request import Request
 from demo.schedulers import SCHEDULERS
 from models import STAGE_MODELS, text_to_image_stages
+from models.families import SDXL
 from models.source import resolve_model
 from tests.parity import CPU, check_parity, torch_stages
 
@@ -43,7 +44,7 @@ def no_zeros_dir(tiny_xl, tmp_path_factory):
 
 
 def test_tiny_xl_is_an_sdxl_model_with_both_encoders_and_added_conditions(tiny_xl):
-    assert tiny_xl.is_xl and tiny_xl.index["_class_name"] == "StableDiffusionXLPipeline"
+    assert tiny_xl.family is SDXL and tiny_xl.index["_class_name"] == "StableDiffusionXLPipeline"
     assert text_to_image_stages(tiny_xl) == ("clip", "clip2", "unet", "vae")
     unet = STAGE_MODELS["unet"](tiny_xl)
     assert unet.input_names == ("sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids")
@@ -114,7 +115,7 @@ def tiny_refiner():
 
 
 def test_the_refiner_has_its_second_encoder_and_aesthetic_time_ids(tiny_refiner):
-    assert tiny_refiner.is_xl and "text_encoder" not in tiny_refiner.components
+    assert tiny_refiner.family is SDXL and "text_encoder" not in tiny_refiner.components
     assert text_to_image_stages(tiny_refiner) == ("clip2", "unet", "vae")
     unet = STAGE_MODELS["unet"](tiny_refiner)
     assert unet.input_shapes(2, 64, 64)["time_ids"] == (2, 5)  # original size, crop corner, aesthetic score
@@ -164,10 +165,11 @@ def test_demo_renders_with_the_refiner(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "tiny", "--refiner", "tiny-xl-refiner"], "--refiner refines an SDXL base model"),
+    (["--model", "tiny", "--refiner", "tiny-xl-refiner"],
+     "--refiner: model 'tiny' is of the SD 1.x/2.x family, which does not support a refiner"),
     (["--model", "tiny-xl", "--refiner", "tiny-xl-refiner", "--high-noise-frac", "1.5"],
      "--high-noise-frac must be between 0 and 1"),
-    (["--model", "tiny-xl", "--refiner", "tiny"], "--refiner tiny is not an SDXL model"),
+    (["--model", "tiny-xl", "--refiner", "tiny"], "--refiner tiny is not an SDXL model that refines"),
     (["--model", "tiny-xl", "--refiner", "tiny-xl-inpaint"],
      "--refiner tiny-xl-inpaint: its UNet takes 9 channels, the base's latents have 4"),
 ])

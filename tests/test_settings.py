@@ -99,10 +99,11 @@ def test_same_as_declares_the_same_flag_and_bad_values_are_usage_errors():
     assert onnx.help == dataclasses.fields(EngineFlags)[0].metadata["help"]
 
 
-# Fields another group sets (the request's images come from files: ImageFlags, ControlImageFlags), or no command does.
+# Fields another group sets (the request's images come from files: ImageFlags, ControlImageFlags), or no command does
+# (a request's guidance kind is resolved from the model).
 SET_ELSEWHERE = {EngineOptions: {"build_missing"},
                  Request: {"image", "mask", "strength", "control_images", "control_guidance_start",
-                           "control_guidance_end", "guess_mode"}}
+                           "control_guidance_end", "guess_mode", "guidance"}}
 
 
 @pytest.mark.parametrize("group, library, shared", [
@@ -114,7 +115,7 @@ def test_flag_groups_take_the_librarys_fields_and_defaults(group, library, share
     asks for one), so that a default is defined once and no flag silently sets nothing."""
     flags = {item.name: item.default for item in dataclasses.fields(group)}
     fields = {item.name: item.default for item in dataclasses.fields(library)}
-    if library is PipelineSpec:  # a spec is set by several groups; this one sets three of its fields
+    if library is PipelineSpec:  # a spec is set by several groups; this one sets some of its fields
         fields = {name: fields[name] for name in flags}
     spec_fields = {item.name: item.default for item in dataclasses.fields(PipelineSpec)}
     assert set(flags) == set(fields) - SET_ELSEWHERE.get(library, set()) | set(shared)

@@ -20,7 +20,7 @@ from demo.backends.torch.settings import (
     computed_part,
     resolve_torch_settings,
 )
-from models import STAGE_MODELS
+from models import CLIP, STAGE_MODELS, UNET, VAE
 from models.builtin import BUILTIN_MODELS
 from plugins import torch_ops
 from plugins.contract import PLUGIN_KEYS, TORCH_OPS
@@ -28,6 +28,8 @@ from plugins.diffusers_modules import AttentionProcessor, substitute
 from plugins.tuned import TORCH_DEFAULTS
 from tests import plugin_references
 from tests.plugin_references import cpu_kernels
+
+SD_STAGES = (CLIP, UNET, VAE)  # the text-to-image stages of an SD 1.x/2.x model (tiny's)
 
 CPU = torch.device("cpu")
 
@@ -222,13 +224,12 @@ def test_torch_stage_with_plugins_runs_the_pipeline(tiny):
     from demo.backends.torch.stage import TorchStage
     from demo.pipelines import StageTimer, Text2ImagePipeline, image_psnr, to_uint8
     from demo.request import Request
-    from models import TEXT_TO_IMAGE_STAGES
 
     request = Request("a red car", "", height=48, width=64, denoising_steps=3, guidance_scale=7.5, seed=4)
     images = {}
     for label, settings in (("plain", FALLBACK), ("plugins", TorchSettings(plugins=tuple(sorted(PLUGIN_KEYS))))):
         stages = {name: TorchStage(STAGE_MODELS[name](tiny), CPU, torch.float32, settings)
-                  for name in TEXT_TO_IMAGE_STAGES}
+                  for name in SD_STAGES}
         with cpu_kernels():
             images[label] = to_uint8(Text2ImagePipeline(tiny, stages, "DDIM", CPU, torch.float32)(
                 request, StageTimer(CPU)))

@@ -16,11 +16,13 @@ from demo.backends.torch.settings import FALLBACK, TorchSettings, computed_part
 from demo.backends.torch.stage import TorchStage
 from demo.pipelines import StageTimer, Text2ImagePipeline, image_psnr, to_uint8
 from demo.request import Request
-from models import STAGE_MODELS, TEXT_TO_IMAGE_STAGES
+from models import CLIP, STAGE_MODELS, UNET, VAE
 from plugins import torch_ops
 from plugins.contract import PLUGIN_KEYS
 from plugins.diffusers_modules import substitute
 from tests.parity import check_input_images
+
+SD_STAGES = (CLIP, UNET, VAE)  # the text-to-image stages of an SD 1.x/2.x model (tiny's)
 
 pytestmark = pytest.mark.gpu
 needs_plugins = pytest.mark.skipif(not torch_ops.available(), reason=f"plugins cannot run here: {torch_ops.status()}")
@@ -86,7 +88,7 @@ CONFIGS = {
 
 def pipeline_images(tiny, settings: TorchSettings):
     stages = {name: TorchStage(STAGE_MODELS[name](tiny), CUDA, torch.float16, settings)
-              for name in TEXT_TO_IMAGE_STAGES}
+              for name in SD_STAGES}
     pipeline = Text2ImagePipeline(tiny, stages, "DDIM", CUDA, torch.float16)
     first = to_uint8(pipeline(REQUEST, StageTimer(CUDA)))
     second = to_uint8(pipeline(REQUEST, StageTimer(CUDA)))

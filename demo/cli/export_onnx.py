@@ -62,10 +62,11 @@ def export(flags) -> int:
     from models.stages import STAGE_MODELS, check_model_stages, text_to_image_stages
 
     configure_library_logging(model.verbose)
-    source = resolve_model(model.model, vae=model.vae)
+    source = resolve_model(model.model, vae=model.vae, config=model.model_config,
+                           prediction_type=model.prediction_type)
     check_model_stages(source, stages)
     stages = stages or text_to_image_stages(source)
-    plugins = parse_plugin_set(export_flags.plugins, xl=source.is_xl)
+    plugins = parse_plugin_set(export_flags.plugins, family=source.family.tuned_key)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32
     onnx_dir = Path(export_flags.onnx_dir)

@@ -32,6 +32,8 @@ from demo.schedulers import SCHEDULERS
 from models import shapes
 from models.builtin import BUILTIN_NAMES, CONTROLNET_NAMES
 from models.plugin_set import PLUGINS_HELP
+from models.single_file import PREDICTION_TYPES as SINGLE_FILE_PREDICTIONS
+from models.single_file import SD2_DEFAULT_PREDICTION
 from models.source import DEFAULT_GUIDANCE_SCALE
 from plugins.contract import CONVENTIONS
 
@@ -70,10 +72,17 @@ def same_as(group: type, name: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelFlags:
-    model: str = flag(f"built-in ({', '.join(BUILTIN_NAMES)}), a diffusers-format directory, or a hub id (default: "
-                      "%(default)s)", SPEC.model)
-    vae: str | None = flag("decode with another VAE: an AutoencoderKL folder, or a model folder with one in vae/ "
-                           "(default: the model's own)", SPEC.vae, metavar="DIR")
+    model: str = flag(f"built-in ({', '.join(BUILTIN_NAMES)}), a diffusers-format directory, a single-file "
+                      ".safetensors checkpoint (SD 1.x/2.x, SDXL base or refiner), or a hub id (default: %(default)s)",
+                      SPEC.model)
+    model_config: str | None = flag("with a single-file --model: a diffusers folder whose configs describe it "
+                                    "(default: the built-in architecture its tensors' names say)", SPEC.model_config,
+                                    metavar="DIR")
+    prediction_type: str | None = flag(f"with a single-file SD 2.x --model, which cannot tell: what its UNet predicts "
+                                       f"(default: {SD2_DEFAULT_PREDICTION})", SPEC.prediction_type,
+                                       choices=SINGLE_FILE_PREDICTIONS)
+    vae: str | None = flag("decode with another VAE: an AutoencoderKL folder, a model folder with one in vae/, or a "
+                           "single-file VAE .safetensors (default: the model's own)", SPEC.vae, metavar="PATH")
     verbose: bool = flag("show library logs and build details", SPEC.verbose)
 
 
@@ -174,19 +183,19 @@ class LoraFlags:
 
 @dataclass(frozen=True)
 class RefinerFlags:
-    refiner: str | None = flag("SDXL: then refine with this model (a built-in such as tiny-xl-refiner, or a "
-                               "StableDiffusionXLImg2ImgPipeline folder), an ensemble of experts", SPEC.refiner,
-                               metavar="MODEL")
+    refiner: str | None = flag("SDXL: then refine with this model (a built-in such as tiny-xl-refiner, or a folder "
+                               "of SDXL's refiner), an ensemble of experts", SPEC.refiner, metavar="MODEL")
     high_noise_frac: float = flag("with --refiner: the part of the schedule the base denoises, the rest is the "
                                   "refiner's (default: %(default)s)", DEFAULT_HIGH_NOISE_FRAC)
 
 
 @dataclass(frozen=True)
 class ControlNetFlags:
-    controlnet: tuple[str, ...] | None = flag(f"steer the UNet with this ControlNet (a ControlNetModel folder, or "
+    controlnet: tuple[str, ...] | None = flag(f"steer the UNet with this ControlNet (a ControlNetModel folder, a "
+                                              f"single-file .safetensors in the original layout, or "
                                               f"{', '.join(CONTROLNET_NAMES)}), its residuals times SCALE (default "
                                               "1.0); repeatable: several add up, each with its --control-image",
-                                              metavar="DIR[:SCALE]", repeatable=True)
+                                              metavar="PATH[:SCALE]", repeatable=True)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
     values: dict = {}
     if ModelFlags in flags:
         model = flags[ModelFlags]
-        values.update(model=model.model, vae=model.vae, verbose=model.verbose)
+        values.update(model=model.model, model_config=model.model_config, prediction_type=model.prediction_type,
+                      vae=model.vae, verbose=model.verbose)
     if DemoFlags in flags:
         values["backend"] = flags[DemoFlags].backend
     if EngineFlags in flags:

@@ -1,5 +1,6 @@
-"""The pipeline families: one module per family, each a diffusers pipeline as step methods (encode prompt, prepare
-latents, denoise, decode) over stages of any backend (demo.backends.base.Stage), which every mode and family reuses.
+"""The pipelines of each model family (models.families): each a diffusers pipeline as step methods (encode prompt,
+prepare latents, denoise, decode) over stages of any backend (demo.backends.base.Stage), which every mode and family
+reuses; PIPELINES says which class runs each family's modes.
 
 - text_to_image: Text2ImagePipeline (StableDiffusionPipeline), the steps the others build on;
 - sdxl: SDXLPipeline (StableDiffusionXLPipeline) and ExpertsPipeline (SDXL base, then refiner);
@@ -34,18 +35,21 @@ from demo.pipelines.text_to_image import Text2ImagePipeline
 from demo.pipelines.timer import StageTimer
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
 from models import is_controlnet_stage
+from models.families import SD, SDXL
 from models.source import ModelSource
 
-# mode -> (the SD 1.x/2.x pipeline, the SDXL one)
+# family name -> mode -> (its pipeline, the same with ControlNets)
 PIPELINES = {
-    TEXT_TO_IMAGE: (Text2ImagePipeline, SDXLPipeline),
-    IMAGE_TO_IMAGE: (Image2ImagePipeline, SDXLImage2ImagePipeline),
-    INPAINTING: (InpaintPipeline, SDXLInpaintPipeline),
-}
-CONTROLNET_PIPELINES = {
-    TEXT_TO_IMAGE: (ControlNetPipeline, SDXLControlNetPipeline),
-    IMAGE_TO_IMAGE: (ControlNetImage2ImagePipeline, SDXLControlNetImage2ImagePipeline),
-    INPAINTING: (ControlNetInpaintPipeline, SDXLControlNetInpaintPipeline),
+    SD.name: {
+        TEXT_TO_IMAGE: (Text2ImagePipeline, ControlNetPipeline),
+        IMAGE_TO_IMAGE: (Image2ImagePipeline, ControlNetImage2ImagePipeline),
+        INPAINTING: (InpaintPipeline, ControlNetInpaintPipeline),
+    },
+    SDXL.name: {
+        TEXT_TO_IMAGE: (SDXLPipeline, SDXLControlNetPipeline),
+        IMAGE_TO_IMAGE: (SDXLImage2ImagePipeline, SDXLControlNetImage2ImagePipeline),
+        INPAINTING: (SDXLInpaintPipeline, SDXLControlNetInpaintPipeline),
+    },
 }
 
 __all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "Image2ImagePipeline", "InpaintPipeline", "SDXLImage2ImagePipeline",
@@ -53,10 +57,11 @@ __all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "Image2ImagePipeline", "Inpa
            "to_uint8"]
 
 
-def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler_name: str, device: torch.device,
+def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler, device: torch.device,
                   dtype: torch.dtype, mode: str = TEXT_TO_IMAGE, cache_interval: int = 1) -> Text2ImagePipeline:
-    """The pipeline this model needs for `mode` (a request's), over `stages` (with ControlNet stages: its ControlNet
-    pipeline), with the step cache's interval (used where `stages` has the shallow UNet)."""
+    """The pipeline this model's family runs `mode` (a request's) with, over `stages` (with ControlNet stages: its
+    ControlNet pipeline), with `scheduler` (a diffusers scheduler, or our name of one) and the step cache's interval
+    (used where `stages` has the shallow UNet)."""
     controlled = any(map(is_controlnet_stage, stages))
-    family = (CONTROLNET_PIPELINES if controlled else PIPELINES)[mode][source.is_xl]
-    return family(source, stages, scheduler_name, device, dtype, cache_interval)
+    pipeline = PIPELINES[source.family.name][mode][int(controlled)]
+    return pipeline(source, stages, scheduler, device, dtype, cache_interval)

@@ -26,11 +26,11 @@ class Image2ImagePipeline(Text2ImagePipeline):
 
     encodes_image = True
 
-    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
+    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
                  device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
         from diffusers.image_processor import VaeImageProcessor
 
-        super().__init__(source, stages, scheduler_name, device, dtype, cache_interval)
+        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
         self.image_processor = VaeImageProcessor(vae_scale_factor=source.vae_scale_factor)
 
     def preprocess(self, batch: Batch) -> torch.Tensor:
@@ -71,11 +71,11 @@ class InpaintPipeline(Image2ImagePipeline):
     takes the mask and the masked image's latents beside the latents; with an ordinary UNet the part the mask keeps
     is put back after each step, noised to the next timestep (the latent blend)."""
 
-    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
+    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
                  device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
         from diffusers.image_processor import VaeImageProcessor
 
-        super().__init__(source, stages, scheduler_name, device, dtype, cache_interval)
+        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
         self.mask_processor = VaeImageProcessor(vae_scale_factor=source.vae_scale_factor, do_normalize=False,
                                                 do_binarize=True, do_convert_grayscale=True)
         self.masking: MaskLatents | None = None  # the run's, from prepare_latents

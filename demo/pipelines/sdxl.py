@@ -25,11 +25,11 @@ class SDXLPipeline(Text2ImagePipeline):
     """diffusers' StableDiffusionXLPipeline on the same steps: two text encoders, whose penultimate states are
     concatenated, and the UNet's added conditions (the second encoder's pooled embeddings and the time ids)."""
 
-    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
+    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
                  device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
         from transformers import CLIPTokenizer
 
-        super().__init__(source, stages, scheduler_name, device, dtype, cache_interval)
+        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
         self.tokenizer_2 = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer_2")
         self.tokenizer = self.tokenizer or self.tokenizer_2  # a refiner has only the second
         # No negative prompt given: zero embeddings instead of an empty prompt's (SDXL's pipeline config).

@@ -1,5 +1,6 @@
-"""Text-to-image: tokenize -> text encoder(s) -> denoising loop with classifier-free guidance -> VAE decode, as step
-methods that every other pipeline family reuses.
+"""Text-to-image: tokenize -> text encoder(s) -> denoising loop, guided as the model is (classifier-free guidance's
+two halves, or the scale as the UNet's embedding) -> VAE decode, as step methods that every other pipeline family
+reuses.
 
 The arithmetic follows diffusers' pipelines step for step (latents drawn from a CPU generator, scheduler scaling,
 guidance, the scheduler's own step), so with the torch backend the same seed gives the same image as diffusers:
@@ -24,7 +25,7 @@ from demo.schedulers import make_scheduler
 from models import CLIPModel, UNetModel, VAEDecoderModel, stage_batch
 from models.base import StageModel
 from models.source import ModelSource
-from models.unet import LATENT, UNetShallowModel
+from models.unet import LATENT, TIMESTEP_COND, UNetShallowModel
 from models.unet_cache import DEEP_FEATURES
 
 if TYPE_CHECKING:
@@ -39,16 +40,18 @@ class Text2ImagePipeline:
     # Whether prepare_latents runs the VAE encoder (the input image): then it is timed as its own region.
     encodes_image: ClassVar[bool] = False
 
-    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler_name: str,
+    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
                  device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
-        """`cache_interval`: with the step cache's shallow UNet among `stages`, every cache_interval-th UNet call of a
-        run (the first included) runs whole and the others the shallow pass from its deep features."""
+        """`scheduler`: a diffusers scheduler, our name of one (demo.schedulers), or None: set before each call (a
+        loaded pipeline sets its request's, demo.runtime.loaded). `cache_interval`: with the step cache's shallow UNet
+        among `stages`, every cache_interval-th UNet call of a run (the first included) runs whole and the others the
+        shallow pass from its deep features."""
         from transformers import CLIPTokenizer
 
         self.cache_interval = cache_interval
         self.source = source
         self.stages = stages
-        self.scheduler = make_scheduler(scheduler_name, source)
+        self.scheduler = make_scheduler(scheduler, source) if isinstance(scheduler, str) else scheduler
         self.tokenizer = (CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer")
                           if "tokenizer" in source.components else None)
         self.device = device
@@ -138,6 +141,22 @@ class Text2ImagePipeline:
         scaled model input, for a whole UNet pass or (not `whole`) the step cache's shallow pass; none here."""
         return {}
 
+    def guidance_embedding(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The UNet's embedding of the guidance scale, where the model embeds it (models.families EMBEDDED), as
+        diffusers' pipelines make it (get_guidance_scale_embedding of the scale less 1, on the CPU in fp32, a row per
+        image); {} where it takes none."""
+        width = self.stage(UNetModel).model.guidance_width
+        if not width:
+            return {}
+        scale = torch.full((batch.batch_size,), batch.head.guidance_scale - 1.0) * 1000.0
+        half = width // 2
+        frequencies = torch.exp(torch.arange(half, dtype=torch.float32) * -(torch.log(torch.tensor(10000.0)) /
+                                                                             (half - 1)))
+        embedding = scale[:, None] * frequencies[None, :]
+        embedding = torch.nn.functional.pad(torch.cat([torch.sin(embedding), torch.cos(embedding)], dim=1),
+                                            (0, width % 2))
+        return {TIMESTEP_COND: embedding.to(device=self.device, dtype=self.dtype)}
+
     def unet_sample(self, model_input: torch.Tensor) -> torch.Tensor:
         """The UNet's sample for a scaled model input (an inpainting UNet's has the mask and masked image too)."""
         return model_input
@@ -149,10 +168,11 @@ class Text2ImagePipeline:
 
     def denoise(self, batch: Batch, latents: torch.Tensor, conditioning: tuple[torch.Tensor, ...],
                 generator: torch.Generator, timesteps: torch.Tensor, progress=None) -> torch.Tensor:
-        """The scheduler's loop over `timesteps`, with classifier-free guidance; `conditioning` as encode_prompt
-        gives it."""
+        """The scheduler's loop over `timesteps`, guided as the request is (classifier-free: both halves in one batch;
+        embedded: the scale's embedding beside the text); `conditioning` as encode_prompt gives it."""
         unet, shallow = self.stage(UNetModel), self.stages.get(UNetShallowModel.name)
         step_kwargs = self._step_kwargs(generator)
+        guidance = self.guidance_embedding(batch)
         features = None
         # The scheduler steps on the host's copy of the timesteps: DDIM and PNDM index host tables with the timestep
         # and compare it with 0, which for a timestep on the GPU waits for the GPU every step. The stages take theirs
@@ -165,7 +185,7 @@ class Text2ImagePipeline:
             whole = shallow is None or i % self.cache_interval == 0
             extra = self.unet_extra(i, len(timesteps), model_input, timestep, conditioning, batch, whole)
             inputs = (self.unet_sample(model_input).to(self.dtype), timestep, *conditioning)
-            feed = dict(zip(unet.model.input_names, inputs), **extra)  # by name: the stages take what they read
+            feed = dict(zip(unet.model.input_names, inputs), **guidance, **extra)  # by name: stages take what they read
             if shallow is None:
                 prediction = unet(feed)[LATENT]
             elif whole:  # both guidance halves' features, kept together

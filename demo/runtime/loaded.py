@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -18,11 +18,30 @@ from demo.pipelines.lora import LoraSpec
 from demo.pipelines.timer import StageTimer, timed_runs
 from demo.request import TEXT_TO_IMAGE, Request
 from demo.runtime.report import LatencyReport, device_name, library_versions, precision_name
-from demo.schedulers import default_scheduler_name, make_scheduler
+from demo.schedulers import make_scheduler
 from models.lora import LoraFile, read_lora
 
-if TYPE_CHECKING:
-    from demo.runtime.loader import PipelinePlan
+
+class Plan(Protocol):
+    """What a pipeline is loaded from (demo.runtime.plan.PipelinePlan, which imports this module: the plan knows the
+    pipeline, the pipeline only this)."""
+
+    spec: object  # demo.runtime.spec.PipelineSpec
+    backend: object  # demo.backends.base.Backend
+    backend_reason: str
+    device: torch.device
+    dtype: torch.dtype
+    modes: tuple[str, ...]
+    base: object  # demo.runtime.plan.StagePlan: source, models, settings, settings_of, reason
+    refiner: object | None
+    loras: list
+    log: Callable[[str], None]
+    progress: Callable[[str], None]
+
+    @property
+    def source(self): ...
+
+    def checked(self, request: Request) -> Request: ...
 
 
 @dataclass
@@ -43,25 +62,25 @@ class Pipeline:
     fields) and returns a Result; `run` renders resolved, checked requests that share a call; `close()` (or leaving a
     `with` block) frees its stages' device memory and engines."""
 
-    def __init__(self, plan: PipelinePlan):
+    def __init__(self, plan: Plan):
+        """The family pipelines start with no scheduler: each call sets its request's (_use_scheduler), one object
+        per scheduler name, so that none is made only to be replaced."""
         self.plan = plan
         self.device, self.dtype, self.backend = plan.device, plan.dtype, plan.backend
         self.loras: list[tuple[LoraFile, float]] = []  # applied now
         self.lora_refit_ms: float | None = None  # what applying them took, where engines were refitted
         self._schedulers: dict[tuple[int, str], object] = {}  # (family pipeline, name) -> its scheduler
-        scheduler = plan.request.scheduler if plan.request is not None else None
-        scheduler = scheduler or plan.spec.scheduler or default_scheduler_name(plan.source)
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         self.stages, self.refiner_stages = {}, {}
         try:
             with on_device:
                 self.stages = self._create(plan.base)
                 interval = plan.spec.cache_interval
-                self.families = {mode: make_pipeline(plan.source, self.stages, scheduler, self.device, self.dtype,
+                self.families = {mode: make_pipeline(plan.source, self.stages, None, self.device, self.dtype,
                                                      mode, interval) for mode in plan.modes}
                 if plan.refiner is not None:
                     self.refiner_stages = self._create(plan.refiner)
-                    refiner = make_pipeline(plan.refiner.source, self.refiner_stages, scheduler, self.device,
+                    refiner = make_pipeline(plan.refiner.source, self.refiner_stages, None, self.device,
                                             self.dtype, cache_interval=interval)
                     self.families = {TEXT_TO_IMAGE: ExpertsPipeline(self.families[TEXT_TO_IMAGE], refiner,
                                                                     plan.spec.high_noise_frac)}
@@ -98,11 +117,8 @@ class Pipeline:
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def request(self, prompt: str | Request, **fields) -> Request:
-        """`prompt` (or a Request) with `fields`, resolved and checked for this pipeline."""
-        request = prompt if isinstance(prompt, Request) else Request(prompt, **fields)
-        request = self.plan.resolve(request)
-        self.plan.check(request)
-        return request
+        """`prompt` (or a Request) with `fields`, resolved and checked for this pipeline (PipelinePlan.checked)."""
+        return self.plan.checked(prompt if isinstance(prompt, Request) else Request(prompt, **fields))
 
     def __call__(self, prompt: str | Request, progress=None, **fields) -> Result:
         """The images of one request (a prompt with Request's fields as keyword arguments, or a Request), and their

@@ -5,6 +5,8 @@
     pipeline = plan.load()            # stages loaded, LoRA files applied: a ready demo.runtime.loaded.Pipeline
     pipeline = load_pipeline(spec)    # the two at once
 
+The plan (demo.runtime.plan) resolves and checks every request once (PipelinePlan.checked), whichever face made it.
+
 Every command (demo-diffusion, build-engines, compare-backends, sd-serve's device processes, sd-benchmark,
 sd-ablation, INT8 calibration) and the Python API go through here.
 """
@@ -15,7 +17,6 @@ import dataclasses
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -27,17 +28,17 @@ from demo.runtime.calibrate import calibration_spec, record_unet_activations
 from demo.runtime.loaded import Pipeline
 from demo.runtime.logs import configure_library_logging
 from demo.runtime.memory import check_memory
+from demo.runtime.plan import Log, PipelinePlan, StagePlan, resolve_request
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
-from demo.schedulers import check_steps, make_scheduler
-from models.base import StageModel
 from models.controlnet import resolve_controlnet
-from models.lora import LoraFile, check_loras, model_targets, read_lora
+from models.families import CLASSIFIER_FREE, INT8, LORA, REFINER, STEP_CACHE
+from models.lora import check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
 from models.stages import check_model_stages, image_to_image_stages, stage_models, text_to_image_stages
 
-Log = Callable[[str], None]
+__all__ = ["PipelinePlan", "StagePlan", "load_pipeline", "plan_pipeline", "quiet", "to_stderr"]
 REFINER_DIR = "refiner"  # the refiner's ONNX and engines, inside the base's folders (stage names are the same)
-DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def to_stderr(message: str) -> None:
@@ -48,84 +49,14 @@ def quiet(*_) -> None:
     pass
 
 
-@dataclasses.dataclass
-class StagePlan:
-    """One model's stages (the base's, or a refiner's) and each one's backend settings."""
-
-    source: ModelSource
-    models: list[StageModel]
-    settings: dict[str, object]  # stage name -> the backend's settings for it
-    reason: str  # where the settings came from
-
-    def settings_of(self, model: StageModel):
-        return self.settings[model.name]
-
-
-@dataclasses.dataclass
-class PipelinePlan:
-    """A spec with every check made and nothing loaded: what plan_pipeline gives."""
-
-    spec: PipelineSpec
-    backend: Backend
-    backend_reason: str
-    device: torch.device
-    dtype: torch.dtype
-    modes: tuple[str, ...]
-    base: StagePlan
-    refiner: StagePlan | None
-    loras: list[tuple[LoraFile, float]]
-    notes: list[str]  # what the spec sets that this pipeline does not use, each naming fields (core.errors.field)
-    log: Log
-    progress: Log
-    request: Request | None = None  # the one request the plan was sized for (plan_pipeline), resolved
-
-    @property
-    def source(self) -> ModelSource:
-        return self.base.source
-
-    def resolve(self, request: Request) -> Request:
-        """The request with what it leaves out filled in: the spec's scheduler and size (for text-to-image: an image
-        request keeps its image's size), else the model's; a random seed."""
-        defaults = {"scheduler": self.spec.scheduler}
-        if request.image is None:
-            defaults.update(height=self.spec.height, width=self.spec.width)
-        left_out = {name: value for name, value in defaults.items() if getattr(request, name) is None}
-        return replace(request, **left_out).resolved(self.source)
-
-    def check(self, request: Request) -> None:
-        """A UsageError where the loaded pipeline cannot run a resolved request: the request's own checks against the
-        model, then what this pipeline was made for (its modes, a refiner's schedule, the backend's limits)."""
-        request.check(self.source)
-        if request.mode not in self.modes:
-            raise UsageError(f"this pipeline runs {', '.join(self.modes)}, not {request.mode}: load it with that "
-                             f"among its {field('modes')}")
-        if self.refiner is not None:
-            check_steps(make_scheduler(request.scheduler, self.refiner.source), request.scheduler,
-                        request.denoising_steps)
-        unet = next(model for model in self.base.models if model.name == "unet")
-        self.backend.check_request(self.base.settings_of(unet), self.source, request)
-        check_control_images(request, self.spec)
-
-    def build(self) -> dict[str, dict]:
-        """Build or find every stage's artifacts (engines), loading nothing; what each took."""
-        stats = {}
-        for part in filter(None, (self.base, self.refiner)):
-            stats.update(self.backend.prepare(part.models, part.settings_of, self.device, self.dtype, self.log,
-                                              self.progress))
-        return stats
-
-    def load(self) -> Pipeline:
-        return Pipeline(self)
-
-
 def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, request: Request | None = None,
                   log: Log | None = None, progress: Log = to_stderr, runs: bool = True) -> PipelinePlan:
     """Check everything `spec` asks for and decide how it runs, loading nothing: a UsageError for the first thing that
     cannot be. With `request` (a command's one request), the plan is sized for it: its resolved size, batch and mode
-    where the spec leaves them (the plan's `request` is then the resolved one). `runs` False plans a build only
-    (build-engines): the backend need not run here (TensorRT for RTX builds on a CPU), no memory is checked, and the
-    stages are the model's text-to-image ones unless the spec names them. `progress` hears of long work (builds,
-    calibration), `log` of the rest (default: nothing, or everything with spec.verbose)."""
+    where the spec leaves them (the plan's `request` is then the resolved one, checked: PipelinePlan.checked). `runs`
+    False plans a build only (build-engines): the backend need not run here (TensorRT for RTX builds on a CPU), no
+    memory is checked, and the stages are the model's text-to-image ones unless the spec names them. `progress` hears
+    of long work (builds, calibration), `log` of the rest (default: nothing, or everything with spec.verbose)."""
     log = log or (print if spec.verbose else quiet)
     configure_library_logging(spec.verbose)
     spec.check()
@@ -133,8 +64,9 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     if spec.loras:
         backend.check_loras(spec_options(spec, backend))
     loras = [(read_lora(path), scale) for path, scale in spec.loras]
-    source = resolve_model(spec.model, vae=spec.vae)
-    controlnets = [(resolve_controlnet(name), scale) for name, scale in spec.controlnets]
+    source = resolve_model(spec.model, vae=spec.vae, config=spec.model_config, prediction_type=spec.prediction_type)
+    check_family_features(spec, source)
+    controlnets = [(resolve_controlnet(name, source), scale) for name, scale in spec.controlnets]
     for controlnet, _ in controlnets:
         controlnet.check_for(source)
     if controlnets and (spec.refiner is not None or spec.engine.int8):
@@ -142,9 +74,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = backend.default_dtype(device) if spec.precision == "auto" else DTYPES[spec.precision]
     if request is not None:
-        request = replace(request, scheduler=request.scheduler or spec.scheduler).resolved(source)
-        request.check(source)
-        check_control_images(request, spec)
+        request = resolve_request(request, spec, source)
         spec = replace(spec, height=request.height if spec.height is None else spec.height,
                        width=request.width if spec.width is None else spec.width,
                        modes=spec.modes or (request.mode,))
@@ -152,13 +82,13 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     for mode in modes if runs else ():
         check_mode(source, mode)
     refiner = resolve_refiner(spec, source, modes)
-    if request is not None and refiner is not None:
-        check_steps(make_scheduler(request.scheduler, refiner), request.scheduler, request.denoising_steps)
     if loras:
         check_loras(loras, model_targets(source))
     height, width = (source.native_image_size if value is None else value for value in (spec.height, spec.width))
     check_image_size(source, height, width)
-    workload = Workload(spec.batch_size, height, width, spec.guided, spec.max_batch_size)
+    # engines for classifier-free guidance's doubled batches, unless the spec or the model's guidance says otherwise
+    guided = spec.guided and source.guidance == CLASSIFIER_FREE
+    workload = Workload(spec.batch_size, height, width, guided, spec.max_batch_size)
     if runs:
         check_memory(source, max(spec.batch_size, spec.max_batch_size or 0), height, width, device, dtype)
     record = activation_recorder(spec, device)
@@ -173,24 +103,31 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
                          calibration_prompts=None)
         refiner_plan = stage_plan(backend, replace(spec, engine=engine, stage_overrides=()), refiner,
                                   text_to_image_stages(refiner), workload, device, dtype, record)
-    return PipelinePlan(spec, backend, reason, device, dtype, tuple(modes), base, refiner_plan, loras,
-                        unused_notes(spec, backend), log, progress, request)
+    plan = PipelinePlan(spec, backend, reason, device, dtype, tuple(modes), base, refiner_plan, loras,
+                        unused_notes(spec, backend), log, progress)
+    if request is not None:
+        plan.check(request)
+        plan.request = request
+    return plan
+
+
+def check_family_features(spec: PipelineSpec, source: ModelSource) -> None:
+    """A UsageError naming the family where the spec asks for what the model's family lacks (its ControlNets are
+    checked with each: ControlNetSource.check_for), or a precision it does not run in."""
+    family = source.family
+    if spec.precision != "auto":
+        family.check_precision(spec.precision, source.name)
+    wanted = ((LORA, "loras", bool(spec.loras)), (REFINER, "refiner", spec.refiner is not None),
+              (INT8, "int8", spec.engine.int8), (STEP_CACHE, "cache_interval", spec.cached_branch is not None))
+    for feature, name, asked in wanted:
+        if asked:
+            family.require(feature, source.name, field(name))
 
 
 def load_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, log: Log | None = None,
                   progress: Log = to_stderr) -> Pipeline:
     """A ready pipeline for `spec` on `device` (default: the GPU, else the CPU): plan_pipeline(...).load()."""
     return plan_pipeline(spec, device, log=log, progress=progress).load()
-
-
-def check_control_images(request: Request, spec: PipelineSpec) -> None:
-    """A UsageError where a request brings another number of control images than the pipeline has ControlNets."""
-    given, wanted = len(request.control_images or ()), len(spec.controlnets)
-    if given != wanted:
-        names = ", ".join(name for name, _ in spec.controlnets)
-        raise UsageError(f"{field('control_images')}: {given} given; this pipeline has {wanted} ControlNet(s)"
-                         + (f" ({names}): one image each, in their order" if wanted else
-                            f": load it with {field('controlnets')}"))
 
 
 def resolve_refiner(spec: PipelineSpec, source: ModelSource, modes) -> ModelSource | None:
@@ -201,16 +138,14 @@ def resolve_refiner(spec: PipelineSpec, source: ModelSource, modes) -> ModelSour
         other = next(mode for mode in modes if mode != TEXT_TO_IMAGE)
         raise UsageError(f"{field('refiner')} refines SDXL text-to-image, not {other}: drop {field('refiner')}, or "
                          f"{field('image')}")
-    if not source.is_xl:
-        raise UsageError(f"{field('refiner')} refines an SDXL base model; model '{source.name}' is not one")
     if not 0 < spec.high_noise_frac < 1:
         raise UsageError(f"{field('high_noise_frac')} must be between 0 and 1 (both excluded), got "
                          f"{spec.high_noise_frac}")
-    refiner = resolve_model(spec.refiner)
-    if not refiner.is_xl or "text_encoder_2" not in refiner.components:
-        raise UsageError(f"{field('refiner')} {spec.refiner} is not an SDXL model (its model_index.json names "
-                         f"{refiner.index.get('_class_name')})")
-    channels = refiner.config("unet")["in_channels"]
+    refiner = resolve_model(spec.refiner, given="refiner")
+    if refiner.family is not source.family or not refiner.family.can_refine(refiner.components):
+        raise UsageError(f"{field('refiner')} {spec.refiner} is not an {source.family.label} model that refines (its "
+                         f"model_index.json names {refiner.index.get('_class_name')})")
+    channels = refiner.denoiser_config["in_channels"]
     if refiner.inpainting or channels != source.latent_channels:  # it takes the base's latents alone
         raise UsageError(f"{field('refiner')} {spec.refiner}: its UNet takes {channels} channels, the base's latents "
                          f"have {source.latent_channels}; a refiner denoises latents alone (not an inpainting model)")

@@ -15,8 +15,12 @@ from demo.backends.torch.options import TorchOptions
 from demo.request import MODES
 from demo.schedulers import scheduler_named
 from models import check_stage_names
+from models.families import FAMILIES
+from models.single_file import PREDICTION_TYPES as SINGLE_FILE_PREDICTIONS
 
-PRECISIONS = ("auto", "fp16", "fp32")  # auto: the backend's own (engines fp16; torch fp16 on a GPU, fp32 on a CPU)
+# auto: the backend's own (engines fp16; torch fp16 on a GPU, fp32 on a CPU); else what some family runs in (a model
+# of another family is refused in one line: models.families Family.check_precision)
+PRECISIONS = ("auto", *dict.fromkeys(precision for family in FAMILIES for precision in family.precisions))
 DEFAULT_HIGH_NOISE_FRAC = 0.8
 
 
@@ -36,7 +40,9 @@ class PipelineSpec:
     this machine has, for every mode the model runs, at its native size."""
 
     model: str = "tiny"  # a built-in (models.builtin), a diffusers-format folder, or a hub id
-    vae: str | None = None  # another VAE: an AutoencoderKL folder, or a model folder with one in vae/
+    model_config: str | None = None  # a single-file model's configs: a diffusers folder (None: the built-in ones)
+    prediction_type: str | None = None  # a single-file SD 2.x model's (None: models.single_file's default)
+    vae: str | None = None  # another VAE: an AutoencoderKL folder, a model folder with one in vae/, or a single file
     backend: str = AUTO  # demo.backends.BACKENDS
     precision: str = "auto"  # PRECISIONS
     plugins: str = AUTO  # our kernels: none, all, a comma list of plugin keys, or auto (the tuned defaults)
@@ -70,6 +76,9 @@ class PipelineSpec:
         needs the model is checked when the pipeline is planned)."""
         if self.backend not in BACKENDS:
             raise UsageError(f"unknown backend '{self.backend}'; choose one of {', '.join(BACKENDS)}")
+        if self.prediction_type is not None and self.prediction_type not in SINGLE_FILE_PREDICTIONS:
+            raise UsageError(f"{field('prediction_type')} must be one of {', '.join(SINGLE_FILE_PREDICTIONS)}, got "
+                             f"'{self.prediction_type}'")
         if self.precision not in PRECISIONS:
             raise UsageError(f"{field('precision')} must be one of {', '.join(PRECISIONS)}, got '{self.precision}'")
         if self.scheduler is not None:
@@ -100,7 +109,8 @@ class PipelineSpec:
 def reference_spec(spec: PipelineSpec) -> PipelineSpec:
     """The spec's model, sizes and modes on the reference backend as diffusers runs it: its own torch modules, no
     kernels, CUDA graphs or compiling, no LoRA files or refiner; its ControlNets (diffusers' pipeline has them)."""
-    return PipelineSpec(model=spec.model, vae=spec.vae, backend=REFERENCE_BACKEND, precision=spec.precision,
+    return PipelineSpec(model=spec.model, model_config=spec.model_config, prediction_type=spec.prediction_type,
+                        vae=spec.vae, backend=REFERENCE_BACKEND, precision=spec.precision,
                         controlnets=spec.controlnets,
                         plugins="none", use_cuda_graph=False, torch=TorchOptions(channels_last=False, compile="none"),
                         modes=spec.modes, scheduler=spec.scheduler, height=spec.height, width=spec.width,

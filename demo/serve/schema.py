@@ -113,8 +113,7 @@ def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) 
     if controls:
         values[CONTROL_IMAGES] = tuple(controls)
     try:
-        request = plan.resolve(Request(**values))
-        plan.check(request)
+        request = plan.checked(Request(**values))
     except UsageError as exc:
         raise RequestRejected(exc.render(input_name)) from None
     return request

@@ -39,6 +39,7 @@ from PIL import Image
 from core.errors import RunFailure, UsageError, field, render_fields
 from demo.request import INPAINTING, TEXT_TO_IMAGE, Request
 from demo.runtime.loader import load_pipeline, plan_pipeline, to_stderr
+from demo.runtime.plan import resolve_request
 from demo.runtime.spec import PipelineSpec
 from demo.serve.batching import ServedPipeline, run_requests
 from demo.serve.options import PORTS, ServeOptions, check_servable
@@ -182,7 +183,7 @@ def prepare_device(spec: PipelineSpec, device: torch.device) -> ServedPipeline:
     requests run alone). Runs in the device's own process (workers.py)."""
     pipeline = load_pipeline(spec, device, progress=progress)
     served = ServedPipeline(pipeline)
-    warm = pipeline.plan.resolve(Request("", denoising_steps=1, seed=0))
+    warm = resolve_request(Request("", denoising_steps=1, seed=0), spec, pipeline.source)
     gray = Image.new("RGB", (warm.width, warm.height), (128, 128, 128))
     warm = replace(warm, control_images=(gray,) * len(spec.controlnets) or None)
     batch = spec.max_batch_size

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import Callable, ContextManager, Mapping, Protocol
 
 import numpy as np
 
@@ -29,12 +29,26 @@ from core.errors import UsageError, field
 from demo.backends.base import LoraApplier
 from demo.backends.tensorrt.build import built_from, register_plugins
 from demo.backends.tensorrt.flavour import TensorRTAPI
+from models.base import StageModel
 from models.lora import lora_deltas, lora_targets
 from models.provenance import Provenance
 from models.refit import RefitWeights, read_initializers
 
-if TYPE_CHECKING:
-    from demo.backends.tensorrt.runtime import EngineStage
+
+class RefittableStage(Protocol):
+    """What a refit reads of an engine stage (runtime.EngineStage, which imports this module: it knows this protocol,
+    not the other way round)."""
+
+    name: str
+    model: StageModel
+    engine: object  # runtime.Engine: its `path`
+    onnx: Callable[[], ContextManager[Path]]  # the optimized ONNX it was built from, locked while in use
+
+    @property
+    def refittable(self) -> bool: ...
+
+    def refit(self, named_weights: Mapping[str, np.ndarray],
+              more: Callable[[list[str]], Mapping[str, np.ndarray]]) -> None: ...
 
 ENGINES_NEED_REFIT = (f"LoRA on TensorRT engines needs engines built refittable: add {field('build_enable_refit')} "
                       f"(built once more), or use {field('backend')} torch")
@@ -44,7 +58,7 @@ class EngineRefit:
     """The LoRA deltas refitted into one engine stage so far. The stage's optimized ONNX is made ready (through the
     artifact cache) and checked to be the engine's own the first time a refit needs its values."""
 
-    def __init__(self, stage: EngineStage):
+    def __init__(self, stage: RefittableStage):
         self.stage = stage
         self.weights: RefitWeights | None = None
 
@@ -83,7 +97,7 @@ class EngineRefit:
         self.weights.commit(deltas)
 
 
-def refit_engines(stages: list[EngineStage], refits: dict[str, EngineRefit],
+def refit_engines(stages: list[RefittableStage], refits: dict[str, EngineRefit],
                   deltas: Mapping[str, Mapping[str, np.ndarray]]) -> float | None:
     """Refit each stage for its component's `deltas` (component -> parameter -> delta), keeping each stage's state in
     `refits`; every engine's new weights are computed (and its ONNX checked) before any engine changes. Returns the
@@ -104,7 +118,7 @@ class RefittedLoras(LoraApplier):
     """LoRA files refitted into engines built refittable: every file is checked, and every delta made, before any
     engine changes."""
 
-    def __init__(self, stages: list[EngineStage]):
+    def __init__(self, stages: list[RefittableStage]):
         if not all(stage.refittable for stage in stages):
             raise UsageError(ENGINES_NEED_REFIT)
         self.stages = stages

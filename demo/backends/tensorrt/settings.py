@@ -72,7 +72,8 @@ def engine_settings(options: EngineOptions, source: ModelSource, flavour: str, w
                           use_cuda_graph=graphs, force_onnx_export=options.force_onnx_export,
                           force_onnx_optimize=options.force_onnx_optimize,
                           force_engine_build=options.force_engine_build,
-                          plugins=engine_plugins(plugins, flavour, options.plugin_convention, source.is_xl),
+                          plugins=engine_plugins(plugins, flavour, options.plugin_convention,
+                                                         source.family.tuned_key),
                           plugin_convention=options.plugin_convention,
                           int8=int8_settings(options, source, workload, record_activations),
                           build_missing=options.build_missing)
@@ -89,10 +90,10 @@ def int8_settings(options: EngineOptions, source: ModelSource, workload: Workloa
                         Path(options.onnx_dir), record_activations)
 
 
-def engine_plugins(text: str, flavour: str, convention: str = OURS, xl: bool = False) -> tuple[str, ...]:
-    """The plugin set engines of `flavour` get for a `plugins` value (for an SDXL model: `xl`), or a UsageError saying
-    why not."""
-    plugins = parse_plugin_set(text, xl=xl)
+def engine_plugins(text: str, flavour: str, convention: str = OURS, family: str | None = None) -> tuple[str, ...]:
+    """The plugin set engines of `flavour` get for a `plugins` value (for a family's models: its tuned key), or a
+    UsageError saying why not."""
+    plugins = parse_plugin_set(text, family=family)
     if plugins and flavour == "tensorrt-rtx":
         if text == "auto":  # TensorRT for RTX cannot load plugin libraries like ours: auto means none there
             return ()
@@ -105,7 +106,7 @@ def engine_plugins(text: str, flavour: str, convention: str = OURS, xl: bool = F
 
 def check_engine_image_size(source: ModelSource, height: int, width: int) -> None:
     """The exported UNet upsamples by plain factors of 2: latents must divide by 2**upsamplers."""
-    multiple = source.vae_scale_factor * 2 ** (len(source.config("unet")["block_out_channels"]) - 1)
+    multiple = source.vae_scale_factor * 2 ** (len(source.denoiser_config["block_out_channels"]) - 1)
     for name, value in (("height", height), ("width", width)):
         if value % multiple:
             raise UsageError(f"{field(name)} {value}: engines of model '{source.name}' need a multiple of {multiple}")

@@ -34,7 +34,7 @@ class TorchBackend(Backend):
     def settings(self, source, options: TorchOptions, plugins, use_cuda_graph, workload, device, dtype,
                  record_activations=None):
         return resolve_torch_settings(plugins, options.channels_last, use_cuda_graph, options.compile, device,
-                                      xl=source.is_xl)
+                                      family=source.family.tuned_key)
 
     def create_stages(self, models, settings_of, device, dtype, log, progress):
         stages = {}

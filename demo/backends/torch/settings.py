@@ -33,10 +33,10 @@ FALLBACK = TorchSettings()
 
 
 def defaults_entry(compute_capability: str | None, table: Path = TUNED_DEFAULTS_FILE,
-                   xl: bool = False) -> tuple[str, dict] | None:
+                   family: str | None = None) -> tuple[str, dict] | None:
     """The tuned torch defaults for a compute capability ("9.0") and an SDXL (`xl`) or SD 1.x/2.x model from `table`
     (a tuned-defaults file), checked, with the key they were found under; None without any (or without a GPU)."""
-    found = find_entry(TORCH_DEFAULTS, compute_capability, xl, table) if compute_capability else None
+    found = find_entry(TORCH_DEFAULTS, compute_capability, family, table) if compute_capability else None
     if found is not None and found[1]["compile"] not in COMPILE_MODES:
         raise UsageError(f"{table}: \"{TORCH_DEFAULTS}\" entry '{found[0]}' needs \"compile\" to be one "
                          f"of {', '.join(COMPILE_MODES)}, not '{found[1]['compile']}'")
@@ -45,7 +45,7 @@ def defaults_entry(compute_capability: str | None, table: Path = TUNED_DEFAULTS_
 
 def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = None, cuda_graph: bool | None = None,
                            compile_mode: str = "auto", device: torch.device | None = None,
-                           table: Path = TUNED_DEFAULTS_FILE, xl: bool = False) -> tuple[TorchSettings, str]:
+                           table: Path = TUNED_DEFAULTS_FILE, family: str | None = None) -> tuple[TorchSettings, str]:
     """Option values (None / "auto": from the tuned defaults in `table` for an SDXL (`xl`) or SD 1.x/2.x model) as
     checked settings, and where they came from.
 
@@ -54,7 +54,7 @@ def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = N
     device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     TorchOptions(channels_last, compile_mode).check()
     capability = local_compute_capability() if device.type == "cuda" else None
-    key, entry = defaults_entry(capability, table, xl) or (None, None)
+    key, entry = defaults_entry(capability, table, family) or (None, None)
     base = TorchSettings(tuple(sorted(entry["plugins"])), entry["channels_last"], entry["cuda_graph"],
                          entry["compile"]) if entry else FALLBACK
     source = (f"defaults for compute capability {capability}{' (SDXL)' if key != capability else ''} from "
@@ -62,7 +62,7 @@ def resolve_torch_settings(plugins: str = "auto", channels_last: bool | None = N
               f"({entry.get('gpu', '?')}, {entry.get('date', '?')})" if entry
               else f"no entry for {'compute capability ' + capability if capability else 'a CPU'} in "
                    f"{table.parent.name}/{table.name}: plain diffusers modules")
-    chosen_plugins = base.plugins if plugins == "auto" else parse_plugin_set(plugins, xl=xl)
+    chosen_plugins = base.plugins if plugins == "auto" else parse_plugin_set(plugins, family=family)
     if plugins == "auto" and chosen_plugins and not torch_ops.available():
         source += f"; its plugins left out ({torch_ops.status()})"
         chosen_plugins = ()

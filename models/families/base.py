@@ -1,0 +1,113 @@
+"""What a model family is: the facts that tell one architecture's pipelines from another's, declared once, so that no
+code outside the families asks "is this SDXL?" (models.families chooses the family from the model's own config).
+
+A family declares its components (and which a model may lack), its denoiser's component (no code finds the denoiser
+by the name "unet"), its text stages and how they read the text encoders, the added conditions its denoiser takes,
+its guidance kind, its precisions and the precision each stage runs in, its tuned-defaults key, its LoRA components,
+diffusers' pipelines it matches (for parity and the diffusers contender) and the features it supports. Its pipeline
+classes per mode are in demo.pipelines (a layer above this one), keyed by the family's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from core.errors import UsageError
+from models import UNET
+
+# How a model is guided (Family.guidance):
+CLASSIFIER_FREE = "classifier-free"  # two halves a step, the unconditional and the conditional (the batch doubled)
+EMBEDDED = "embedded"  # the scale goes in as an embedding of the denoiser's (LCM's time_cond_proj_dim): one half
+NO_GUIDANCE = "none"  # one half, no scale (also what classifier-free guidance becomes at a scale of 1 or below)
+GUIDANCE_KINDS = (CLASSIFIER_FREE, EMBEDDED, NO_GUIDANCE)
+
+# What a request does, from the images it brings (demo.request): each family runs some of these modes.
+TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING = "text-to-image", "image-to-image", "inpainting"
+MODES = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
+# What a family may support (Family.features: these, and the modes beyond text-to-image); a spec or request for one
+# it lacks is refused naming the family.
+STEP_CACHE, CONTROLNET, REFINER, LORA, INT8 = "the step cache", "ControlNets", "a refiner", "LoRA", "INT8"
+
+
+@dataclass(frozen=True, eq=False)  # one object per family: compared by identity
+class Family:
+    """One family of models (SD 1.x/2.x, SDXL, ...): what the toolkit needs to know of it, nothing of its weights."""
+
+    name: str  # the registry's key, and what demo.pipelines keys its pipelines by
+    label: str  # as messages name it
+    pipeline_classes: tuple[str, ...]  # model_index.json `_class_name`s it runs
+    components: tuple[str, ...]  # every component a model of it may have (models.validate.COMPONENTS' names)
+    text_stages: tuple[str, ...]  # the text encoders' stages, in the order the pipeline runs them
+    # mode -> diffusers' pipelines for it, without and with ControlNets (for parity tests and diffusers' contender)
+    diffusers_pipelines: Mapping[str, tuple[str, str]]
+    features: frozenset[str]
+    denoiser: str = "unet"  # the component that denoises
+    denoiser_stage: str = UNET  # and its stage (models.stages.STAGE_MODELS' name)
+    optional: tuple[str, ...] = ()  # components a model of it may lack (an SDXL refiner: the first text encoder)
+    penultimate_text: bool = False  # the text encoders' penultimate layer's states are the context (SDXL)
+    added_conditions: tuple[str, ...] = ()  # the denoiser's inputs beside sample, timestep and text (SDXL's)
+    precisions: tuple[str, ...] = ("fp16", "fp32")  # what its pipelines may run in (demo.runtime.spec.PRECISIONS')
+    upcast_vae: bool = False  # the VAE overflows in fp16: fp32 there where its config says force_upcast
+    tuned_key: str | None = None  # its entries in plugins/tuned_defaults.json (None: the plain compute capability's)
+    lora_components: tuple[str, ...] = ()  # the components a LoRA file may change
+    diffusers_options: Mapping[str, object] = field(default_factory=dict)  # what its diffusers pipelines are made with
+    refiner_components: tuple[str, ...] = ()  # with REFINER: the components a model must have to refine
+
+    # ---- which models are of it -----------------------------------------------------------------------------------
+    def runs_pipeline(self, class_name: str) -> bool:
+        return class_name in self.pipeline_classes
+
+    def has_denoiser(self, config: dict) -> bool:
+        """Whether a denoiser config (a model folder's without model_index.json, a ControlNet's) is of this family."""
+        return (config.get("addition_embed_type") == "text_time") == bool(self.added_conditions)
+
+    def foreign_added_embedding(self, config: dict) -> str | None:
+        """The added embedding a denoiser config of this family names that its pipelines do not make (None: none)."""
+        kind = config.get("addition_embed_type")
+        return None if kind is None or (self.added_conditions and kind == "text_time") else kind
+
+    def model_components(self, index: dict) -> tuple[str, ...]:
+        """The components a model of this model_index.json has: all but the optional ones it leaves out or names as
+        absent (null); without one ({}), all."""
+        named = {name for name in self.optional if isinstance(index.get(name), list) and index[name][0]}
+        absent = set(self.optional) - named if index else set()
+        return tuple(name for name in self.components if name not in absent)
+
+    # ---- how its models run ---------------------------------------------------------------------------------------
+    def guidance(self, denoiser_config: dict) -> str:
+        """The model's guidance kind (GUIDANCE_KINDS): embedded where its denoiser embeds the scale (diffusers'
+        pipelines then skip the unconditional half), else classifier-free."""
+        return EMBEDDED if denoiser_config.get("time_cond_proj_dim") else CLASSIFIER_FREE
+
+    def guidance_embedding_width(self, denoiser_config: dict) -> int | None:
+        """The width of the guidance scale's embedding the denoiser takes (`timestep_cond`; None: it takes none)."""
+        return denoiser_config.get("time_cond_proj_dim") or None
+
+    def fp16_runs_fp32(self, component: str, config: dict) -> bool:
+        """Whether a stage of `component` (its `config`) runs in fp32 when the pipeline runs in fp16 (the stage's own
+        default precision: SDXL's VAE where its config says force_upcast)."""
+        return component == "vae" and self.upcast_vae and config.get("force_upcast", True)
+
+    def check_precision(self, precision: str, model: str) -> None:
+        if precision not in self.precisions:
+            raise UsageError(f"model '{model}' is of the {self.label} family, which runs in "
+                             f"{', '.join(self.precisions)}, not {precision}")
+
+    def can_refine(self, components: tuple[str, ...]) -> bool:
+        """Whether a model of this family with these components can refine its base's latents (REFINER)."""
+        return REFINER in self.features and set(self.refiner_components) <= set(components)
+
+    def supports(self, feature: str) -> bool:
+        return feature in self.features
+
+    def require(self, feature: str, model: str, given: str) -> None:
+        """A UsageError, naming the family, where the spec or request asks for a feature (`given`: the field, as
+        core.errors.field names it) the family lacks."""
+        if feature not in self.features:
+            raise UsageError(f"{given}: model '{model}' is of the {self.label} family, which does not support "
+                             f"{feature}")
+
+    def diffusers_pipeline(self, mode: str, controlled: bool = False) -> str:
+        """diffusers' pipeline class name for `mode` (with ControlNets: its ControlNet twin)."""
+        return self.diffusers_pipelines[mode][int(controlled)]

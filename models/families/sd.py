@@ -1,0 +1,24 @@
+"""SD 1.x/2.x: one CLIP text encoder (its last layer's states), a UNet with no added conditions, classifier-free
+guidance (or the scale embedded, where the UNet takes it: LCM)."""
+
+from models import CLIP
+from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, INT8, LORA, STEP_CACHE, TEXT_TO_IMAGE, Family
+
+SD = Family(
+    name="sd",
+    label="SD 1.x/2.x",
+    pipeline_classes=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline",
+                      "StableDiffusionControlNetPipeline", "StableDiffusionControlNetImg2ImgPipeline",
+                      "StableDiffusionControlNetInpaintPipeline", "LatentConsistencyModelPipeline",
+                      "LatentConsistencyModelImg2ImgPipeline"),
+    components=("text_encoder", "tokenizer", "unet", "vae", "scheduler"),
+    text_stages=(CLIP,),
+    diffusers_pipelines={
+        TEXT_TO_IMAGE: ("StableDiffusionPipeline", "StableDiffusionControlNetPipeline"),
+        IMAGE_TO_IMAGE: ("StableDiffusionImg2ImgPipeline", "StableDiffusionControlNetImg2ImgPipeline"),
+        INPAINTING: ("StableDiffusionInpaintPipeline", "StableDiffusionControlNetInpaintPipeline"),
+    },
+    features=frozenset({STEP_CACHE, CONTROLNET, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
+    lora_components=("unet", "text_encoder"),
+    diffusers_options={"safety_checker": None, "requires_safety_checker": False},
+)
