@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
-from core.errors import UsageError
+from core.errors import RunFailure, UsageError
 from models import shapes
 from models.families import IMAGE_TO_IMAGE, INPAINTING, SD, SDXL, TEXT_TO_IMAGE
 from models.validate import check_weight_file
@@ -404,19 +404,32 @@ def builtin_model_dir(name: str, cache_root: Path, say: Callable[[str], None] = 
         raise UsageError(f"the model cache '{cache_root}' cannot be used: {reason} (set DEMO_DIFFUSION_CACHE to "
                          "another folder)")
     directory = cache_root / f"{name}-v{BUILTIN_FORMAT_VERSION}"
+    return made_once(directory, lambda staging: build_builtin_model(name, staging), say,
+                     f"generating built-in model '{name}' into {directory} (once; seconds for tiny, a minute or more "
+                     "for the full-size architectures) ...",
+                     lambda damage: f"built-in model '{name}' in {directory} is damaged ({damage}): generating it "
+                                    "again")
+
+
+def made_once(directory: Path, write: Callable[[Path], None], say: Callable[[str], None], making: str,
+              remaking: Callable[[str], str], before: Callable[[], None] = lambda: None) -> Path:
+    """`directory` where its manifest says it is whole; else `before()` (checks that may refuse), then `write(staging)`
+    into a staging folder that becomes `directory` with its manifest, whole or not at all, under its lock, saying
+    `making` (a damaged one is discarded first, saying `remaking(its damage)`). A full disk is one RunFailure."""
     if directory.is_dir() and manifest_damage(directory) is None:
         return directory
-    with file_lock(cache_root / f".{directory.name}.lock"):
+    before()
+    with file_lock(directory.parent / f".{directory.name}.lock"):
         damage = manifest_damage(directory) if directory.exists() else None
-        if directory.exists() and damage is None:  # another process regenerated it while we waited
+        if directory.exists() and damage is None:  # another process made it while we waited
             return directory
+        say(f"[model] {remaking(damage) if damage else making}")
         if damage:
-            say(f"[model] built-in model '{name}' in {directory} is damaged ({damage}): generating it again")
             discard_directory(directory)
-        else:
-            say(f"[model] generating built-in model '{name}' into {directory} (once; seconds for tiny, a minute "
-                "or more for the full-size architectures) ...")
-        with atomic_directory(directory) as staging:
-            build_builtin_model(name, staging)
-            write_manifest(staging)
+        try:
+            with atomic_directory(directory) as staging:
+                write(staging)
+                write_manifest(staging)
+        except OSError as exc:
+            raise RunFailure(f"cannot write {directory}: {exc.strerror or exc}") from None
     return directory

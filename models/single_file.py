@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
-from core.atomic import atomic_directory, atomic_write_bytes, discard_directory, file_lock, writable_reason
+from core.atomic import atomic_write_bytes, file_lock, writable_reason
 from core.errors import RunFailure, UsageError, field
 from models.builtin import (
     BOS,
@@ -48,9 +48,8 @@ from models.builtin import (
     XL_PAD,
     _bytes_to_unicode,
     _to_stderr,
-    manifest_damage,
+    made_once,
     scheduler_from,
-    write_manifest,
 )
 from models.cache import content_fingerprint, default_cache_dir
 from models.families import IMAGE_TO_IMAGE, SD, SDXL, TEXT_TO_IMAGE, family_of, family_of_denoiser
@@ -632,24 +631,8 @@ def _file_digest(path: Path, cache_dir: Path) -> str:
 
 def _cached(directory: Path, write: Callable[[Path], None], say: Callable[[str], None], source: str,
             before: Callable[[], None] = lambda: None) -> Path:
-    """`directory`, where it is whole; else `before()` (the checks), then `write(staging)` into a staging folder that
-    becomes `directory` with its manifest, under its lock (a damaged one is discarded first)."""
-    if directory.is_dir() and manifest_damage(directory) is None:
-        return directory
-    before()
-    with file_lock(directory.parent / f".{directory.name}.lock"):
-        damage = manifest_damage(directory) if directory.exists() else None
-        if directory.exists() and damage is None:  # another process converted it while we waited
-            return directory
-        if damage:
-            say(f"[model] the conversion of {source} in {directory} is damaged ({damage}): converting it again")
-            discard_directory(directory)
-        else:
-            say(f"[model] converting {source} (once) into {directory} ...")
-        try:
-            with atomic_directory(directory) as staging:
-                write(staging)
-                write_manifest(staging)
-        except OSError as exc:
-            raise RunFailure(f"cannot write {directory}: {exc.strerror or exc}") from None
-    return directory
+    """`directory`, converted from `source` once (models.builtin.made_once: whole or not at all, under its lock, made
+    again where damaged), after `before()` (the checks)."""
+    return made_once(directory, write, say, f"converting {source} (once) into {directory} ...",
+                     lambda damage: f"the conversion of {source} in {directory} is damaged ({damage}): converting it "
+                                    "again", before)
