@@ -124,3 +124,23 @@ def test_a_feature_the_family_lacks_is_refused_naming_the_family(monkeypatch):
     with pytest.raises(UsageError) as raised:
         plan_pipeline(PipelineSpec(model="tiny", backend="torch", cache_interval=2), CPU, progress=QUIET)
     assert "model 'tiny' is of the SD 1.x/2.x family, which does not support the step cache" in raised.value.render()
+
+
+def test_an_embedded_guidance_unet_exports_the_embedding_as_an_engine_input(embedded, tmp_path):
+    """The ONNX engines are built from takes `timestep_cond` (batch-dynamic) and computes what the torch stage does."""
+    import onnxruntime
+
+    model = UNetModel(embedded)
+    path = tmp_path / "onnx" / "unet.onnx"
+    path.parent.mkdir()
+    model.export_onnx(path, "cpu", torch.float32)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert TIMESTEP_COND in [item.name for item in session.get_inputs()]
+    inputs = model.sample_inputs(3, 64, 64, generator=torch.Generator().manual_seed(2))  # not the export's batch
+    with torch.no_grad():
+        expected = model.load_module().eval()(*(inputs[name] for name in model.input_names))
+    (got,) = session.run(None, {name: value.numpy() for name, value in inputs.items()})
+    assert np.abs(got - expected.numpy()).max() < 1e-4
+    inputs[TIMESTEP_COND] = inputs[TIMESTEP_COND] * 3  # the embedding reaches the output
+    (other,) = session.run(None, {name: value.numpy() for name, value in inputs.items()})
+    assert np.abs(other - got).max() > 1e-3

@@ -76,9 +76,9 @@ class RequestRejected(Exception):
 
 
 def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) -> Request:
-    """One request of `mode`'s model, resolved to one image and checked by `plan` (demo.runtime.loader.PipelinePlan:
-    what it leaves out is the server's spec's or the model's; then every check the loaded pipeline makes, the
-    engines' limits among them); RequestRejected for the first bad input."""
+    """One request of `mode`'s model, resolved to one image and checked by `plan` (PipelinePlan.checked, in
+    demo.runtime.plan: what it leaves out is the server's spec's or the model's; then every check the loaded pipeline
+    makes, the engines' limits among them); RequestRejected for the first bad input."""
     values, controls = {}, []
     for item in inputs_of(mode, len(plan.spec.controlnets)):
         array = data.get(item.name)
