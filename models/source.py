@@ -57,9 +57,10 @@ class ModelSource:
     def components(self) -> tuple[str, ...]:
         return self.family.model_components(self.index)
 
-    @property
+    @functools.cached_property
     def denoiser_config(self) -> dict:
-        """The config of the component that denoises (the family's denoiser: a UNet)."""
+        """The config of the component that denoises (the family's denoiser: a UNet), read once: the size, latent,
+        mode and guidance facts each read it, a request's resolution among them."""
         return self.config(self.family.denoiser)
 
     @property
