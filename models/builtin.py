@@ -222,6 +222,9 @@ SHIPPED_CONTROLNETS = {"shapes-controlnet": shapes}
 GENERATED_CONTROLNETS = {"tiny-controlnet": "tiny", "tiny-xl-controlnet": "tiny-xl",
                          "sd15-controlnet-arch": "sd1.5-arch", "sdxl-controlnet-arch": "sdxl-arch"}
 CONTROLNET_NAMES = (*SHIPPED_CONTROLNETS, *GENERATED_CONTROLNETS)  # what --controlnet takes by name
+# Built-in LoRAs, trained and shipped: the package holding each (its OUTLINE_LORA, checked by its damage()).
+SHIPPED_LORAS = {"shapes-outline": shapes}
+LORA_NAMES = tuple(SHIPPED_LORAS)  # what --lora takes by name
 
 
 def scheduler_from(config: dict):
@@ -358,12 +361,14 @@ def build_builtin_model(name: str, directory: Path) -> None:
 
 
 MANIFEST = "manifest.json"  # in a built-in model's folder: what it holds, to tell a damaged folder from a whole one
-SMALL_FILE = 1 << 20  # files up to this size are hashed; larger (weights) are checked by size and header
+# Files up to this size are hashed (the tiny built-ins' weights among them, so a flipped byte is found); larger ones
+# (full-size weights: hashing would take seconds on every use) are checked by size and header.
+HASHED_UP_TO = 64 << 20
 
 
 def _file_record(path: Path) -> dict:
     record = {"size": path.stat().st_size}
-    if record["size"] <= SMALL_FILE:
+    if record["size"] <= HASHED_UP_TO:
         record["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     return record
 
@@ -374,18 +379,23 @@ def write_manifest(directory: Path) -> None:
 
 
 def manifest_damage(directory: Path) -> str | None:
-    """Why a built-in model's folder is not what its generation wrote (None: it is whole)."""
+    """Why a built-in model's folder is not what its generation wrote (None: it is whole). Each file is checked as its
+    record says: its size, and its hash where one is recorded."""
     try:
         files = json.loads((directory / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
+        files = None
+    if not isinstance(files, dict) or not all(isinstance(record, dict) for record in files.values()):
         return f"no readable {MANIFEST}"
     for name, recorded in files.items():
         path = directory / name
         if not path.is_file():
             return f"{name} is missing"
         actual = _file_record(path)
-        if actual != recorded:
+        if actual["size"] != recorded.get("size"):
             return f"{name} changed ({actual['size']} bytes, recorded {recorded.get('size')})"
+        if "sha256" in recorded and actual.get("sha256") != recorded["sha256"]:
+            return f"{name} changed (its content is not the one recorded)"
         reason = check_weight_file(path) if path.suffix == ".safetensors" else None
         if reason:
             return f"{name}: {reason}"
@@ -416,6 +426,8 @@ def made_once(directory: Path, write: Callable[[Path], None], say: Callable[[str
     """`directory` where its manifest says it is whole; else `before()` (checks that may refuse), then `write(staging)`
     into a staging folder that becomes `directory` with its manifest, whole or not at all, under its lock, saying
     `making` (a damaged one is discarded first, saying `remaking(its damage)`). A full disk is one RunFailure."""
+    from safetensors import SafetensorError
+
     if directory.is_dir() and manifest_damage(directory) is None:
         return directory
     before()
@@ -430,6 +442,6 @@ def made_once(directory: Path, write: Callable[[Path], None], say: Callable[[str
             with atomic_directory(directory) as staging:
                 write(staging)
                 write_manifest(staging)
-        except OSError as exc:
-            raise RunFailure(f"cannot write {directory}: {exc.strerror or exc}") from None
+        except (OSError, SafetensorError) as exc:  # safetensors' writer reports a full disk as its own error
+            raise RunFailure(f"cannot write {directory}: {getattr(exc, 'strerror', None) or exc}") from None
     return directory

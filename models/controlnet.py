@@ -13,18 +13,15 @@ from a UNet adds nothing until it is trained): for tests, CPU demos and benchmar
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from core.atomic import atomic_directory
 from core.errors import RunFailure, UsageError, field
 from models import CONTROL_IMAGE, CONTROLNET, control_image_stage, controlnet_stage, shallow_controlnet_stage
 from models.base import ONNX_OPSET, StageModel
-from models.builtin import CONTROLNET_NAMES, GENERATED_CONTROLNETS, SHIPPED_CONTROLNETS
+from models.builtin import CONTROLNET_NAMES, GENERATED_CONTROLNETS, SHIPPED_CONTROLNETS, _to_stderr, made_once
 from models.cache import content_fingerprint, default_cache_dir
 from models.families import CONTROLNET as CONTROLNET_FEATURE
 from models.families import Family, family_of_denoiser
@@ -32,11 +29,12 @@ from models.single_file import convert_controlnet_file
 from models.source import SINGLE_FILE_DIR, ModelSource, resolve_model
 from models.unet import ADDED_CONDITIONS, TEXT, UNetModel, residual_names, residual_shapes
 from models.unet_cache import Branches, controlnet_shallow_residuals
+from models.validate import validate_controlnet_folder
 
 CONFIG = "config.json"
 # A conditioning image's embedding: the output of its image stage, an input of its ControlNet's.
 EMBEDDING = "controlnet_cond_embedding"
-BUILTIN_CONTROLNET_VERSION = 1  # of the generated ones' folders
+BUILTIN_CONTROLNET_VERSION = 2  # of the generated ones' folders (2: a manifest of their files)
 
 
 @dataclass(frozen=True)
@@ -56,6 +54,13 @@ class ControlNetSource:
     def family(self) -> Family:
         """The family whose UNets it steers (its config is a UNet's, less the up blocks)."""
         return family_of_denoiser(self.config)
+
+    @property
+    def pools_residuals(self) -> bool:
+        """Whether each of its residuals is averaged over its height and width (config global_pool_conditions: a
+        ControlNet of the image's global content, as shuffle's); diffusers' pipelines run such a one in guess mode,
+        its residuals not ramped."""
+        return bool(self.config.get("global_pool_conditions"))
 
     def check_for(self, source: ModelSource) -> None:
         """A UsageError where this ControlNet cannot steer `source`'s UNet: a family without ControlNets, another
@@ -81,45 +86,44 @@ class ControlNetSource:
 
 
 def resolve_controlnet(text: str, base: ModelSource | None = None) -> ControlNetSource:
-    """A built-in ControlNet's name (a shipped one checked, a generated one made on first use), a ControlNetModel
-    folder, or a single file in the original layout for `base` (converted once, its config from base's UNet's) (a
-    one-line UsageError for anything else; a damaged shipped one: a RunFailure)."""
+    """A built-in ControlNet's name (a shipped one checked, a generated one made on first use and again where its
+    folder was damaged since), a ControlNetModel folder (checked: models.validate.validate_controlnet_folder), or a
+    single file in the original layout for `base` (converted once, its config from base's UNet's) (a one-line
+    UsageError for anything else; a damaged shipped one: a RunFailure)."""
     where = f"{field('controlnets')} {text}"
     if text in SHIPPED_CONTROLNETS:
         package = SHIPPED_CONTROLNETS[text]
         if reason := package.damage():
             raise RunFailure(f"{where}: the ControlNet shipped with the package is damaged ({reason}): reinstall it")
         path = package.CONTROLNET_DIR
-    elif text not in GENERATED_CONTROLNETS and Path(text).is_file():
+    elif text in GENERATED_CONTROLNETS:
+        path = builtin_controlnet_dir(text)
+    elif Path(text).is_file():
         if base is None:
             raise UsageError(f"{where}: a single-file ControlNet is converted for its model; give the model too")
         path = convert_controlnet_file(Path(text), base.denoiser_config, default_cache_dir() / SINGLE_FILE_DIR)
     else:
-        path = builtin_controlnet_dir(text) if text in GENERATED_CONTROLNETS else Path(text)
-    try:
-        config = json.loads((path / CONFIG).read_text())
-    except FileNotFoundError:
+        path = Path(text)
+    if not (path / CONFIG).exists():
         raise UsageError(f"{where}: no such ControlNet (a folder with {CONFIG}, or one of "
-                         f"{', '.join(CONTROLNET_NAMES)})") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{where}: {CONFIG} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    if config.get("_class_name") != "ControlNetModel":
-        raise UsageError(f"{where}: {CONFIG} is a {config.get('_class_name')}, not a ControlNetModel")
-    return ControlNetSource(text, path, config)
+                         f"{', '.join(CONTROLNET_NAMES)})")
+    return ControlNetSource(text, path, validate_controlnet_folder(path, where))
 
 
 def builtin_controlnet_dir(name: str) -> Path:
-    """The built-in ControlNet's folder, generated once (random weights, seed 0)."""
+    """The built-in ControlNet's folder, generated once (random weights, seed 0) and again where it was damaged
+    since, as the built-in models are (models.builtin.made_once)."""
     directory = default_cache_dir() / "builtin" / f"{name}-c{BUILTIN_CONTROLNET_VERSION}"
-    if not (directory / CONFIG).is_file():
-        base = resolve_model(GENERATED_CONTROLNETS[name])
-        build_builtin_controlnet(base, directory)
-    return directory
+    return made_once(directory, lambda staging: build_builtin_controlnet(resolve_model(GENERATED_CONTROLNETS[name]),
+                                                                         staging), _to_stderr,
+                     f"generating built-in ControlNet '{name}' into {directory} (once) ...",
+                     lambda damage: f"built-in ControlNet '{name}' in {directory} is damaged ({damage}): generating it "
+                                    "again")
 
 
 def build_builtin_controlnet(base: ModelSource, directory: Path) -> None:
     """A ControlNetModel made from `base`'s UNet (its architecture and weights), every output convolution drawn at
-    random instead of zero, written whole or not at all."""
+    random instead of zero, saved into `directory`."""
     from diffusers import ControlNetModel, UNet2DConditionModel
 
     generator_state = torch.random.get_rng_state()
@@ -136,8 +140,7 @@ def build_builtin_controlnet(base: ModelSource, directory: Path) -> None:
             torch.nn.init.normal_(conv.bias, std=0.02)
     finally:
         torch.random.set_rng_state(generator_state)
-    with atomic_directory(directory) as staging:
-        controlnet.to(unet.dtype).save_pretrained(staging)
+    controlnet.to(unet.dtype).save_pretrained(directory)
 
 
 class _ConditioningEmbedding(torch.nn.Module):
@@ -152,30 +155,41 @@ class _ConditioningEmbedding(torch.nn.Module):
         return self.embedding(torch.flip(image, dims=[1]) if self.flip else image)
 
 
-class _ScaledControlNet(torch.nn.Module):
-    """ControlNetModel.forward on an embedded conditioning image (_ConditioningEmbedding's), each residual scaled."""
+def _scaled(residuals, scales, pooled: bool) -> tuple:
+    """Each residual times its scale, then, `pooled`, averaged over its height and width, as ControlNetModel.forward
+    does for a ControlNet of global conditions; the average broadcast to the residual's size, so that the stage's
+    outputs, and the UNet's residual inputs, have the same shapes either way."""
+    scaled = (residual * scale for residual, scale in zip(residuals, scales))
+    return tuple(residual.mean(dim=(2, 3), keepdim=True).expand_as(residual) if pooled else residual
+                 for residual in scaled)
 
-    def __init__(self, controlnet):
+
+class _ScaledControlNet(torch.nn.Module):
+    """ControlNetModel.forward on an embedded conditioning image (_ConditioningEmbedding's), each residual scaled (and,
+    `pooled`, averaged: _scaled)."""
+
+    def __init__(self, controlnet, pooled: bool):
         super().__init__()
         controlnet.controlnet_cond_embedding = torch.nn.Identity()  # its input is embedded already
-        controlnet.register_to_config(controlnet_conditioning_channel_order="rgb")  # and in order
-        self.controlnet = controlnet
+        # in order, and averaged after scaling, here
+        controlnet.register_to_config(controlnet_conditioning_channel_order="rgb", global_pool_conditions=False)
+        self.controlnet, self.pooled = controlnet, pooled
 
     def forward(self, sample, timestep, encoder_hidden_states, *rest):
         *added, embedding, scales = rest
         added_cond_kwargs = dict(zip(ADDED_CONDITIONS, added)) if added else None
         down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=embedding,
                                     conditioning_scale=1.0, added_cond_kwargs=added_cond_kwargs, return_dict=False)
-        return (*(residual * scales[i] for i, residual in enumerate(down)), mid * scales[-1])
+        return _scaled((*down, mid), scales, self.pooled)
 
 
 class _ShallowScaledControlNet(torch.nn.Module):
     """_ScaledControlNet's residuals of skip connections 0..branch alone (models.unet_cache), on the inputs named
     `input_names` (a shallow pass from branch 0 reads neither the time nor the text)."""
 
-    def __init__(self, controlnet, branch: int, input_names: tuple[str, ...]):
+    def __init__(self, controlnet, branch: int, input_names: tuple[str, ...], pooled: bool):
         super().__init__()
-        self.controlnet, self.branch, self.input_names = controlnet, branch, input_names
+        self.controlnet, self.branch, self.input_names, self.pooled = controlnet, branch, input_names, pooled
         self.branches = Branches.of(controlnet.config)
 
     def forward(self, *inputs):
@@ -183,17 +197,15 @@ class _ShallowScaledControlNet(torch.nn.Module):
         added = {name: named[name] for name in ADDED_CONDITIONS if name in named} or None
         residuals = controlnet_shallow_residuals(self.controlnet, self.branches, self.branch, named["sample"],
                                                  named.get("timestep"), named.get(TEXT), added, named[EMBEDDING])
-        scales = named["conditioning_scale"]
-        return tuple(residual * scales[i] for i, residual in enumerate(residuals))
+        return _scaled(residuals, named["conditioning_scale"], self.pooled)
 
 
 class _ControlNetStage(StageModel):
-    """A stage computed with a ControlNet folder's module (`controlnet`): `wrapper` around its ControlNetModel."""
+    """A stage computed with a ControlNet folder's module (`controlnet`): its wrap() around its ControlNetModel."""
 
     component = CONTROLNET  # its own folder, not one of the model's (no LoRA is made for it)
     # what it makes goes into another stage: the embedding into the ControlNet's, the residuals into the UNet's
     feeds_a_stage = True
-    wrapper: ClassVar[type[torch.nn.Module]]
 
     def __init__(self, source: ModelSource, controlnet: ControlNetSource):
         self.source, self.config, self.controlnet = source, controlnet.config, controlnet  # its shapes: the model's
@@ -208,7 +220,7 @@ class _ControlNetStage(StageModel):
 
     def wrap(self, controlnet) -> torch.nn.Module:
         """The stage's module around a ControlNetModel (the torch backend's shallow pass wraps its full stage's)."""
-        return self.wrapper(controlnet)
+        raise NotImplementedError
 
     def component_module(self, module):
         return module.controlnet
@@ -225,8 +237,6 @@ class ControlNetStageModel(_ControlNetStage):
     image's embedding (`controlnet_cond_embedding`, ControlNetImageModel's output: the same at every step, so made
     once per image) and a scale per residual -> the residuals."""
 
-    wrapper = _ScaledControlNet
-
     def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int, scale: float = 1.0):
         """`scale`: how strongly it steers (diffusers' controlnet_conditioning_scale), what the pipeline multiplies
         its residuals by (an input of the stage, not part of it)."""
@@ -241,6 +251,9 @@ class ControlNetStageModel(_ControlNetStage):
                              "encoder_hidden_states": {0: "B"}, **{name: {0: "B"} for name in added},
                              EMBEDDING: {0: "B", 2: "latent_height", 3: "latent_width"},
                              **{name: {0: "B", 2: f"{name}_h", 3: f"{name}_w"} for name in self.output_names}}
+
+    def wrap(self, controlnet):
+        return _ScaledControlNet(controlnet, self.controlnet.pools_residuals)
 
     def input_shapes(self, batch, height, width):
         unet = UNetModel(self.source).input_shapes(batch, height, width)
@@ -311,7 +324,8 @@ class ShallowControlNetStageModel(ControlNetStageModel):
         return {name: values[name] for name in names}
 
     def wrap(self, controlnet):
-        return _ShallowScaledControlNet(controlnet, self.cache_branch, self.input_names)
+        return _ShallowScaledControlNet(controlnet, self.cache_branch, self.input_names,
+                                        self.controlnet.pools_residuals)
 
     def onnx_key(self, dtype, opset=ONNX_OPSET):
         return dict(super().onnx_key(dtype, opset), cache_branch=self.cache_branch)
@@ -326,7 +340,6 @@ class ControlNetImageModel(_ControlNetStage):
     order) -> its embedding at latent size (stage controlnet<index>_image): what the ControlNet adds to its first
     layer's output, the same at every step, so the pipeline runs this once per image."""
 
-    wrapper = _ConditioningEmbedding
     input_names = ("controlnet_cond",)
     output_names = (EMBEDDING,)
     dynamic_axes = {"controlnet_cond": {0: "B", 2: "height", 3: "width"},
@@ -335,6 +348,9 @@ class ControlNetImageModel(_ControlNetStage):
     def __init__(self, source: ModelSource, controlnet: ControlNetSource, index: int):
         super().__init__(source, controlnet)
         self.name = control_image_stage(index)
+
+    def wrap(self, controlnet):
+        return _ConditioningEmbedding(controlnet)
 
     def input_shapes(self, batch, height, width):
         return {"controlnet_cond": (batch, self.controlnet.config["conditioning_channels"], height, width)}

@@ -10,8 +10,9 @@ read_lora, model_targets and lora_deltas are pure: they read files and tensors a
 take the same deltas as the torch backend (LoraFusion: fused into the loaded modules in place, out again bit for
 bit).
 
-A LoRA is a safetensors file, or a folder holding one by diffusers' name (pytorch_lora_weights.safetensors, what
-save_lora_weights and save_lora_adapter write). The key formats (one file may mix them):
+A LoRA is a safetensors file, a folder holding one by diffusers' name (pytorch_lora_weights.safetensors, what
+save_lora_weights and save_lora_adapter write), or a built-in's name (LORA_NAMES: `shapes-outline`, shipped with
+`shapes`). The key formats (one file may mix them):
 - diffusers / PEFT: `<component>.<module>.lora_A.weight` / `.lora_B.weight`, the component `unet`, `text_encoder` or
   `text_encoder_2`; a text encoder's module with or without `text_model.`. A file none of whose keys has a component
   prefix is the UNet's alone (what diffusers' unet.save_lora_adapter writes and unet.load_lora_adapter(prefix=None)
@@ -42,7 +43,8 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from core.errors import UsageError, is_finite_number
+from core.errors import RunFailure, UsageError, is_finite_number
+from models.builtin import LORA_NAMES, SHIPPED_LORAS
 from models.clip import CLIP2Model, CLIPModel
 from models.unet import UNetModel
 
@@ -120,8 +122,15 @@ def _refuse(path, message: str):
     raise UsageError(f"LoRA {path}: {message}")
 
 
-def _weights_file(path: Path) -> Path:
-    """The file a LoRA path names: itself, or a folder's pytorch_lora_weights.safetensors (as diffusers takes it)."""
+def _weights_file(text: str | Path) -> Path:
+    """The file a LoRA names: a built-in's (checked), the path itself, or a folder's pytorch_lora_weights.safetensors
+    (as diffusers takes it)."""
+    if str(text) in SHIPPED_LORAS:
+        package = SHIPPED_LORAS[str(text)]
+        if reason := package.damage():
+            raise RunFailure(f"LoRA {text}: the LoRA shipped with the package is damaged ({reason}): reinstall it")
+        return package.OUTLINE_LORA
+    path = Path(text)
     if not path.is_dir():
         return path
     if (path / LORA_WEIGHT_NAME_SAFE).is_file():
@@ -161,7 +170,7 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         with safe_open(path, framework="pt") as file:
             return {key: file.get_tensor(key) for key in file.keys()}, file.metadata() or {}
     except FileNotFoundError:
-        _refuse(path, "no such file")
+        _refuse(path, f"no such file (nor a built-in LoRA: {', '.join(LORA_NAMES)})")
     except OSError as exc:
         _refuse(path, f"cannot be read ({exc.strerror or exc})")
     except SafetensorError as exc:
@@ -246,10 +255,11 @@ def _key_part(key: str, prefixless: bool = False) -> tuple[str, str, str] | None
 
 
 def read_lora(path: str | Path) -> LoraFile:
-    """A LoRA safetensors file's layers (or a folder's pytorch_lora_weights.safetensors'), each module's down, up and
-    alpha gathered from whichever format it is in; a one-line UsageError for a file that is missing, unreadable, not
-    safetensors, cut short, or holds keys of no format above or a pair that is none."""
-    path = _weights_file(Path(path))
+    """A LoRA safetensors file's layers (or a folder's pytorch_lora_weights.safetensors', or a built-in's), each
+    module's down, up and alpha gathered from whichever format it is in; a one-line UsageError for a file that is
+    missing, unreadable, not safetensors, cut short, or holds keys of no format above or a pair that is none (a
+    damaged built-in: a RunFailure)."""
+    path = _weights_file(path)
     tensors, metadata = _read_tensors(path)
     if not tensors:
         _refuse(path, "holds no tensors")

@@ -53,7 +53,7 @@ from models.builtin import (
 )
 from models.cache import content_fingerprint, default_cache_dir
 from models.families import IMAGE_TO_IMAGE, SD, SDXL, TEXT_TO_IMAGE, family_of, family_of_denoiser
-from models.validate import COMPONENTS, check_weight_file, read_config, safetensors_header
+from models.validate import COMPONENTS, check_weight_file, read_config, safetensors_header, tensor_misfit
 
 if TYPE_CHECKING:
     import torch
@@ -363,22 +363,10 @@ def _check_fit(parts: list[_Part], shapes: dict[str, list[int]], where: str, con
         model = part.empty()
         tensors = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()
                    if name.startswith(part.prefix)}
-        problem = _misfit(_converted(part, tensors, model, where), model.state_dict())
+        problem = tensor_misfit(_converted(part, tensors, model, where), model.state_dict())
         if problem:
             raise UsageError(f"{where}: component '{part.component}' does not fit {configs}: {problem} (pass "
                              f"{field('model_config')}, a diffusers folder whose configs describe the file)")
-
-
-def _misfit(given: dict, expected: dict) -> str | None:
-    """The first tensor, in the module's order, that the file lacks or has of another shape, else the first it has
-    beyond the module's (None: they fit)."""
-    for key, tensor in expected.items():
-        if key not in given:
-            return f"the file has no tensor for {key}"
-        if given[key].shape != tensor.shape:
-            return f"tensor {key} is {list(given[key].shape)} in the file, {list(tensor.shape)} in the config"
-    extra = next((key for key in given if key not in expected), None)
-    return extra and f"the file has tensor {extra}, which the config has not"
 
 
 def _write_parts(path: Path, parts: list[_Part], directory: Path) -> None:

@@ -17,7 +17,7 @@ from models import shapes
 from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES, SHIPPED_MODELS, builtin_model_dir
 from models.cache import content_fingerprint, default_cache_dir
 from models.families import Family, family_of
-from models.single_file import convert_model_file, convert_vae_file
+from models.single_file import SINGLE_FILE_SUFFIXES, convert_model_file, convert_vae_file
 from models.validate import COMPONENTS, read_config, validate_component, validate_model_folder
 
 SINGLE_FILE_DIR = "single-file"  # in the model cache: converted single-file checkpoints
@@ -150,11 +150,18 @@ def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = No
         for name, value in (("model_config", config), ("prediction_type", prediction_type)):
             if value is not None:
                 raise UsageError(f"{field(name)} describes a single-file model; model '{spec}' is not a file")
-        source = _resolve_model(spec, cache_dir)
+        source = _resolve_model(spec, cache_dir, given)
     return replace(source, vae=_vae_folder(vae, source, cache_dir)) if vae else source
 
 
-def _resolve_model(spec: str, cache_dir: Path) -> ModelSource:
+def looks_like_path(spec: str) -> bool:
+    """Whether a --model value that names nothing here was meant as a file or folder rather than a hub id
+    (owner/name) or a built-in's name: it starts with /, . or ~, ends as a single-file checkpoint does, or has
+    more than one slash."""
+    return spec.startswith(("/", ".", "~")) or spec.lower().endswith(SINGLE_FILE_SUFFIXES) or spec.count("/") > 1
+
+
+def _resolve_model(spec: str, cache_dir: Path, given: str) -> ModelSource:
     if spec in BUILTIN_MODELS:
         return ModelSource(spec, builtin_model_dir(spec, cache_dir / "builtin"))
     if spec in SHIPPED_MODELS:
@@ -168,6 +175,8 @@ def _resolve_model(spec: str, cache_dir: Path) -> ModelSource:
     if path.is_dir():
         validate_model_folder(path, spec)
         return ModelSource(spec, path.resolve())
+    if not path.exists() and looks_like_path(spec):
+        raise UsageError(f"{field(given)} {spec}: no such file or directory")
     if _HUB_ID.match(spec) and not path.exists():
         return ModelSource(spec, _download_from_hub(spec))
     raise UsageError(
@@ -186,9 +195,11 @@ def _vae_folder(spec: str, source: ModelSource, cache_dir: Path) -> Path:
         folder = folder / "vae"
     if not (folder / COMPONENTS["vae"][0]).is_file():
         raise UsageError(f"{field('vae')} {spec}: not a VAE folder (no {COMPONENTS['vae'][0]} in it or in its vae/)")
-    config = validate_component(folder, "vae")
-    if config.get("_class_name") != "AutoencoderKL":  # what the VAE stages load (models/vae.py)
-        raise UsageError(f"{field('vae')} {spec}: its config names {config.get('_class_name')}, not an AutoencoderKL")
+    subject = f"{field('vae')} {spec}"
+    named = read_config(folder / COMPONENTS["vae"][0], "vae", subject).get("_class_name")
+    if named is not None and named != "AutoencoderKL":  # what the VAE stages load (models/vae.py)
+        raise UsageError(f"{subject}: its config names {named}, not an AutoencoderKL")
+    config = validate_component(folder, "vae", subject=subject)
     channels = source.latent_channels
     if config.get("latent_channels") != channels:
         raise UsageError(f"{field('vae')} {spec}: its latents have {config.get('latent_channels')} channels, model "

@@ -1,7 +1,10 @@
 """A model folder checked before anything heavy loads from it: every component's config parses and names a
-class this toolkit can load, the scheduler config builds with a prediction type diffusers' schedulers know, and
-every weight file is whole (safetensors: header and size; PyTorch pickles: a readable zip). What fails is one
-UsageError naming the component and the file, not a traceback from deep inside diffusers minutes later."""
+class this toolkit can load, the scheduler config builds with a prediction type diffusers' schedulers know, the VAE's
+scaling factor is a number, the UNet attends to text as wide as its text encoders make it, each tokenizer has its
+vocabulary, and every weight file is whole (safetensors: header and size; PyTorch pickles: a readable zip). A
+ControlNet's folder likewise, its weights checked against its config too. What fails is one UsageError naming the
+component and the file, not a traceback from deep inside diffusers minutes later (or, for a tensor a file lacks, a
+module that diffusers loads half-initialised without a word)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import struct
 import zipfile
 from pathlib import Path
 
-from core.errors import UsageError
+from core.errors import UsageError, is_finite_number
 from models.families import family_of
 
 # component -> (the config file in its folder, the key naming its class, where that class lives)
@@ -22,26 +25,33 @@ COMPONENTS = {
     "unet": ("config.json", "_class_name", "diffusers"),
     "vae": ("config.json", "_class_name", "diffusers"),
     "scheduler": ("scheduler_config.json", "_class_name", "diffusers"),
+    "controlnet": ("config.json", "_class_name", "diffusers"),  # a ControlNet's own folder, not a model's component
 }
-WEIGHTED = ("text_encoder", "text_encoder_2", "unet", "vae")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # the UNet attends to their states, concatenated
+WEIGHTED = (*TEXT_ENCODERS, "unet", "vae", "controlnet")
+TOKENIZERS = ("tokenizer", "tokenizer_2")
+# What a tokenizer folder's vocabulary is read from: transformers' one file, or CLIP's vocabulary and merges.
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
 
-def read_config(path: Path, component: str) -> dict:
-    """A component's config as a dict, or a UsageError naming the file and what is wrong with it."""
+def read_config(path: Path, component: str, subject: str | None = None) -> dict:
+    """A component's config as a dict, or a UsageError naming the file and what is wrong with it (after `subject`,
+    what the message is about: by default the component)."""
+    subject = subject or f"component '{component}'"
     try:
         config = json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise UsageError(f"component '{component}': {path} is missing") from None
+        raise UsageError(f"{subject}: {path} is missing") from None
     except OSError as exc:
-        raise UsageError(f"component '{component}': cannot read {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{subject}: cannot read {path}: {exc.strerror or exc}") from None
     except ValueError as exc:
-        raise UsageError(f"component '{component}': {path} is not valid JSON: {exc}") from None
+        raise UsageError(f"{subject}: {path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
-        raise UsageError(f"component '{component}': {path} holds a {type(config).__name__}, not a JSON object")
+        raise UsageError(f"{subject}: {path} holds a {type(config).__name__}, not a JSON object")
     return config
 
 
@@ -98,39 +108,149 @@ def validate_model_folder(path: Path, name: str) -> None:
     index = read_config(index_file, "model_index") if index_file.exists() else {}
     family = family_of(index, lambda component: read_config(path / component / COMPONENTS[component][0], component),
                        name)
+    configs = {}
     for component in family.model_components(index):
         file_name = COMPONENTS[component][0]
         if not (path / component / file_name).exists():
             raise UsageError(f"model '{name}' is missing component '{component}' (no {component}/{file_name} in "
                              f"{path})")
-        config = validate_component(path / component, component, index.get(component, [None, None])[1:])
+        configs[component] = validate_component(path / component, component, index.get(component, [None, None])[1:])
         if component == "scheduler":
-            _check_scheduler(config, path / component / file_name)
+            _check_scheduler(configs[component], path / component / file_name)
+    _check_text_width(path, configs, family.denoiser)
 
 
-def validate_component(folder: Path, component: str, index_class: list | None = None) -> dict:
+def validate_component(folder: Path, component: str, index_class: list | None = None,
+                       subject: str | None = None) -> dict:
     """One component's folder: its config parses and names a class its library has (else the one model_index.json
-    names, `index_class`), and its weights are whole. Returns the config."""
+    names, `index_class`), a VAE's scaling factor is a number, a tokenizer's vocabulary is there and parses, and its
+    weights are whole. Returns the config. `subject`: what the messages are about (by default the component)."""
     import diffusers
     import transformers
 
+    subject = subject or f"component '{component}'"
     file_name, key, library = COMPONENTS[component]
     module = {"diffusers": diffusers, "transformers": transformers}[library]
     file = folder / file_name
-    config = read_config(file, component)
+    config = read_config(file, component, subject)
     class_name = _class_name(config, key) or _class_name({key: index_class or []}, key)
     if class_name is None or not hasattr(module, class_name):
-        raise UsageError(f"component '{component}': {file} names class {class_name!r} ({key}), which "
+        raise UsageError(f"{subject}: {file} names class {class_name!r} ({key}), which "
                          f"{library} {module.__version__} does not have")
+    if component == "vae":
+        _check_scaling_factor(config, file, subject)
+    if component in TOKENIZERS:
+        _check_tokenizer_files(folder, component, subject)
     if component in WEIGHTED:
-        weights = [p for p in sorted(folder.iterdir()) if p.suffix in WEIGHT_SUFFIXES]
-        if not weights:
-            raise UsageError(f"component '{component}': no weights ({' or '.join(WEIGHT_SUFFIXES)}) in {folder}")
-        for weight in weights:
+        for weight in weight_files(folder, subject):
             reason = check_weight_file(weight)
             if reason:
-                raise UsageError(f"component '{component}': {weight} is damaged: {reason}")
+                raise UsageError(f"{subject}: {weight} is damaged: {reason}")
     return config
+
+
+def weight_files(folder: Path, subject: str) -> list[Path]:
+    """The weight files in `folder`, or a UsageError where it has none."""
+    weights = [p for p in sorted(folder.iterdir()) if p.suffix in WEIGHT_SUFFIXES]
+    if not weights:
+        raise UsageError(f"{subject}: no weights ({' or '.join(WEIGHT_SUFFIXES)}) in {folder}")
+    return weights
+
+
+def _check_scaling_factor(config: dict, file: Path, subject: str) -> None:
+    """The latents are divided by it before decoding, and the encoder's multiplied by it."""
+    factor = config.get("scaling_factor")
+    if not (is_finite_number(factor) and factor > 0):
+        given = f"scaling_factor {factor!r}" if "scaling_factor" in config else "no scaling_factor"
+        raise UsageError(f"{subject}: {file} has {given}; it must be a number above 0")
+
+
+def _check_tokenizer_files(folder: Path, component: str, subject: str) -> None:
+    """A tokenizer without its vocabulary loads (transformers makes one of its special tokens alone) and turns every
+    prompt into the same few ids: refused, as is a vocabulary file that does not parse."""
+    present = next((names for names in TOKENIZER_FILES if all((folder / name).is_file() for name in names)), None)
+    if present is None:
+        ways = " or ".join(" and ".join(names) for names in TOKENIZER_FILES)
+        raise UsageError(f"{subject}: no vocabulary in {folder} ({ways})")
+    for name in present:
+        if name.endswith(".json"):
+            read_config(folder / name, component, subject)
+
+
+def _check_text_width(path: Path, configs: dict[str, dict], denoiser: str) -> None:
+    """The denoiser attends to text as wide as its text encoders' states, concatenated (a model without text encoders
+    is not checked)."""
+    widths = {name: configs[name].get("hidden_size") for name in TEXT_ENCODERS if name in configs}
+    attends = configs[denoiser].get("cross_attention_dim")
+    if not widths or not all(isinstance(width, int) for width in (*widths.values(), attends)):
+        return  # a width left out (the library's default then) or not a number: not for this check
+    if attends != sum(widths.values()):
+        made = " + ".join(f"{width} ({name})" for name, width in widths.items())
+        raise UsageError(f"component '{denoiser}': {path / denoiser / COMPONENTS[denoiser][0]} attends to text "
+                         f"{attends} wide (cross_attention_dim), but its text encoders' states are {made} wide "
+                         "(hidden_size)")
+
+
+def validate_controlnet_folder(folder: Path, subject: str) -> dict:
+    """A ControlNetModel's folder checked as a model's components are, and its weights against its config: exactly the
+    tensors the config implies, each of its shape. Returns its config as diffusers reads it (the defaults of the
+    fields it leaves out filled in, as loading it would)."""
+    import diffusers
+    import torch
+
+    file = folder / COMPONENTS["controlnet"][0]
+    config = validate_component(folder, "controlnet", subject=subject)
+    if config.get("_class_name") != "ControlNetModel":
+        raise UsageError(f"{subject}: {file} names a {config.get('_class_name')}, not a ControlNetModel")
+    try:
+        with torch.device("meta"):  # shapes without memory: a full-size ControlNet costs nothing to check
+            module = diffusers.ControlNetModel.from_config(config)
+    except Exception as exc:  # a config diffusers cannot build from: one line naming the file
+        reason = " ".join(str(exc).split())[:200]
+        raise UsageError(f"{subject}: {file} does not build a ControlNetModel: {reason}") from None
+    weights = weight_files(folder, subject)
+    # diffusers reads the safetensors where there are any, else the PyTorch files
+    read = [p for p in weights if p.suffix == ".safetensors"] or weights
+    problem = tensor_misfit(_file_tensors(read, subject), module.state_dict())
+    if problem:
+        names = ", ".join(p.name for p in read)
+        raise UsageError(f"{subject}: {names} does not fit {file}: {problem}")
+    return dict(module.config)
+
+
+def _file_tensors(files: list[Path], subject: str) -> dict:
+    """The tensors in weight files (whole, check_weight_file), as shapes alone (meta tensors), or a UsageError naming
+    the file whose tensors cannot be read."""
+    import pickle
+
+    import torch
+
+    tensors = {}
+    for path in files:
+        try:
+            if path.suffix == ".safetensors":
+                _, header = safetensors_header(path)
+                read = {name: torch.empty(entry["shape"], device="meta") for name, entry in header.items()
+                        if name != "__metadata__"}
+            else:  # a PyTorch zip: its pickle read with weights_only (no code runs), its storages left on disk
+                read = torch.load(path, map_location="meta", weights_only=True)
+            tensors.update({name: tensor for name, tensor in read.items() if isinstance(tensor, torch.Tensor)})
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, pickle.UnpicklingError) as exc:
+            raise UsageError(f"{subject}: {path} is damaged: its tensors cannot be read "
+                             f"({' '.join(str(exc).split())[:200] or type(exc).__name__})") from None
+    return tensors
+
+
+def tensor_misfit(given: dict, expected: dict) -> str | None:
+    """The first tensor, in the module's order, that `given` (a file's tensors) lacks or has of another shape, else the
+    first it has beyond the module's (`expected`, its state dict) (None: they fit)."""
+    for key, tensor in expected.items():
+        if key not in given:
+            return f"the file has no tensor for {key}"
+        if given[key].shape != tensor.shape:
+            return f"tensor {key} is {list(given[key].shape)} in the file, {list(tensor.shape)} in the config"
+    extra = next((key for key in given if key not in expected), None)
+    return extra and f"the file has tensor {extra}, which the config has not"
 
 
 def _check_scheduler(config: dict, file: Path) -> None:

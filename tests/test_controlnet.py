@@ -275,29 +275,25 @@ def test_bad_controlnet_input_is_one_line(spec_fields, request_fields, message):
     assert message in raised.value.render()
 
 
-def test_a_controlnet_for_another_text_width_is_refused(tmp_path):
-    import json
-    import shutil
+def controlnet_like_tiny(folder, **changes):
+    """A whole ControlNet folder (its weights made for its config) of tiny-controlnet's config with `changes`."""
+    from diffusers import ControlNetModel
 
-    folder = tmp_path / "wide"
-    shutil.copytree(resolve_controlnet("tiny-controlnet").path, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "cross_attention_dim": 48}))
+    ControlNetModel.from_config({**resolve_controlnet("tiny-controlnet").config, **changes}).save_pretrained(folder)
+    return folder
+
+
+def test_a_controlnet_for_another_text_width_is_refused(tmp_path):
+    folder = controlnet_like_tiny(tmp_path / "wide", cross_attention_dim=48)
     with pytest.raises(UsageError) as raised:
         resolve_controlnet(str(folder)).check_for(resolve_model("tiny"))
     assert "attends to text 48 wide; model 'tiny' has 32" in raised.value.render()
 
 
 def test_the_step_cache_refuses_a_controlnet_whose_time_embedding_it_cannot_make(tmp_path):
-    import json
-    import shutil
-
     from demo.runtime.loader import plan_pipeline
 
-    folder = tmp_path / "text-embedding"
-    shutil.copytree(resolve_controlnet("tiny-controlnet").path, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "addition_embed_type": "text"}))
+    folder = controlnet_like_tiny(tmp_path / "text-embedding", addition_embed_type="text")
     spec = PipelineSpec(model="tiny", backend="torch", controlnets=((str(folder), 1.0),), cache_interval=2)
     with pytest.raises(UsageError) as raised:
         plan_pipeline(spec, CPU, progress=QUIET)

@@ -45,6 +45,18 @@ DAMAGE = {
         lambda m: set_json(m / "scheduler" / "scheduler_config.json", beta_schedule="zigzag"),
         "component 'scheduler': {m}/scheduler/scheduler_config.json does not build a PNDMScheduler"),
     "missing tokenizer": (lambda m: shutil.rmtree(m / "tokenizer"), "model '{m}' is missing component 'tokenizer'"),
+    "tokenizer without its vocabulary": (
+        lambda m: (m / "tokenizer" / "tokenizer.json").unlink(),
+        "component 'tokenizer': no vocabulary in {m}/tokenizer (tokenizer.json or vocab.json and merges.txt)"),
+    "tokenizer vocabulary truncated": (lambda m: truncate(m / "tokenizer" / "tokenizer.json"),
+                                       "component 'tokenizer': {m}/tokenizer/tokenizer.json is not valid JSON"),
+    "vae scaling factor a string": (lambda m: set_json(m / "vae" / "config.json", scaling_factor="0.18215"),
+                                    "component 'vae': {m}/vae/config.json has scaling_factor '0.18215'; it must be a "
+                                    "number above 0"),
+    "unet attending to text of another width": (
+        lambda m: set_json(m / "unet" / "config.json", cross_attention_dim=48),
+        "component 'unet': {m}/unet/config.json attends to text 48 wide (cross_attention_dim), but its text encoders' "
+        "states are 32 (text_encoder) wide (hidden_size)"),
 }
 
 
@@ -66,6 +78,38 @@ def test_the_undamaged_copy_passes(folder):
     from models.validate import validate_model_folder
 
     validate_model_folder(folder, "copy")
+
+
+def test_a_copy_of_shapes_without_its_vocabulary_is_one_line(tmp_path, capsys, no_loading):
+    """transformers loads a tokenizer folder without tokenizer.json as a vocabulary of its two special tokens, which
+    would draw every prompt alike."""
+    from demo.cli.generate import main
+    from models import shapes
+
+    copy = tmp_path / "shapes"
+    shutil.copytree(shapes.MODEL_DIR, copy)
+    (copy / "tokenizer" / "tokenizer.json").unlink()
+    assert main(["a red circle", "--model", str(copy), "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"demo-diffusion: error: component 'tokenizer': no vocabulary in {copy}/tokenizer (tokenizer.json or "
+        "vocab.json and merges.txt)"]
+
+
+def test_an_sdxl_unet_attends_to_both_text_encoders_states(tmp_path):
+    """SDXL's UNet attends to its two text encoders' states side by side (32 + 32 wide in tiny-xl), a refiner's to
+    its one."""
+    from core.errors import UsageError
+    from models.source import resolve_model
+    from models.validate import validate_model_folder
+
+    for name in ("tiny-xl", "tiny-xl-refiner"):
+        copy = tmp_path / name
+        shutil.copytree(resolve_model(name).path, copy)
+        validate_model_folder(copy, name)
+    set_json(copy / "text_encoder_2" / "config.json", hidden_size=48)
+    with pytest.raises(UsageError, match=r"attends to text 32 wide \(cross_attention_dim\), but its text encoders' "
+                                        r"states are 48 \(text_encoder_2\) wide"):
+        validate_model_folder(copy, "tiny-xl-refiner")
 
 
 def test_damaged_builtin_model_is_regenerated_with_a_message(tmp_path, capsys):

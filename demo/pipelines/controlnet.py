@@ -3,9 +3,10 @@ ControlNet stage (controlnet0, controlnet1, ...) sees the UNet's input and its c
 once per call by its image stage, controlnet0_image ...); the residuals of all of them add up (diffusers'
 MultiControlNetModel) and go into the UNet by name. Outside a ControlNet's guidance window
 (control_guidance_start/end) its scale is 0; in guess mode it sees the prompt's half of the batch alone, its residuals
-ramp from 0.1 to 1 times its scale down the skip connections, and the unconditional half gets none. Under the step
-cache, a step that runs the UNet's shallow pass runs each ControlNet's (controlnet0_shallow ...): the residuals of the
-skip connections that pass recomputes."""
+ramp from 0.1 to 1 times its scale down the skip connections, and the unconditional half gets none. A ControlNet whose
+residuals are averaged over the image (global_pool_conditions) runs in guess mode unramped, and where it is the first,
+so do all (as diffusers' pipelines decide it). Under the step cache, a step that runs the UNet's shallow pass runs each
+ControlNet's (controlnet0_shallow ...): the residuals of the skip connections that pass recomputes."""
 
 from __future__ import annotations
 
@@ -53,9 +54,14 @@ class ControlNetSteps:
             rows = torch.cat([preprocess(processor, request.control_images[index], head.height, head.width,
                                          self.device).repeat_interleave(request.images, dim=0)
                               for request in batch.requests]).to(self.dtype)
-            rows = torch.cat([rows] * 2) if head.guided and not head.guess_mode else rows
+            rows = torch.cat([rows] * 2) if head.guided and not self.guess_mode(batch) else rows
             images.append(self.stages[control_image_stage(index)]({"controlnet_cond": rows})[EMBEDDING])
         return images
+
+    def guess_mode(self, batch: Batch) -> bool:
+        """Whether the ControlNets run in guess mode: the request asks for it, or the first ControlNet's residuals are
+        averaged over the image (diffusers' `guess_mode or global_pool_conditions`)."""
+        return batch.head.guess_mode or self.controlnets[0].model.controlnet.pools_residuals
 
     def prepare(self, batch: Batch) -> None:
         super().prepare(batch)
@@ -67,18 +73,19 @@ class ControlNetSteps:
 
     def conditioning_scales(self, stage: Stage, on: bool, batch: Batch) -> torch.Tensor:
         """The scale of each of `stage`'s ControlNet's residuals (a shallow pass reads the first of them): its
-        ControlNet's (0 where not `on`), ramped in guess mode; made once per request batch (a step takes one of
-        two)."""
+        ControlNet's (0 where not `on`), ramped in guess mode unless that ControlNet averages its residuals; made once
+        per request batch (a step takes one of two)."""
         key = (stage.model.part_of or stage.model.name, on)
         if key not in self._scales:
             count, scale = stage.model.count + 1, stage.model.scale * float(on)
-            self._scales[key] = (torch.logspace(-1, 0, count, device=self.device) * scale if batch.head.guess_mode
+            ramped = self.guess_mode(batch) and not stage.model.controlnet.pools_residuals
+            self._scales[key] = (torch.logspace(-1, 0, count, device=self.device) * scale if ramped
                                  else torch.full((count,), scale, device=self.device))
         return self._scales[key]
 
     def unet_extra(self, step, steps, model_input, timestep, conditioning, batch, whole):
         head = batch.head
-        halves = head.guided and head.guess_mode  # the ControlNets see the prompts' half alone
+        halves = head.guided and self.guess_mode(batch)  # the ControlNets see the prompts' half alone
         sample = model_input.chunk(2)[1] if halves else model_input
         text = tuple(part.chunk(2)[1] for part in conditioning) if halves else conditioning
         inside = head.control_guidance_start <= step / steps and (step + 1) / steps <= head.control_guidance_end
