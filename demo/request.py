@@ -9,11 +9,13 @@ field.
 from __future__ import annotations
 
 import math
+import os
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Callable
 
 from core.errors import UsageError, at_least, field
+from core.typed import check_field_types
 from demo.schedulers import check_steps, default_scheduler_name, make_scheduler, scheduler_named
 from models.families import CLASSIFIER_FREE, EMBEDDED, IMAGE_TO_IMAGE, INPAINTING, MODES, NO_GUIDANCE, TEXT_TO_IMAGE
 
@@ -28,6 +30,14 @@ if TYPE_CHECKING:
 DEFAULT_STRENGTH = {IMAGE_TO_IMAGE: 0.8, INPAINTING: 1.0}
 DEFAULT_PROMPT = "a photo of an astronaut riding a horse on mars"
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
+# diffusers' pipelines' names for Request's fields, taken by the Python API beside ours (a diffusers user tries them
+# first); a generator gives its seed (DIFFUSERS_GENERATOR)
+DIFFUSERS_NAMES = {"num_inference_steps": "denoising_steps", "num_images_per_prompt": "batch_size",
+                   "mask_image": "mask", "generator": "seed"}
+
+
+# how ControlNets steer a request: nothing without them
+CONTROL_FIELDS = ("control_guidance_start", "control_guidance_end", "guess_mode")
 
 
 def random_seed() -> int:
@@ -74,6 +84,20 @@ class Request:
     guess_mode: bool = False
     # How the model guides it (models.families GUIDANCE_KINDS): filled in by `resolved` from the model, not given
     guidance: str | None = None
+
+    def __post_init__(self):
+        """Each field as its type says (core.typed), the images taken from paths and numpy arrays too (as_image), one
+        control image as a tuple of one: a UsageError naming the first field that is none of these, before any work."""
+        for name, mode in (("image", "RGB"), ("mask", "L")):
+            object.__setattr__(self, name, as_image(name, getattr(self, name), mode))
+        controls = self.control_images
+        if controls is not None:
+            several = isinstance(controls, (tuple, list))
+            object.__setattr__(self, "control_images", tuple(as_image("control_images", control, "RGB")
+                                                             for control in (controls if several else (controls,))))
+        from PIL.Image import Image  # the annotations' Image (here only for type checking above)
+
+        check_field_types(self, {"Image": Image})
 
     @property
     def mode(self) -> str:
@@ -136,25 +160,29 @@ class Request:
 
     def unused(self) -> list[str]:
         """What the request sets that its run does not use, each naming fields (core.errors.field)."""
+        notes = []
         if self.negative_prompt is not None and self.guidance == EMBEDDED:
-            return [f"{field('negative_prompt')} unused: the model embeds {field('guidance_scale')} (no unconditional "
-                    "half)"]
-        if self.negative_prompt is not None and not self.guided:
-            return [f"{field('negative_prompt')} unused at {field('guidance_scale')} {self.guidance_scale}: there is "
-                    "no classifier-free guidance at 1 or below"]
-        return []
+            notes.append(f"{field('negative_prompt')} unused: the model embeds {field('guidance_scale')} (no "
+                         "unconditional half)")
+        elif self.negative_prompt is not None and not self.guided:
+            notes.append(f"{field('negative_prompt')} unused at {field('guidance_scale')} {self.guidance_scale}: "
+                         "there is no classifier-free guidance at 1 or below")
+        if self.control_images is None:  # no ControlNet steers the run (the pipeline has none: check_control_images)
+            control = [name for name in CONTROL_FIELDS if getattr(self, name) != getattr(Request, name)]
+            if control:
+                notes.append(f"{', '.join(map(field, control))} unused without ControlNets")
+        return notes
 
     def check_inputs(self) -> None:
         """What needs no model, before anything loads: the counts and scales in range, a scheduler we have, an image
         for a mask or a strength, a mask of the image's proportions (a one-line UsageError for the first bad one)."""
         at_least("batch_size", self.batch_size, 1)
-        if not isinstance(self.prompt, str):
-            if not self.prompt:
-                raise UsageError(f"{field('prompt')} must be a text, or several, got none")
-            if not (self.negative_prompt is None or isinstance(self.negative_prompt, str)
-                    or len(self.negative_prompt) == len(self.prompt)):
-                raise UsageError(f"{field('negative_prompt')} must be one, or one per prompt ({len(self.prompt)}), "
-                                 f"got {len(self.negative_prompt)}")
+        prompts = 1 if isinstance(self.prompt, str) else len(self.prompt)
+        if not prompts:
+            raise UsageError(f"{field('prompt')} must be a text, or several, got none")
+        if isinstance(self.negative_prompt, tuple) and len(self.negative_prompt) != prompts:
+            raise UsageError(f"{field('negative_prompt')} must be one, or one per prompt ({prompts}), got "
+                             f"{len(self.negative_prompt)}")
         at_least("denoising_steps", self.denoising_steps, 1)
         if self.guidance_scale is not None and not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0):
             raise UsageError(f"{field('guidance_scale')} must be a finite number, 0 or more, got {self.guidance_scale}")
@@ -234,6 +262,72 @@ def check_mask(image: Image, mask: Image) -> None:
     if abs(mask.width / mask.height - image.width / image.height) > 0.01 * image.width / image.height:
         raise UsageError(f"{field('mask')} is {mask.width}x{mask.height}, {field('image')} {image.width}x"
                          f"{image.height}: the mask must have the image's proportions (it is resized with it)")
+
+
+def request_fields(given: dict) -> dict:
+    """A Python API call's keyword arguments as Request's fields: diffusers' names (DIFFUSERS_NAMES) taken for ours, a
+    torch.Generator for its seed; a UsageError for a name neither knows, or a field given by both names."""
+    accepted = [item.name for item in fields(Request) if item.name != "guidance"]
+    unknown = sorted(name for name in given if name not in accepted and name not in DIFFUSERS_NAMES)
+    if unknown:
+        raise UsageError(f"unknown field(s) {', '.join(unknown)}; a call takes {', '.join(accepted)} (or diffusers' "
+                         f"{', '.join(DIFFUSERS_NAMES)})")
+    taken = {}
+    for name, value in given.items():
+        ours = DIFFUSERS_NAMES.get(name, name)
+        if ours in taken:
+            raise UsageError(f"{field(ours)} given twice (also as {name}): give one")
+        taken[ours] = generator_seed(value) if name == "generator" else value
+    return taken
+
+
+def generator_seed(generator) -> int:
+    """The seed a torch.Generator was made with (diffusers' `generator`): the noise is drawn from it on the CPU, as
+    from `seed`, so the image is diffusers' with torch.Generator("cpu").manual_seed(seed)."""
+    if not callable(getattr(generator, "initial_seed", None)):
+        raise UsageError(f"generator must be one torch.Generator (its seed is used), got {type(generator).__name__}")
+    return generator.initial_seed()
+
+
+def as_image(name: str, value, mode: str) -> Image | None:
+    """An image field's value as a PIL image: one given (kept as it is: resolved converts it), a path (load_image, in
+    `mode`), or a numpy array as diffusers' image processor takes it (8-bit, or floats in [0, 1]; H x W, H x W x 1, 3
+    or 4, or one of a batch of one). A UsageError naming the field for anything else, or an image without pixels."""
+    if value is None:
+        return None
+    from PIL import Image
+
+    if isinstance(value, (str, os.PathLike)):
+        value = load_image(name, os.fspath(value), mode)
+    elif not isinstance(value, Image.Image) and hasattr(value, "__array_interface__"):
+        value = array_image(name, value)
+    if not isinstance(value, Image.Image):
+        raise UsageError(f"{field(name)} must be a PIL image, a path to one or a numpy array, got "
+                         f"{type(value).__name__}")
+    if not (value.width and value.height):
+        raise UsageError(f"{field(name)} is {value.width}x{value.height}: an image needs pixels")
+    return value
+
+
+def array_image(name: str, array) -> Image:
+    """A numpy array as a PIL image, as diffusers' image processor reads one; a UsageError naming the field where it
+    is not an image."""
+    import numpy as np
+    from PIL import Image
+
+    array = np.asarray(array)
+    if array.ndim == 4 and array.shape[0] == 1:  # a batch of one
+        array = array[0]
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[..., 0]
+    shaped = array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))
+    if np.issubdtype(array.dtype, np.floating) and shaped and array.size and np.isfinite(array).all() \
+            and 0 <= array.min() <= array.max() <= 1:
+        array = (array * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil rounds
+    if array.dtype != np.uint8 or not shaped:
+        raise UsageError(f"{field(name)} as a numpy array must be 8-bit, or floats in [0, 1], of H x W, H x W x 1, 3 "
+                         f"or 4 values; got {array.dtype} of shape {tuple(array.shape)}")
+    return Image.fromarray(array)
 
 
 def load_image(name: str, path: str, mode: str = "RGB") -> Image:

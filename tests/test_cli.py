@@ -158,7 +158,9 @@ def test_what_a_run_does_not_use_is_noted_and_schedulers_take_any_case(scheduler
     assert notes == ["note: --build-static-batch unused by the torch backend",
                      "note: --high-noise-frac unused without --refiner",
                      "note: --negative-prompt unused at --guidance-scale 1.0: there is no classifier-free guidance "
-                     "at 1 or below"]
+                     "at 1 or below",
+                     "note: model 'tiny' has random weights, so its images look like noise (it runs every path in "
+                     "seconds); --model shapes is the built-in trained to draw its prompt"]
     assert json.loads(next(tmp_path.glob("*.json")).read_text())["scheduler"] == ours
 
 
@@ -204,3 +206,27 @@ def test_the_memory_floor_counts_weights_in_the_run_precision(tiny):
     assert weight_bytes(tiny, torch.float16) == 2 * parameters
     channels = tiny.config("vae")["block_out_channels"][0]
     assert activation_floor(tiny, 3, 64, 48, torch.float16) == 2 * 3 * channels * 64 * 48 * 2
+
+
+def test_what_a_run_does_not_use_and_a_random_weight_model_are_noted(tmp_path, capsys):
+    from demo.cli.generate import main
+
+    assert main(["a cat", "--model", "tiny", "--output-dir", str(tmp_path), "--denoising-steps", "1",
+                 "--num-warmup-runs", "0", "--guess-mode", "--control-guidance-end", "0.5"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: --control-guidance-end, --guess-mode unused without ControlNets",
+                     "note: model 'tiny' has random weights, so its images look like noise (it runs every path in "
+                     "seconds); --model shapes is the built-in trained to draw its prompt"]
+
+
+def test_a_built_in_controlnet_with_a_scale_that_is_no_number_says_so(tmp_path, capsys):
+    from PIL import Image
+
+    from demo.cli.generate import main
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "x.png")
+    assert main(["a cat", "--model", "tiny", "--output-dir", str(tmp_path), "--controlnet", "tiny-controlnet:abc",
+                 "--control-image", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "demo-diffusion: error: --controlnet tiny-controlnet:abc: the scale after the last ':' must be a number, "
+        "got 'abc'")

@@ -30,7 +30,7 @@ from demo.request import DEFAULT_PROMPT, DEFAULT_STRENGTH, Request
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from demo.schedulers import SCHEDULERS
 from models import shapes
-from models.builtin import BUILTIN_NAMES, CONTROLNET_NAMES
+from models.builtin import BUILTIN_NAMES, CONTROLNET_NAMES, LORA_NAMES
 from models.plugin_set import PLUGINS_HELP
 from models.single_file import PREDICTION_TYPES as SINGLE_FILE_PREDICTIONS
 from models.single_file import SD2_DEFAULT_PREDICTION
@@ -174,9 +174,10 @@ class TorchFlags:
 
 @dataclass(frozen=True)
 class LoraFlags:
-    lora: tuple[str, ...] | None = flag("fuse this LoRA (a .safetensors file of diffusers/PEFT or kohya keys, or a "
-                                        "diffusers LoRA folder) into the UNet and text encoders, its delta times SCALE "
-                                        "(default 1.0); repeatable, the deltas add up; engines take it by refit, with "
+    lora: tuple[str, ...] | None = flag("fuse this LoRA (a .safetensors file of diffusers/PEFT or kohya keys, a "
+                                        f"diffusers LoRA folder, or {', '.join(LORA_NAMES)}, the one shipped with "
+                                        "shapes) into the UNet and text encoders, its delta times SCALE (default "
+                                        "1.0); repeatable, the deltas add up; engines take it by refit, with "
                                         "--build-enable-refit",
                                         metavar="PATH[:SCALE]", repeatable=True)
 

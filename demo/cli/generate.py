@@ -31,6 +31,7 @@ from demo.cli.flags import (
     parse_flags,
 )
 from demo.cli.to_spec import request_from_flags, spec_from_flags
+from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES
 
 PROG = "demo-diffusion"
 
@@ -94,6 +95,9 @@ def run(flags) -> int:
     request = plan.request
     for note in plan.notes + request.unused():
         to_stderr(f"note: {render_fields(note, flag_name)}")
+    if plan.source.name in BUILTIN_MODELS:  # generated (the default among them): noise that looks like a fault
+        to_stderr(f"note: model '{plan.source.name}' has random weights, so its images look like noise (it runs every "
+                  f"path in seconds); --model {BUILTIN_NAMES[0]} is the built-in trained to draw its prompt")
     plan.log(f"[{PROG}] model {plan.source.name} ({plan.source.path}), backend {plan.backend.name} "
              f"({plan.backend_reason}), {plan.device} {plan.dtype}")
     if plan.base.reason:  # where the backend's settings came from, where it says

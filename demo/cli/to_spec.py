@@ -26,6 +26,7 @@ from demo.cli.flags import (
 )
 from demo.request import Request, load_image
 from demo.runtime.spec import PipelineSpec
+from models.builtin import CONTROLNET_NAMES, LORA_NAMES
 
 
 def options_of(flags, options_type: type):
@@ -35,18 +36,19 @@ def options_of(flags, options_type: type):
                            if hasattr(flags, item.name)})
 
 
-def parse_lora_spec(text: str, name: str = "loras") -> tuple[str, float]:
-    """--lora's PATH[:SCALE] (or --controlnet's, `name` the spec's field) as (path, scale). A path may hold colons: the
-    whole text is the path where it exists, or where what follows the last colon is no number and what precedes it
-    does not exist either (read_lora or resolve_controlnet then names it missing); a UsageError where what precedes the
-    last colon exists and what follows is not a finite number."""
+def parse_lora_spec(text: str, name: str = "loras", names: tuple[str, ...] = ()) -> tuple[str, float]:
+    """--lora's PATH[:SCALE] (or --controlnet's, `name` the spec's field; `names` the built-ins it takes by name) as
+    (path, scale). A path may hold colons: the whole text is the path where it exists, or where what follows the last
+    colon is no number and what precedes it does not exist either (read_lora or resolve_controlnet then names it
+    missing); a UsageError where what precedes the last colon exists (or is a built-in's name) and what follows is not
+    a finite number."""
     path, colon, tail = text.rpartition(":")
     if not colon or Path(text).exists():
         return text, 1.0
     try:
         scale = float(tail)
     except ValueError:
-        if Path(path).exists():
+        if Path(path).exists() or path in names:
             raise UsageError(f"{field(name)} {text}: the scale after the last ':' must be a number, got "
                              f"'{tail}'") from None
         return text, 1.0  # no such file either way: the whole text is named as missing
@@ -73,9 +75,9 @@ def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
     if TorchFlags in flags:
         values["torch"] = options_of(flags[TorchFlags], TorchOptions)
     if LoraFlags in flags:
-        values["loras"] = tuple(parse_lora_spec(text) for text in flags[LoraFlags].lora or ())
+        values["loras"] = tuple(parse_lora_spec(text, "loras", LORA_NAMES) for text in flags[LoraFlags].lora or ())
     if ControlNetFlags in flags:
-        values["controlnets"] = tuple(parse_lora_spec(text, "controlnets")
+        values["controlnets"] = tuple(parse_lora_spec(text, "controlnets", CONTROLNET_NAMES)
                                       for text in flags[ControlNetFlags].controlnet or ())
     if CacheFlags in flags:
         values.update(cache_interval=flags[CacheFlags].cache_interval, cache_branch=flags[CacheFlags].cache_branch)

@@ -4,7 +4,9 @@ one set of stages; called with a prompt (the Python API), with requests (sd-serv
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -16,7 +18,7 @@ from core.errors import UsageError, field
 from demo.pipelines import ExpertsPipeline, make_pipeline, to_uint8
 from demo.pipelines.lora import LoraSpec
 from demo.pipelines.timer import StageTimer, timed_runs
-from demo.request import TEXT_TO_IMAGE, Request
+from demo.request import TEXT_TO_IMAGE, Request, request_fields
 from demo.runtime.report import LatencyReport, device_name, library_versions, precision_name
 from demo.schedulers import make_scheduler
 from models.lora import LoraFile, read_lora
@@ -44,28 +46,49 @@ class Plan(Protocol):
     def checked(self, request: Request) -> Request: ...
 
 
+# A call's output_type (diffusers' names): PIL images; float32 [B, H, W, 3] in [0, 1]; a float32 tensor [B, 3, H, W]
+OUTPUT_TYPES = ("pil", "np", "pt")
+
+
 @dataclass
 class Result:
-    """What a call gives: the images, and the latency report of the call that made them."""
+    """What a call gives: the images (PIL images, or as its output_type asked), and the latency report of the call
+    that made them."""
 
-    images: list[Image.Image]
+    images: list[Image.Image] | np.ndarray | torch.Tensor
     report: LatencyReport
 
     @property
     def pixels(self) -> np.ndarray:
-        """The images as 8-bit [B, H, W, 3]."""
+        """The PIL images as 8-bit [B, H, W, 3]."""
         return np.stack([np.asarray(image) for image in self.images])
+
+
+def serialised(method):
+    """The pipeline's calls one at a time (its stages, schedulers and step cache hold one call's state: two threads at
+    once would draw each other's images), and none once it is closed."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            if self._closed:
+                raise UsageError("this pipeline is closed (close() or the end of its with block): load it again")
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class Pipeline:
     """A loaded pipeline. `pipe("a red circle", seed=0)` renders one request (keyword arguments: demo.request.Request's
-    fields) and returns a Result; `run` renders resolved, checked requests that share a call; `close()` (or leaving a
-    `with` block) frees its stages' device memory and engines."""
+    fields, or diffusers' names for them) and returns a Result; `run` renders resolved, checked requests that share a
+    call; `close()` (or leaving a `with` block) frees its stages' device memory and engines. Threads may share it:
+    its calls run one at a time."""
 
     def __init__(self, plan: Plan):
         """The family pipelines start with no scheduler: each call sets its request's (_use_scheduler), one object
         per scheduler name, so that none is made only to be replaced."""
         self.plan = plan
+        self._lock, self._closed = threading.RLock(), False
         self.device, self.dtype, self.backend = plan.device, plan.dtype, plan.backend
         self.loras: list[tuple[LoraFile, float]] = []  # applied now
         self.lora_refit_ms: float | None = None  # what applying them took, where engines were refitted
@@ -103,6 +126,7 @@ class Pipeline:
     def spec(self):
         return self.plan.spec
 
+    @serialised
     def family(self, mode: str):
         """The family pipeline (demo.pipelines) that runs `mode`."""
         try:
@@ -111,27 +135,45 @@ class Pipeline:
             raise UsageError(f"this pipeline runs {', '.join(self.families)}, not {mode}: load it with that among "
                              f"its {field('modes')}") from None
 
+    @serialised
     def stats(self) -> dict:
         """What getting the stages ready took and holds (the backend's account)."""
         return self.backend.stats(self.stages, self.plan.base.settings_of)
 
     # ---- requests ------------------------------------------------------------------------------------------------
+    @serialised
     def request(self, prompt: str | Request, **fields) -> Request:
-        """`prompt` (or a Request) with `fields`, resolved and checked for this pipeline (PipelinePlan.checked)."""
-        return self.plan.checked(prompt if isinstance(prompt, Request) else Request(prompt, **fields))
+        """`prompt` (or a Request) with `fields` (demo.request.request_fields: ours or diffusers' names), resolved and
+        checked for this pipeline (PipelinePlan.checked)."""
+        if isinstance(prompt, Request):
+            if fields:
+                raise UsageError(f"a Request comes alone, without {', '.join(fields)}: set them in it")
+            return self.plan.checked(prompt)
+        return self.plan.checked(Request(prompt, **request_fields(fields)))
 
-    def __call__(self, prompt: str | Request, progress=None, **fields) -> Result:
-        """The images of one request (a prompt with Request's fields as keyword arguments, or a Request), and their
-        latency report. `progress` hears of each denoising step (update(); e.g. a tqdm bar)."""
+    @serialised
+    def __call__(self, prompt: str | Request, progress=None, output_type: str = "pil", **fields) -> Result:
+        """The images of one request (a prompt with Request's fields as keyword arguments, or a Request), as
+        `output_type` says (OUTPUT_TYPES), and their latency report. `progress` hears of each denoising step
+        (update(); e.g. a tqdm bar)."""
+        if output_type not in OUTPUT_TYPES:
+            raise UsageError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
         request = self.request(prompt, **fields)
         timer = StageTimer(self.device)
-        pixels = to_uint8(self.run([request], timer, progress))
-        return Result([Image.fromarray(image) for image in pixels], self.report(request, timer))
+        images = self.run([request], timer, progress)
+        if output_type == "np":
+            return Result(images, self.report(request, timer))
+        if output_type == "pt":
+            return Result(torch.from_numpy(images).permute(0, 3, 1, 2), self.report(request, timer))
+        return Result([Image.fromarray(image) for image in to_uint8(images)], self.report(request, timer))
 
+    @serialised
     def run(self, requests: Sequence[Request], timer: StageTimer | None = None, progress=None,
             pixels: bool = False) -> np.ndarray:
         """One call of resolved, checked requests that share it (demo.request.batch_key): float32 [B, H, W, 3] in
         [0, 1], or with `pixels` 8-bit ones made on the device."""
+        if not requests:
+            raise UsageError("run takes one request at least, got none")
         family = self.family(requests[0].mode)
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
@@ -147,28 +189,33 @@ class Pipeline:
                 self._schedulers[key] = make_scheduler(name, pipeline.source)
             pipeline.scheduler = self._schedulers[key]
 
+    @serialised
     def timed_runs(self, request: Request, warmup_runs: int, runs: int,
                    say: Callable[[str], None] = lambda _: None) -> tuple[np.ndarray, list[dict[str, float]]]:
         """`warmup_runs` untimed runs, then `runs` timed ones: the last run's images and each run's stage
         milliseconds (demo.pipelines.timer.timed_runs)."""
         return timed_runs(lambda timer: self.run([request], timer), self.device, warmup_runs, runs, say)
 
+    @serialised
     def unet_calls(self, request: Request) -> int:
         """How many times the UNet runs for a resolved request (some schedulers take extra warm-up steps)."""
         family = self.family(request.mode)
         self._use_scheduler(family, request.scheduler)
         return family.unet_calls(request.denoising_steps, 1.0 if request.strength is None else request.strength)
 
+    @serialised
     def refiner_unet_calls(self, request: Request) -> int:
         """The refiner's part of unet_calls (a pipeline with a refiner)."""
         family = self.family(request.mode)
         self._use_scheduler(family, request.scheduler)
         return family.unet_calls_each(request.denoising_steps)[1]
 
+    @serialised
     def dropped_text(self, text: str) -> str | None:
         """What of `text` the text encoder's token limit cuts off (None: all of it fits)."""
         return next(iter(self.families.values())).dropped_text(text)
 
+    @serialised
     def set_loras(self, loras: Sequence[LoraSpec]) -> float | None:
         """Apply LoRA files ((path, scale) each, added up) in place of those applied before ([]: the base weights, bit
         for bit), without reloading; a refiner keeps its own weights. Returns how long refitting engines took, in ms
@@ -178,6 +225,7 @@ class Pipeline:
         self.loras = files
         return self.lora_refit_ms
 
+    @serialised
     def report(self, request: Request, timer: StageTimer) -> LatencyReport:
         """The latency report of a call of `request` that `timer` timed."""
         plan, source = self.plan, self.source
@@ -203,7 +251,12 @@ class Pipeline:
 
     # ---- its end -------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the stages (engines, device memory, graphs, modules); idempotent."""
+        """Free the stages (engines, device memory, graphs, modules); idempotent: a call after it is a UsageError."""
+        with self._lock:
+            self._closed = True
+            self._free()
+
+    def _free(self) -> None:
         for stage in [*self.stages.values(), *self.refiner_stages.values()]:
             stage.close()
         self.stages, self.refiner_stages, self.families = {}, {}, {}
@@ -212,6 +265,7 @@ class Pipeline:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @serialised
     def __enter__(self) -> Pipeline:
         return self
 

@@ -35,6 +35,7 @@ from models.families import CLASSIFIER_FREE, INT8, LORA, REFINER, STEP_CACHE
 from models.lora import check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
 from models.stages import check_model_stages, image_to_image_stages, stage_models, text_to_image_stages
+from models.unet_cache import Branches
 
 __all__ = ["PipelinePlan", "StagePlan", "load_pipeline", "plan_pipeline", "quiet", "to_stderr"]
 REFINER_DIR = "refiner"  # the refiner's ONNX and engines, inside the base's folders (stage names are the same)
@@ -66,12 +67,14 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     loras = [(read_lora(path), scale) for path, scale in spec.loras]
     source = resolve_model(spec.model, vae=spec.vae, config=spec.model_config, prediction_type=spec.prediction_type)
     check_family_features(spec, source)
+    if spec.cache_branch != PipelineSpec.cache_branch:  # a branch the UNet lacks is wrong, the cache on or not
+        Branches.of(source.denoiser_config).check(spec.cache_branch)
     controlnets = [(resolve_controlnet(name, source), scale) for name, scale in spec.controlnets]
     for controlnet, _ in controlnets:
         controlnet.check_for(source)
     if controlnets and (spec.refiner is not None or spec.engine.int8):
         raise UsageError(f"{field('controlnets')} run without {field('refiner' if spec.refiner else 'int8')} for now")
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    device = checked_device(device)
     dtype = backend.default_dtype(device) if spec.precision == "auto" else DTYPES[spec.precision]
     if request is not None:
         request = resolve_request(request, spec, source)
@@ -109,6 +112,22 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
         plan.check(request)
         plan.request = request
     return plan
+
+
+def checked_device(device: str | torch.device | None) -> torch.device:
+    """`device` (None: the GPU, else the CPU) as a torch.device this machine has; a UsageError naming it otherwise."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"device {device!r} is no torch device ({str(exc).splitlines()[0]})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"device {device}: a pipeline runs on cpu or cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise UsageError(f"device {device}: this machine has {count} CUDA device(s)")
+    return device
 
 
 def check_family_features(spec: PipelineSpec, source: ModelSource) -> None:

@@ -58,12 +58,13 @@ def free_bytes(device: torch.device) -> int | None:
 
 
 def check_memory(source: ModelSource, batch_size: int, height: int, width: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-    """A UsageError when even the request's memory floor exceeds what is free on `device`."""
+                 dtype: torch.dtype, loaded: bool = False) -> None:
+    """A UsageError when even the request's memory floor exceeds what is free on `device` (`loaded`: the weights are
+    there already, so the floor is the activations')."""
     free = free_bytes(device)
     if free is None:
         return
-    weights = weight_bytes(source, dtype)
+    weights = 0 if loaded else weight_bytes(source, dtype)
     activations = activation_floor(source, batch_size, height, width, dtype)
     if weights + activations > free:
         gib = 2**30

@@ -14,6 +14,7 @@ from core.errors import UsageError, field
 from demo.backends.base import Backend
 from demo.request import Request
 from demo.runtime.loaded import Pipeline
+from demo.runtime.memory import check_memory
 from demo.runtime.spec import PipelineSpec
 from demo.schedulers import check_steps, make_scheduler
 from models.base import StageModel
@@ -76,6 +77,9 @@ class PipelinePlan:
         model, then what this pipeline was made for (its modes, a refiner's schedule, the backend's limits, its
         ControlNets)."""
         request.check(self.source)
+        # the pipeline's weights are counted when it is planned: a call's own floor is its activations'
+        check_memory(self.source, request.images, request.height, request.width, self.device, self.dtype,
+                     loaded=True)
         if request.mode not in self.modes:
             raise UsageError(f"this pipeline runs {', '.join(self.modes)}, not {request.mode}: load it with that "
                              f"among its {field('modes')}")

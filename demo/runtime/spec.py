@@ -6,9 +6,11 @@ turns one into a ready pipeline)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from core.errors import UsageError, at_least, field
+from core.typed import check_field_types
 from demo.backends import AUTO, BACKENDS, REFERENCE_BACKEND
 from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import TorchOptions
@@ -33,13 +35,16 @@ class StageOverride:
     plugins: str | None = None  # None: the spec's
     engine: EngineOptions | None = None  # None: the spec's
 
+    def __post_init__(self):
+        check_field_types(self)
+
 
 @dataclass(frozen=True)
 class PipelineSpec:
     """What load_pipeline makes ready. Left as they are, the fields give the built-in `tiny` model on the best backend
     this machine has, for every mode the model runs, at its native size."""
 
-    model: str = "tiny"  # a built-in (models.builtin), a diffusers-format folder, or a hub id
+    model: str = "tiny"  # a built-in (models.builtin), a diffusers-format folder, a single file, or a hub id
     model_config: str | None = None  # a single-file model's configs: a diffusers folder (None: the built-in ones)
     prediction_type: str | None = None  # a single-file SD 2.x model's (None: models.single_file's default)
     vae: str | None = None  # another VAE: an AutoencoderKL folder, a model folder with one in vae/, or a single file
@@ -66,6 +71,16 @@ class PipelineSpec:
     stage_overrides: tuple[StageOverride, ...] = ()
     verbose: bool = False  # library logs and build details
 
+    def __post_init__(self):
+        """Each field as its type says (core.typed; a path object taken for its text, a LoRA or ControlNet given
+        without its scale at scale 1, as on the command line): a UsageError naming the first that is not, before any
+        work (check() then checks the values)."""
+        for name in ("loras", "controlnets"):
+            entries = getattr(self, name)
+            if isinstance(entries, (tuple, list)):
+                object.__setattr__(self, name, tuple(_scaled(entry) for entry in entries))
+        check_field_types(self, paths=("model", "model_config", "vae", "refiner"))
+
     @property
     def cached_branch(self) -> int | None:
         """The step cache's branch where the cache is on (cache_interval above 1), else None."""
@@ -86,9 +101,10 @@ class PipelineSpec:
         at_least("batch_size", self.batch_size, 1)
         at_least("cache_interval", self.cache_interval, 1)
         at_least("cache_branch", self.cache_branch, 0)
-        for name, scale in self.controlnets:
-            if not math.isfinite(scale):
-                raise UsageError(f"{field('controlnets')} {name}: the scale must be a finite number, got {scale}")
+        for name in ("loras", "controlnets"):
+            for entry, scale in getattr(self, name):
+                if not math.isfinite(scale):
+                    raise UsageError(f"{field(name)} {entry}: the scale must be a finite number, got {scale}")
         if self.max_batch_size is not None:
             at_least("max_batch_size", self.max_batch_size, 1)
         unknown = [mode for mode in self.modes or () if mode not in MODES]
@@ -104,6 +120,15 @@ class PipelineSpec:
             if override.engine is not None:
                 override.engine.check(self.use_cuda_graph)
         self.torch.check()
+
+
+def _scaled(entry):
+    """A loras or controlnets entry as (path or name, scale): one given alone (a text or path) at scale 1."""
+    if isinstance(entry, (str, os.PathLike)):
+        return os.fspath(entry), 1.0
+    if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], os.PathLike):
+        return os.fspath(entry[0]), entry[1]
+    return entry
 
 
 def reference_spec(spec: PipelineSpec) -> PipelineSpec:

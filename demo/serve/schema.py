@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 
 from core.errors import UsageError
-from demo.request import IMAGE_TO_IMAGE, INPAINTING, MODES, TEXT_TO_IMAGE, Request
+from demo.request import CONTROL_FIELDS, IMAGE_TO_IMAGE, INPAINTING, MODES, TEXT_TO_IMAGE, Request
 
 # Triton model name -> the mode it runs; a model serves those its UNet can run (demo.request.modes_of).
 MODEL_MODES = {"txt2img": TEXT_TO_IMAGE, "img2img": IMAGE_TO_IMAGE, "inpaint": INPAINTING}
@@ -46,7 +46,6 @@ INPUTS = (
     Input("control_guidance_end", np.float32, "control_guidance_end"),      # --controlnet): inputs_of
     Input("guess_mode", np.bool_, "guess_mode"),
 )
-CONTROL_FIELDS = ("control_guidance_start", "control_guidance_end", "guess_mode")
 CONTROL_IMAGES = "control_images"  # the field the control_image_<i> inputs set, one image per ControlNet
 INPUT_OF_FIELD = {item.field: item.name for item in INPUTS} | {CONTROL_IMAGES: "control_image_<i>"}
 # Outputs: the image, HxWx3 8-bit RGB, and how many requests its pipeline call ran (1: alone).
@@ -75,23 +74,33 @@ class RequestRejected(Exception):
     """A request the server will not run, with the one line that says why, naming the input."""
 
 
+def check_shape(item: Input, array: np.ndarray) -> None:
+    """RequestRejected unless `array` is one value or image of `item`'s shape (Triton's batch dimension 1)."""
+    expected = (1, *item.shape)
+    if (array.ndim != len(expected) or any(want not in (-1, got) for got, want in zip(array.shape, expected))
+            or array.size == 0):  # several images in one request, or none
+        shape = ", ".join("HW"[i - 1] if want == -1 else str(want) for i, want in enumerate(expected))
+        raise RequestRejected(f"{item.name}: one {'value' if item.shape == (1,) else 'image'} per request (shape "
+                              f"[{shape}]), got shape {list(array.shape)}")
+
+
 def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) -> Request:
     """One request of `mode`'s model, resolved to one image and checked by `plan` (PipelinePlan.checked, in
     demo.runtime.plan: what it leaves out is the server's spec's or the model's; then every check the loaded pipeline
     makes, the engines' limits among them); RequestRejected for the first bad input."""
+    items = inputs_of(mode, len(plan.spec.controlnets))
+    # The images' shapes first: a request of several images (two control images, each other input repeated along
+    # Triton's batch dimension to match) is refused naming the image, not the prompt beside it.
+    for item in sorted(items, key=lambda item: item.shape == (1,)):
+        if item.name in data:
+            check_shape(item, data[item.name])
     values, controls = {}, []
-    for item in inputs_of(mode, len(plan.spec.controlnets)):
+    for item in items:
         array = data.get(item.name)
         if array is None:
             if not item.optional:
                 raise RequestRejected(f"{item.name}: required")
             continue
-        expected = (1, *item.shape)
-        if (array.ndim != len(expected) or any(want not in (-1, got) for got, want in zip(array.shape, expected))
-                or array.size == 0):  # several images in one request, or none
-            shape = ", ".join("HW"[i - 1] if want == -1 else str(want) for i, want in enumerate(expected))
-            raise RequestRejected(f"{item.name}: one {'value' if item.shape == (1,) else 'image'} per request (shape "
-                                  f"[{shape}]), got shape {list(array.shape)}")
         if item.shape != (1,):
             image = Image.fromarray(array[0])  # RGB, or a grayscale mask
             if item.field == CONTROL_IMAGES:

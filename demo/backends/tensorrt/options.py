@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.errors import UsageError, at_least, field
+from core.typed import check_field_types
 from plugins.contract import OURS
 
 MAX_OPTIMIZATION_LEVEL = 5
@@ -36,6 +37,9 @@ class EngineOptions:
     # False: a missing or stale engine is an error, not a build (runs of engines built elsewhere, e.g. by the
     # ablation's build jobs, must not quietly spend minutes building on the GPU they time).
     build_missing: bool = True
+
+    def __post_init__(self):
+        check_field_types(self, paths=("onnx_dir", "engine_dir", "timing_cache", "calibration_prompts"))
 
     def check(self, use_cuda_graph: bool | None = None) -> None:
         """The options' own values, and how they go with `use_cuda_graph` (a spec's): a UsageError naming the field,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from core.errors import UsageError, field
+from core.typed import check_field_types
 from demo.backends import AUTO
 
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
@@ -19,6 +20,9 @@ class TorchOptions:
 
     channels_last: bool | None = None
     compile: str = AUTO  # or one of COMPILE_MODES
+
+    def __post_init__(self):
+        check_field_types(self)
 
     def check(self) -> None:
         """The options' own values: a UsageError naming the field."""
