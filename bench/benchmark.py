@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING
 
 from bench.charts import gpu_chart
 from bench.common import KINDS, ResultsFlags, log, measuring_parser, one_line, slug
-from bench.contenders import DEFAULT_CONTENDERS, EAGER, Contender, resolve_here, select_contenders
+from bench.contenders import CACHED, DEFAULT_CONTENDERS, EAGER, TRT_INT8, Contender, resolve_here, select_contenders
 from bench.gpu_report import merge, read_report
 from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
-from core.errors import UsageError, at_least
-from demo.backends import TORCH
+from core.errors import UsageError, at_least, field, render_fields
+from demo.backends import FLAVOURS, TORCH
 from demo.backends.tensorrt.options import MAX_OPTIMIZATION_LEVEL
-from demo.cli.command import run_command
+from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
     CacheFlags,
     ControlImageFlags,
@@ -111,7 +111,45 @@ def run(flags) -> int:
     check_flags(bench, flags[ResultsFlags], flags[EngineFlags])
     spec_from_flags(flags).check()
     request_from_flags(flags).check_inputs()
+    for note in unused_flags(flags, chosen):
+        say(f"note: {render_fields(note, flag_name)}")
     return benchmark(flags, chosen)
+
+
+# The engine flags a run on sd-ablation's engines still takes (bench.jobs.BuildPlan: they pick its engines).
+ABLATION_ENGINE_FLAGS = ("optimization_level", "disable_tactic_sources", "enable_tactic_sources")
+CALIBRATION_FLAGS = ("calibration_prompts", "calibration_steps")
+
+
+def unused_flags(flags, chosen: list[Contender]) -> list[str]:
+    """What the flags set that no chosen contender uses, each naming fields (core.errors.field)."""
+    bench, output, engine, cache = flags[BenchmarkFlags], flags[ResultsFlags], flags[EngineFlags], flags[CacheFlags]
+    given = [item.name for item in fields(EngineFlags)
+             if item.name not in PER_CONTENDER and getattr(engine, item.name) != item.default]
+    engine_runs = [c for c in chosen if c.backend in FLAVOURS]
+    notes = []
+    if not engine_runs:
+        unused = given + (["engines_from_ablation"] if bench.engines_from_ablation else [])
+        if unused:
+            notes.append(f"{', '.join(map(field, unused))} unused: no TensorRT contender runs")
+    elif bench.engines_from_ablation:
+        unused = [name for name in given if name not in ABLATION_ENGINE_FLAGS]
+        if unused:
+            notes.append(f"{', '.join(map(field, unused))} unused with {field('engines_from_ablation')}: its engines "
+                         "run as they are, nothing is built")
+    elif not any(c.int8 for c in engine_runs):
+        unused = [name for name in given if name in CALIBRATION_FLAGS]
+        if unused:
+            notes.append(f"{', '.join(map(field, unused))} unused without an INT8 contender ({TRT_INT8})")
+    own_interval = [c for c in chosen if c.cache_interval is not None]
+    if cache.cache_interval > 1 and len(own_interval) == len(chosen):
+        notes.append(f"{field('cache_interval')} unused: every contender has its own ({CACHED}<N>)")
+    elif cache.cache_interval == 1 and not own_interval and cache.cache_branch != CacheFlags.cache_branch:
+        notes.append(f"{field('cache_branch')} unused without the step cache ({field('cache_interval')} 1, and no "
+                     f"contender{CACHED}<N>)")
+    if output.defaults_file and not output.update_defaults:
+        notes.append(f"{field('defaults_file')} unused without {field('update_defaults')}")
+    return notes
 
 
 def check_flags(bench: BenchmarkFlags, output: ResultsFlags, engine: EngineFlags) -> None:
@@ -275,6 +313,8 @@ def benchmark(flags, chosen: list[Contender]) -> int:
     reference = plan_pipeline(reference_spec(spec_from_flags(flags, modes=(TEXT_TO_IMAGE,))),
                               request=request_from_flags(flags), log=quiet)
     source, request, device, dtype = reference.source, reference.request, reference.device, reference.dtype
+    for note in request.unused():
+        say(f"note: {render_fields(note, flag_name)}")
     workloads = workloads_of(request, bench.extra_shapes, source)
     gpu = device_name(device)
     capability = compute_capability(device)

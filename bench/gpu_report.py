@@ -3,9 +3,10 @@
     report-gpus h100/ a10/tiny-seed0.json results/benchmark-nvidia-h200.json \\
         --out-md gpus.md --out-png gpus.png --out-json gpus.json
 
-Each input is a JSON file, or a directory whose *.json files are read (there, JSON files that are no
-latency report, such as the ablation's or the plugin benchmarks', are skipped, one line each on stderr;
-named on its own, such a file is an error). A file holds either
+Each input is a JSON file, or a directory whose *.json files are read. JSON files that are no latency
+report, such as the ablation's or the plugin benchmarks', are skipped, one line each on stderr, in a
+directory and among several files (`report-gpus results/*.json` reads what `report-gpus results/` does);
+named alone, such a file is an error. A file holds either
 
 - a demo-diffusion report (the JSON written beside the images), or
 - rows: {"rows": [{"device": "NVIDIA H200", "label": "diffusers + compile", "model": "sd1.5-arch",
@@ -215,8 +216,12 @@ def read_report(path: Path, shown: str) -> list[Row]:
 
 
 def read_inputs(inputs: list[str]) -> list[Row]:
+    """The rows of every input. A JSON file that is no latency report is skipped, one line on stderr, inside a
+    directory and among several files (as a shell glob such as results/*.json names them); named alone, it is an
+    error, as are a directory without a report and files none of which is one."""
     rows: list[Row] = []
     seen_files: set[Path] = set()
+    alone = len(inputs) == 1
     for given in inputs:
         path = Path(given)
         if path.is_dir():
@@ -226,22 +231,29 @@ def read_inputs(inputs: list[str]) -> list[Row]:
                 if file.resolve() in seen_files:
                     continue
                 seen_files.add(file.resolve())
-                try:
-                    found_rows = read_report(file, str(file))
-                except NotAReport as exc:
-                    print(f"{PROG}: skipped {exc}", file=sys.stderr)
-                    continue
+                found_rows = _read_or_skip(file, str(file))
                 rows += found_rows
-                found += 1
+                found += bool(found_rows)
             if not found:
                 raise UsageError(f"{given}: no latency report among its {len(files)} *.json file(s)")
         elif path.is_file():
             if path.resolve() not in seen_files:
                 seen_files.add(path.resolve())
-                rows += read_report(path, given)
+                rows += read_report(path, given) if alone else _read_or_skip(path, given)
         else:
             raise UsageError(f"{given}: no such file or directory")
+    if not rows:  # files alone, each skipped (a directory without a report is refused above)
+        raise UsageError(f"no latency report among the {len(inputs)} files given")
     return rows
+
+
+def _read_or_skip(path: Path, shown: str) -> list[Row]:
+    """The rows of a report file; none for a file that is no latency report, skipped with a line on stderr."""
+    try:
+        return read_report(path, shown)
+    except NotAReport as exc:
+        print(f"{PROG}: skipped {exc}", file=sys.stderr)
+        return []
 
 
 def merge(rows: list[Row], with_published: bool) -> dict[str, list[Row]]:

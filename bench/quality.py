@@ -16,14 +16,16 @@ earlier run's figures on the cases both ran stand beside this run's, with the sh
 per attribute and overall (cases matched by id).
 
 Writes into --output-dir (default quality/): quality-<model>-<backend>-<precision>[-lora-<name>]
-[-controlnet-<name>-x<scale>].json (what ran, on what, the per-case readings and the summary; -run2, -run3 ... after
-the name where it is taken, unless --json names the file) and its chart (.png, with matplotlib: the `bench` extra);
-with --save-images, <name>-images/ (a PNG per case and grid.png, the first 16 text-to-image cases with their
-prompts). Nothing is written before every case has run.
+[-controlnet-<name>-x<scale>].json (what ran, on what, the per-case readings and the summary) and its chart (.png,
+with matplotlib: the `bench` extra); with --save-images, <name>-images/ (a PNG per case and grid.png, the first 16
+text-to-image cases with their prompts). Nothing is written before every case has run; then the three as one set,
+whole or not at all, never over what this run did not write: -run2, -run3 ... after the name where any of them is
+taken, unless --json names the report (replaced, with its chart; an images folder there is refused).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import io
@@ -36,21 +38,16 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from bench.common import log, slug
-from core.atomic import (
-    atomic_directory,
-    atomic_write_bytes,
-    check_writable_directory,
-    check_writable_file,
-    discard_directory,
-)
-from core.errors import RunFailure, UsageError, at_least, render_fields
+from core.atomic import atomic_file, check_writable_directory, check_writable_file, write_new_set
+from core.errors import RunFailure, UsageError, at_least, field, render_fields
 from demo.backends import INT8_UNET, TORCH
 from demo.cli.command import flag_name, run_command
 from demo.cli.flags import (
     SPEC,
+    CacheFlags,
     ControlNetFlags,
     DemoFlags,
     EngineFlags,
@@ -60,6 +57,7 @@ from demo.cli.flags import (
     RequestFlags,
     add_flags,
     add_pipeline_flags,
+    changed,
     flag,
     parse_flags,
     same_as,
@@ -207,6 +205,12 @@ class Case:
         ImageDraw.Draw(mask).rectangle((box[0], box[1], box[2] - 1, box[3] - 1), fill=255)  # right, bottom exclusive
         return mask
 
+    def expected(self) -> dict[str, str]:
+        """What a right image shows: the prompt's scene, each attribute the detector reads."""
+        from models.shapes.scenes import ATTRIBUTES
+
+        return {name: getattr(self.scene, name) for name in ATTRIBUTES}
+
     def description(self) -> dict:
         """What makes the case: its prompt and seed, an edit's input scene, jitter, mask and strength."""
         described = {"id": self.id, "mode": self.mode, "prompt": self.prompt, "seed": self.seed}
@@ -275,6 +279,12 @@ def run_case_ids(counts: dict[str, int]) -> list[str]:
 def select_cases(cases: list[Case], counts: dict[str, int]) -> list[Case]:
     wanted = set(run_case_ids(counts))
     return [case for case in cases if case.id in wanted]
+
+
+def run_cases(counts: dict[str, int], steered: bool) -> list[Case]:
+    """The cases a run takes (`steered`: by ControlNets, each prompted without its position)."""
+    cases = select_cases(quality_cases(), counts)
+    return [dataclasses.replace(case, steered=True) for case in cases] if steered else cases
 
 
 # ---- judging -----------------------------------------------------------------------------------------------------
@@ -449,8 +459,8 @@ def grid_image(images: list[Image], cases: list[dict]) -> Image:
 # ---- checking the command line -----------------------------------------------------------------------------------
 
 def read_reference(path: str, counts: dict[str, int]) -> dict:
-    """A --reference report, checked: an sd-quality JSON of this set version whose cases (an id, a mode, the expected
-    attributes and the reading each) share some with this run."""
+    """A --reference report, checked before anything loads: an sd-quality JSON (reference_problem) of this set
+    version whose cases share some with this run."""
     where = f"--reference {path}"
     try:
         report = json.loads(Path(path).read_text())
@@ -460,21 +470,74 @@ def read_reference(path: str, counts: dict[str, int]) -> dict:
         raise UsageError(f"{where}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     except ValueError as exc:
         raise UsageError(f"{where}: not JSON ({exc})") from None
-    cases = report.get("cases") if isinstance(report, dict) else None
-    if (not isinstance(cases, list) or "set_version" not in report
-            or not all(isinstance(case, dict) and isinstance(case.get("id"), str) and case.get("mode") in SET_SIZES
-                       and isinstance(case.get("expected"), dict) and isinstance(case.get("reading"), dict)
-                       and "style" in case["reading"] for case in cases)):
-        raise UsageError(f"{where}: not an sd-quality report (it needs set_version, and cases with an id, a mode, the "
-                         "expected attributes and a reading each)")
+    problem = reference_problem(report)
+    if problem:
+        raise UsageError(f"{where}: not an sd-quality report ({problem})")
     if report["set_version"] != QUALITY_SET_VERSION:
         raise UsageError(f"{where}: made on case set version {report['set_version']}, this run's is "
                          f"{QUALITY_SET_VERSION}: only runs of one version compare")
     ours = set(run_case_ids(counts))
+    cases = report["cases"]
     if not any(case["id"] in ours for case in cases):
         raise UsageError(f"{where}: no case in common with this run (it has {len(cases)}, none of this run's "
                          f"{len(ours)}; see --cases and --no-edits)")
     return report
+
+
+def _is_text_map(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(item, str) for item in value.values())
+
+
+def reference_problem(report) -> str | None:
+    """What keeps `report` from being compared with (None: nothing): a whole-number set_version, and cases each with
+    a unique id, a mode, the expected attributes and a reading of every one of them and the style, all text."""
+    if not isinstance(report, dict):
+        return "it is not a JSON object"
+    version = report.get("set_version")
+    if type(version) is not int:  # bool is an int too, and "1" would read as version 1 in a message
+        return f"its set_version must be a whole number, got {json.dumps(version)}"
+    cases = report.get("cases")
+    if not isinstance(cases, list):
+        return "it has no list of cases"
+    seen = set()
+    for index, case in enumerate(cases):
+        if not (isinstance(case, dict) and isinstance(case.get("id"), str) and case["id"] not in seen):
+            return f"case {index} has no id of its own"
+        seen.add(case["id"])
+        where = f"case {case['id']}"
+        if case.get("mode") not in SET_SIZES:
+            return f"{where}'s mode is none of {', '.join(SET_SIZES)}"
+        expected, reading = case.get("expected"), case.get("reading")
+        if not (_is_text_map(expected) and expected):
+            return f"{where} has no expected attributes"
+        if not _is_text_map(reading):
+            return f"{where} has no reading"
+        lacking = [name for name in (*expected, "style") if name not in reading]
+        if lacking:
+            return f"{where}'s reading lacks {', '.join(lacking)}"
+    return None
+
+
+def check_same_cases(reference: dict, path: str, cases: list[Case]) -> None:
+    """A UsageError unless each case the reference and this run both have is the same case: its prompt, seed, inputs
+    and control image, and what its image should show (a run steered by ControlNets prompts its cases without their
+    position)."""
+    where = f"--reference {path}"
+    earlier = {case["id"]: case for case in reference["cases"]}
+    for case in cases:
+        if case.id not in earlier:
+            continue
+        theirs = {name: value for name, value in earlier[case.id].items() if name not in ("reading", "image")}
+        ours = {**case.description(), "expected": case.expected()}
+        if theirs == ours:
+            continue
+        if ("control_image" in theirs) != case.steered:
+            made, ran = ("without", "with") if case.steered else ("with", "without")
+            raise UsageError(f"{where} was made {made} {field('controlnets')} and this run {ran}: a steered case's "
+                             "prompt leaves its position to the ControlNets; only runs of the same cases compare")
+        differs = sorted(name for name in {*theirs, *ours} if theirs.get(name) != ours.get(name))
+        raise UsageError(f"{where}: its case {case.id} is not this run's (different {', '.join(differs)}): only "
+                         "runs of the same cases compare")
 
 
 def compare_with(reference: dict, path: str, entries: list[dict]) -> dict:
@@ -486,7 +549,7 @@ def compare_with(reference: dict, path: str, entries: list[dict]) -> dict:
             "changed": changed_readings(entries, reference["cases"])}
 
 
-def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags,
+def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags, cache: CacheFlags,
                 steered: bool = False) -> dict[str, int]:
     """Everything the command line alone decides, before torch is imported: the cases this run takes (`steered`: by
     ControlNets, the text-to-image ones alone)."""
@@ -508,22 +571,45 @@ def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags,
         if quality.json_path is not None or quality.reference is not None:
             raise UsageError("--cache-sweep names its reports itself, each against its own uncached run: drop --json "
                              "and --reference")
+        given = changed(cache)
+        if given:
+            raise UsageError(f"--cache-sweep sets the step cache of each of its runs: drop {' and '.join(given)}")
     if quality.json_path is not None:
         check_writable_file("--json file", Path(quality.json_path))
         if quality.reference and Path(quality.json_path).resolve() == Path(quality.reference).resolve():
             raise UsageError("--json names the --reference file: this run would replace what it compares with")
+        images_dir = outputs_of(Path(quality.json_path))[1]
+        if quality.save_images and _exists(images_dir):
+            raise UsageError(f"--save-images: {images_dir} is there already, and this run never replaces what it "
+                             "did not write: move it away, or give another --json")
     return counts
+
+
+def quality_notes(quality: QualityFlags, steered: bool) -> list[str]:
+    """What this command's own flags set that the run does not use."""
+    notes = []
+    if quality.no_edits and steered:
+        notes.append(f"--no-edits unused with {field('controlnets')}: a steered run takes the text-to-image cases "
+                     "alone")
+    if quality.json_path is not None and quality.output_dir != QualityFlags.output_dir:
+        notes.append("--output-dir unused beside --json, which names the report's path")
+    return notes
 
 
 def run(flags, command: str) -> int:
     quality, render = flags[QualityFlags], flags[RenderFlags]
-    counts = check_flags(quality, render, flags[EngineFlags], steered=bool(flags[ControlNetFlags].controlnet))
+    steered = bool(flags[ControlNetFlags].controlnet)
+    counts = check_flags(quality, render, flags[EngineFlags], flags[CacheFlags], steered)
     reference = (read_reference(quality.reference, counts), quality.reference) if quality.reference else None
     spec = spec_from_flags(flags, backend=render.backend, precision=render.precision, scheduler=render.scheduler,
                            batch_size=render.max_batch_size, max_batch_size=render.max_batch_size,
                            guided=is_guided(render.guidance_scale),
                            modes=tuple(mode for mode, count in counts.items() if count))
     spec.check()
+    for note in quality_notes(quality, steered):
+        print(f"note: {render_fields(note, flag_name)}", file=sys.stderr, flush=True)
+    if reference is not None:  # the cases themselves: the set loads torch, so after the checks above
+        check_same_cases(*reference, run_cases(counts, steered))
     if quality.cache_sweep is not None:
         return sweep(flags, spec, counts, parse_sweep(quality.cache_sweep), command)
     measure(flags, spec, counts, reference, command)
@@ -561,19 +647,21 @@ def sweep(flags, spec, counts: dict[str, int], pairs: list[tuple[int, int]], com
         cached = dataclasses.replace(spec, cache_interval=interval, cache_branch=branch)
         reports.append(measure(flags, cached, counts, (uncached, str(path)), command, warm_up=True)[0])
     summary = sweep_summary(reports, command)
-    base = Path(quality.output_dir) / f"{output_stem(uncached)}-cache-sweep"
     table = sweep_table(summary)
+    files = {".md": table.encode(), ".json": (json.dumps(summary, indent=1) + "\n").encode()}
     try:
-        try:
-            atomic_write_bytes(base.with_suffix(".png"), sweep_chart(summary))
-        except ImportError:
-            say("no chart: matplotlib is not installed (pip install 'demo-diffusion[bench]')")
-        atomic_write_bytes(base.with_suffix(".md"), table.encode())
-        atomic_write_bytes(base.with_suffix(".json"), (json.dumps(summary, indent=1) + "\n").encode())
+        files[".png"] = sweep_chart(summary)
+    except ImportError:
+        say("no chart: matplotlib is not installed (pip install 'demo-diffusion[bench]')")
+    directory = Path(quality.output_dir)
+    try:
+        name = under_a_new_name(f"{path.stem}-cache-sweep", lambda stem: write_new_set(
+            directory, {stem + suffix: data for suffix, data in files.items()}))
     except OSError as exc:
-        raise RunFailure(f"cannot write the sweep {base}.json: {exc.strerror or exc}") from None
+        raise RunFailure(f"cannot write the sweep in {directory}: {exc.strerror or exc} (nothing was "
+                         "written)") from None
     print(table, end="")
-    say(f"wrote {base}.json")
+    say(f"wrote {directory / name}.json")
     return 0
 
 
@@ -641,16 +729,17 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
     from demo.pipelines.timer import StageTimer
     from demo.runtime.loader import plan_pipeline, to_stderr
     from models.shapes.detector import read_image
-    from models.shapes.scenes import ATTRIBUTES
 
     quality, render = flags[QualityFlags], flags[RenderFlags]
     plan = plan_pipeline(spec)
-    cases = select_cases(quality_cases(), counts)
-    if spec.controlnets:
-        cases = [dataclasses.replace(case, steered=True) for case in cases]
+    cases = run_cases(counts, steered=bool(spec.controlnets))
     requests = [plan.checked(request) for request in case_requests(cases, render, plan.source.native_image_size,
                                                                     len(spec.controlnets))]
-    for note in plan.notes + requests[0].unused():
+    notes = plan.notes + requests[0].unused()
+    if reference is not None and reference[0].get("model") not in (None, plan.source.name):
+        notes.append(f"--reference {reference[1]} is of model {reference[0]['model']}, this run's is "
+                     f"{plan.source.name}: the readings that changed are the two models' differences")
+    for note in notes:
         to_stderr(f"note: {render_fields(note, flag_name)}")
     say(f"model {plan.source.name} ({plan.source.path}), backend {plan.backend.name} ({plan.backend_reason}), "
         f"{plan.device}; {len(cases)} cases ({', '.join(f'{n} {mode}' for mode, n in counts.items() if n)}), "
@@ -669,8 +758,8 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
             if len(pixels) == len(call):  # the first call: what ran, as its report says
                 ran = dataclasses.asdict(pipeline.report(call[0], timer))
     images = [Image.fromarray(image) for image in pixels]
-    entries = [{**case.description(), "expected": {name: getattr(case.scene, name) for name in ATTRIBUTES},
-                "reading": read_image(image).as_dict()} for case, image in zip(cases, images)]
+    entries = [{**case.description(), "expected": case.expected(), "reading": read_image(image).as_dict()}
+               for case, image in zip(cases, images)]
     report = {
         "tool": PROG, "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "set_version": QUALITY_SET_VERSION, "model": plan.source.name, "model_path": str(plan.source.path),
@@ -703,14 +792,17 @@ def outputs_of(json_path: Path) -> tuple[Path, Path]:
     return json_path.with_suffix(".png"), json_path.with_name(json_path.stem + "-images")
 
 
-def free_json_path(directory: Path, stem: str) -> Path:
-    """<stem>.json, or with -run<N> after the stem where that or its chart or images are there already."""
+def under_a_new_name(stem: str, write: Callable[[str], bool]) -> str:
+    """The first of `stem`, `stem`-run2, -run3 ... that `write` takes (it returns False, having written nothing,
+    where a name it needs is taken: by an earlier run, or by one writing beside this one)."""
     run = 1
-    while True:
-        path = directory / f"{stem if run == 1 else f'{stem}-run{run}'}.json"
-        if not any(p.exists() for p in (path, *outputs_of(path))):
-            return path
+    while not write(name := stem if run == 1 else f"{stem}-run{run}"):
         run += 1
+    return name
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
 
 
 def _png(image: Image) -> bytes:
@@ -720,31 +812,73 @@ def _png(image: Image) -> bytes:
 
 
 def write_outputs(quality: QualityFlags, report: dict, images: list[Image]) -> Path:
-    """The images folder (with --save-images), the chart (with matplotlib) and last the JSON, each whole or not at
-    all; a full disk is one line (exit 1)."""
-    json_path = (Path(quality.json_path) if quality.json_path
-                 else free_json_path(Path(quality.output_dir), output_stem(report)))
-    chart_path, images_dir = outputs_of(json_path)
+    """The report, its chart (with matplotlib) and, with --save-images, its images folder, as one set: all of it or
+    none, never over a file or into a folder this run did not make. Its name: <stem>.json, or -run2, -run3 ... after
+    the stem where any of the set's names is taken; --json names the report (replaced, with its chart, where it
+    exists). A full disk is one line (exit 1)."""
+    images_named = {}
+    if quality.save_images:
+        images_named = {f"{case['id']}.png": _png(image) for case, image in zip(report["cases"], images)}
+        first = [index for index, case in enumerate(report["cases"]) if case["mode"] == TEXT_TO_IMAGE][:GRID_CASES]
+        images_named["grid.png"] = _png(grid_image([images[index] for index in first],
+                                                   [report["cases"][index] for index in first]))
     try:
-        if quality.save_images:
-            for case in report["cases"]:
-                case["image"] = f"{images_dir.name}/{case['id']}.png"
-            if images_dir.exists():  # an earlier run's, under the name --json gave again
-                discard_directory(images_dir)
-            with atomic_directory(images_dir) as staging:
-                for case, image in zip(report["cases"], images):
-                    (staging / f"{case['id']}.png").write_bytes(_png(image))
-                first = [index for index, case in enumerate(report["cases"])
-                         if case["mode"] == TEXT_TO_IMAGE][:GRID_CASES]
-                grid = grid_image([images[index] for index in first], [report["cases"][index] for index in first])
-                (staging / "grid.png").write_bytes(_png(grid))
+        chart = quality_chart(report)
+    except ImportError:
+        chart = None
+        say("no chart: matplotlib is not installed (pip install 'demo-diffusion[bench]')")
+
+    def write(json_path: Path) -> bool:
         try:
-            chart = quality_chart(report)
-        except ImportError:
-            say("no chart: matplotlib is not installed (pip install 'demo-diffusion[bench]')")
+            return write_report_set(json_path, report, images_named, chart, replace=quality.json_path is not None)
+        except OSError as exc:
+            raise RunFailure(f"cannot write the report {json_path}: {exc.strerror or exc} (nothing was "
+                             "written)") from None
+
+    if quality.json_path is not None:
+        json_path = Path(quality.json_path)
+        if not write(json_path):  # checked before rendering: another process made it since
+            raise RunFailure(f"{outputs_of(json_path)[1]} appeared while this run rendered, and this run never "
+                             "writes into a folder it did not make (nothing was written)")
+        return json_path
+    directory = Path(quality.output_dir)
+    name = under_a_new_name(output_stem(report), lambda stem: write(directory / f"{stem}.json"))
+    return directory / f"{name}.json"
+
+
+def write_report_set(json_path: Path, report: dict, images_named: dict[str, bytes], chart: bytes | None,
+                     replace: bool) -> bool:
+    """Write the report at `json_path` with its chart (where there is one) and its images folder (where there are
+    images), whole or not at all; False, writing nothing, where a name of the set is taken (`replace`: the report's
+    and the chart's are replaced, the images folder's never is)."""
+    chart_path, images_dir = outputs_of(json_path)
+    if not replace and any(map(_exists, (json_path, chart_path, images_dir))):
+        return False
+    if images_named:
+        for case in report["cases"]:
+            case["image"] = f"{images_dir.name}/{case['id']}.png"
+    files = {json_path.name: (json.dumps(report, indent=1) + "\n").encode(),
+             **({chart_path.name: chart} if chart is not None else {})}
+    made_folder = written = False
+    try:
+        if images_named:
+            try:
+                images_dir.mkdir(parents=True)  # the folder's name is this run's from here
+            except FileExistsError:
+                return False
+            made_folder = True
+            write_new_set(images_dir, images_named)  # a folder this run has just made: none of its names is taken
+        if replace:
+            with contextlib.ExitStack() as staged:  # every file whole before any replaces its old one
+                for name, data in files.items():
+                    staged.enter_context(atomic_file(json_path.parent / name)).write_bytes(data)
+            written = True
         else:
-            atomic_write_bytes(chart_path, chart)
-        atomic_write_bytes(json_path, (json.dumps(report, indent=1) + "\n").encode())
-    except OSError as exc:
-        raise RunFailure(f"cannot write the report {json_path}: {exc.strerror or exc}") from None
-    return json_path
+            written = write_new_set(json_path.parent, files)
+        return written
+    finally:
+        if made_folder and not written:  # a name taken, a full disk or an interrupt: none of the set stays
+            for name in images_named:
+                (images_dir / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: what another process put there stays
+                images_dir.rmdir()

@@ -152,8 +152,15 @@ def why_skip(setup: Setup, contender: Contender, workload: Workload, first: Work
     """Why a contender cannot run here (None: it can), decided before anything is loaded."""
     if contender.skip:
         return contender.skip
-    if contender.backend == DIFFUSERS and (contender.cache_interval or setup.spec.cache_interval) > 1:
+    interval = contender.cache_interval or setup.spec.cache_interval
+    if contender.backend == DIFFUSERS and interval > 1:
         return "diffusers' pipeline has no step cache"
+    if contender.settings is None and setup.engines_from_ablation:  # contender_spec runs the ablation's engines
+        lacking = [what for what, wanted in (("INT8", contender.int8), ("ControlNet", bool(setup.spec.controlnets)),
+                                             ("step cache", interval > 1)) if wanted]
+        if lacking:
+            return (f"sd-ablation builds no {', '.join(lacking)} engines ({flag_name('engines_from_ablation')} runs "
+                    "its engines)")
     try:
         plan_pipeline(contender_spec(setup, contender, workload, first), setup.device, log=quiet, progress=quiet)
     except UsageError as exc:

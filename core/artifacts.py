@@ -13,6 +13,7 @@ a stale artifact, never a mismatched one; whatever a killed build left is remove
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import glob
 import hashlib
 import json
@@ -22,14 +23,18 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from core.atomic import atomic_write_bytes, file_lock, remove_dead_staging
+# checkpoint_hooks: named here too, where tests/paused.py installs its hook.
+from core.atomic import atomic_write_bytes, checkpoint, checkpoint_hooks, file_lock, remove_dead_staging  # noqa: F401
 from core.errors import RunFailure
 
-# Called as hook(artifact, point) at two points of every cached_build: "building" (lock held, staging folder
-# made, nothing built yet) and "done" (returning, the artifact built or reused and its lock released unless the
-# caller holds it). Nothing here installs one: the fault tests do (tests/paused.py), to stop a real process at
-# a known point and kill it, or race another against it, without sleeping.
-checkpoint_hooks: list[Callable[[Path, str], None]] = []
+# Besides core.atomic's checkpoints, two of every cached_build: "building" (lock held, staging folder made, nothing
+# built yet) and "done" (returning, the artifact built or reused and its lock released unless the caller holds it).
+
+NOT_BUILT, FORCED = "not built yet", "forced rebuild"  # the reasons to build that say nothing was wrong
+# What the builds under way tell of an artifact that was there and is built again (cached_build's `progress`):
+# one built inside another's build (an engine's ONNX) says it where that one does.
+_rebuilds_said_to: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "rebuilds_said_to", default=None)
 
 
 class ArtifactError(RunFailure):
@@ -124,16 +129,11 @@ def _staleness(artifact: Path, key: dict, verify_content: bool) -> str | None:
     """Why `artifact` cannot be reused for `key` (caller holds the lock), or None when it can."""
     manifest = read_manifest(artifact)
     if manifest is None:
-        return "not built yet"
+        return NOT_BUILT
     if manifest["key"] != key:
         changed = sorted(k for k in set(key) | set(manifest["key"]) if key.get(k) != manifest["key"].get(k))
         return f"stale ({', '.join(changed)} changed)"
     return _damage(artifact, manifest["files"], verify_content)
-
-
-def _checkpoint(artifact: Path, point: str) -> None:
-    for hook in checkpoint_hooks:
-        hook(artifact, point)
 
 
 def _build_into_place(artifact: Path, key: dict, build: Callable[[Path], None]) -> None:
@@ -141,7 +141,7 @@ def _build_into_place(artifact: Path, key: dict, build: Callable[[Path], None]) 
     manifest_path(artifact).unlink(missing_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(artifact), dir=artifact.parent))
     try:
-        _checkpoint(artifact, "building")
+        checkpoint(artifact, "building")
         build(staging / artifact.name)
         files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in staging.iterdir()}
         if artifact.name not in files:
@@ -162,6 +162,7 @@ def cached_build(
     log: Callable[[str], None] = print,
     verify_content: bool = False,
     build_missing: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Return `artifact`, building it with `build(staging_path)` unless a fresh copy exists (with
     `build_missing` False, raise ArtifactError instead, leaving what is there as it is).
@@ -169,15 +170,29 @@ def cached_build(
     `build` writes the main file at `staging_path` and may write side files beside it; all files it
     leaves in that directory become part of the artifact. With `verify_content`, a reused artifact's
     files are also checked against their SHA-256, so that nothing is built from a damaged file.
+    `log` hears every decision; `progress` (else the enclosing cached_build's) also why an artifact that was there
+    is built again (damaged or stale: minutes of work whose reason needs no --verbose). A disk that fills up is
+    an ArtifactError, the staging gone.
     """
+    progress = progress or _rebuilds_said_to.get()
     with artifact_lock(artifact, log):
-        reason = "forced rebuild" if force else _staleness(artifact, key, verify_content)
+        reason = FORCED if force else _staleness(artifact, key, verify_content)
         if reason is None:
             log(f"[cache] {artifact.name}: up to date")
         elif not build_missing:
             raise ArtifactError(f"{artifact}: {reason}, and building is off here")
         else:
-            log(f"[cache] {artifact.name}: building ({reason})")
-            _build_into_place(artifact, key, build)
-    _checkpoint(artifact, "done")
+            line = f"[cache] {artifact.name}: building ({reason})"
+            log(line)
+            if progress not in (None, log) and reason not in (NOT_BUILT, FORCED):
+                progress(line)
+            said_to = _rebuilds_said_to.set(progress)
+            try:
+                _build_into_place(artifact, key, build)
+            except OSError as exc:  # a full disk, mostly
+                where = f" ({exc.filename})" if exc.filename else ""
+                raise ArtifactError(f"cannot build {artifact}: {exc.strerror or exc}{where}") from None
+            finally:
+                _rebuilds_said_to.reset(said_to)
+    checkpoint(artifact, "done")
     return artifact

@@ -13,7 +13,18 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from core.errors import UsageError
+from core.errors import RunFailure, UsageError
+from core.interrupts import held
+
+# Called as hook(path, point) at known points of the writes here and of the artifact cache (core.artifacts); nothing
+# here installs one: the fault tests do (tests/paused.py), to stop a real process there and signal or kill it, or
+# race another against it, without sleeping. Here: "linked", each time write_new_set has linked a file of its set.
+checkpoint_hooks: list[Callable[[Path, str], None]] = []
+
+
+def checkpoint(path: Path, point: str) -> None:
+    for hook in checkpoint_hooks:
+        hook(path, point)
 
 
 def _staging_prefix(final: Path) -> str:
@@ -118,6 +129,15 @@ def atomic_write_bytes(final: Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def save_file(what: str, final: Path, data: bytes) -> None:
+    """atomic_write_bytes for a command's output (a report): where it cannot be written (a full disk), a one-line
+    RunFailure, and nothing of it left."""
+    try:
+        atomic_write_bytes(final, data)
+    except OSError as exc:
+        raise RunFailure(f"{what} '{final}' cannot be written: {exc.strerror or exc}") from None
+
+
 def write_new_file(final: Path, data: bytes) -> bool:
     """Write `data` to `final` only if no file of that name exists; never overwrites.
 
@@ -145,21 +165,26 @@ def write_new_set(directory: Path, files: dict[str, bytes]) -> bool:
     anchor = directory / next(iter(files))
     remove_dead_staging(anchor)
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(anchor), dir=directory))
-    linked: list[Path] = []
     try:
         for name, data in files.items():
             (staging / name).write_bytes(data)
-        for name in files:
-            os.link(staging / name, directory / name)
-            linked.append(directory / name)
+        with held():  # a signal now waits until the set is there whole, or gone again
+            linked: list[Path] = []
+            try:
+                for name in files:
+                    os.link(staging / name, directory / name)
+                    linked.append(directory / name)
+                    checkpoint(directory / name, "linked")
+            except FileExistsError:
+                return False
+            finally:
+                if len(linked) < len(files):
+                    for path in linked:
+                        path.unlink()
         return True
-    except FileExistsError:
-        return False
     finally:
-        if len(linked) < len(files):
-            for path in linked:
-                path.unlink()
-        shutil.rmtree(staging, ignore_errors=True)
+        with held():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 
     python tests/paused.py clip.onnx:building scripts/build_engines.py ARGS...
 
-At `<artifact file name>:<point>` it says "[test] paused at ..." on stderr and waits for a line on stdin; the
-test kills it there, or starts a rival process and then lets it go on.
+The points: an artifact's `building` and `done` (core.artifacts), and `linked` for each file
+core.atomic.write_new_set links into place. At `<artifact file name>:<point>` it says "[test] paused at ..." on
+stderr and waits for a line on stdin; the test kills it there, or starts a rival process and then lets it go on.
 """
 
 import runpy

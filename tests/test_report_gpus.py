@@ -293,8 +293,8 @@ def _directory_without_reports(d):
     return d / "empty", "no latency report"
 
 
-@pytest.mark.parametrize("bad_input", [_not_json, _not_a_report, _ablation, _missing_stage, _row_missing_height,
-                                       _controlnet_without_scale, _missing_file, _directory_without_reports])
+@pytest.mark.parametrize("bad_input", [_not_json, _missing_stage, _row_missing_height, _controlnet_without_scale,
+                                       _missing_file, _directory_without_reports])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_input, reports, tmp_path, capsys):
     bad, reason = bad_input(tmp_path)
     out_dir = tmp_path / "out"
@@ -304,3 +304,29 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_input, reports, tmp
     assert captured.err.count("\n") == 1
     assert captured.err.startswith(f"report-gpus: error: {bad}: ") and reason in captured.err
     assert not out_dir.exists() or not any(out_dir.iterdir())
+
+
+@pytest.mark.parametrize("no_report", [_not_a_report, _ablation])
+def test_files_given_as_a_glob_skip_what_is_no_latency_report_as_a_folder_does(no_report, reports, tmp_path, capsys):
+    """Issue: `report-gpus results/*.json` exited 2 on the ablation's JSON where `report-gpus results/` skipped it.
+    Among several files it is skipped with the folder form's line; named alone, it is an error, as are files given
+    none of which is a report."""
+    bad, reason = no_report(tmp_path)
+    assert run([*reports, bad], {"md": tmp_path / "gpus.md"}) == 0
+    assert capsys.readouterr().err == (f"report-gpus: skipped {bad}: not a latency report (neither a demo-diffusion "
+                                       "report nor rows with device and latency_ms)\n")
+    assert run([bad], outputs(tmp_path / "alone")) == 2
+    assert capsys.readouterr().err == (f"report-gpus: error: {bad}: not a latency report (neither a demo-diffusion "
+                                       "report nor rows with device and latency_ms)\n")
+    other = ablation_rows(tmp_path / "other.json")
+    assert run([bad, other], outputs(tmp_path / "none")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "report-gpus: error: no latency report among the 2 files given"
+    assert not (tmp_path / "alone").exists() and not (tmp_path / "none").exists()
+
+
+def test_the_repositorys_results_read_alike_as_a_glob_and_as_a_folder(capsys):
+    results = ROOT / "results"
+    assert run([results]) == 0
+    folder = capsys.readouterr()
+    assert run(sorted(results.glob("*.json"))) == 0
+    assert capsys.readouterr() == folder

@@ -224,3 +224,20 @@ def test_the_model_answers_each_error_as_tritons_own_and_never_a_traceback(tmp_p
         assert infer(0) == (1, 2, 2, 3)
     finally:
         triton.stop()
+
+
+def fail_to_prepare():
+    """A device's preparation failing as diffusers does on a truncated ControlNet's weights."""
+    raise OSError("Unable to load weights from checkpoint file for 'cn/diffusion_pytorch_model.safetensors'")
+
+
+def test_a_preparation_that_fails_is_one_line_naming_the_device():
+    """Issue: `sd-serve --controlnet` with a folder whose weights were cut short was the server's traceback, pointing
+    at the pipe it received the device process's exception from. A UsageError comes as it is
+    (test_serve_workers.py)."""
+    from core.errors import RunFailure
+    from demo.serve.workers import start_workers
+
+    with pytest.raises(RunFailure, match=r"^preparing the pipeline for cpu failed: OSError: Unable to load weights "
+                                         r"from checkpoint file for 'cn/diffusion_pytorch_model.safetensors'$"):
+        start_workers(["cpu"], lambda _: fail_to_prepare)

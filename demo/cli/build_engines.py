@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.atomic import atomic_write_bytes, check_writable_file
+from core.atomic import check_writable_file, save_file
 from demo.backends.tensorrt.flavour import FLAVOURS, flavour
 from demo.cli.command import run_command
 from demo.cli.flags import (
@@ -120,12 +120,13 @@ def build(flags) -> int:
         print(f"{name:<{width}} {onnx:>23} {stat['engine_s']:8.1f} {stat['engine_bytes'] / 2**20:11.1f}")
     print(f"total {time.perf_counter() - start:.1f} s; engines in {first.engine_dir}")
     if build_flags.report:
-        atomic_write_bytes(Path(build_flags.report), json.dumps({"model": plan.source.name,
-                                                                "flavour": plan.backend.name, "precision": precision,
-                                                                "targets": targets, "stages": stats},
-                                                               indent=1).encode())
+        report = {"model": plan.source.name, "flavour": plan.backend.name, "precision": precision,
+                  "targets": targets, "stages": stats}
+        save_file("report file", Path(build_flags.report), json.dumps(report, indent=1).encode())
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m demo.cli.build_engines: answered as the console command is, signals too
+    from demo.cli.entry import build_engines
+
+    sys.exit(build_engines())

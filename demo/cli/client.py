@@ -55,7 +55,8 @@ class ClientRequestFlags:
 
 @dataclass(frozen=True)
 class OutputFlags:
-    output_dir: str = same_as(DemoFlags, "output_dir")
+    output_dir: str = flag("where the PNG goes, as txt2img-seed<seed>.png (img2img-, inpaint-), never over an "
+                           "earlier one; no report is written (default: %(default)s)", DemoFlags.output_dir)
 
 
 def build_parser() -> Parser:

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.atomic import atomic_write_bytes, check_writable_file
+from core.atomic import check_writable_file, save_file
 from core.errors import UsageError, field
 from demo.backends.tensorrt.flavour import FLAVOURS
 from demo.cli.command import run_command
@@ -70,18 +70,23 @@ def compare(flags) -> int:
 
     from demo.pipelines import image_psnr, to_uint8
     from demo.runtime.loader import plan_pipeline
-    from demo.runtime.report import precision_name
+    from demo.runtime.report import device_name, precision_name
     from demo.runtime.spec import reference_spec
     from models.stages import stage_batch
 
     plan = plan_pipeline(spec, request=request)
     request, device = plan.request, plan.device
-    reference = plan_pipeline(replace(reference_spec(plan.spec), precision=precision_name(plan.dtype)), request=request)
+    # Under the step cache, both run their cached path (the UNet that also returns its deep features, its shallow
+    # pass): the same stages, the same calls, compared as they are.
+    reference = plan_pipeline(replace(reference_spec(plan.spec), precision=precision_name(plan.dtype),
+                                      cache_interval=plan.spec.cache_interval, cache_branch=plan.spec.cache_branch),
+                              request=request)
     with reference.load() as torch_pipeline, plan.load() as engine_pipeline:
         pipelines = {"torch": torch_pipeline, plan.backend.name: engine_pipeline}
-        results = {"model": plan.source.name, "backend": plan.backend.name, "device": torch.cuda.get_device_name(),
+        results = {"model": plan.source.name, "backend": plan.backend.name, "device": device_name(device),
                    "height": request.height, "width": request.width, "scheduler": request.scheduler,
                    "steps": request.denoising_steps, "seed": request.seed, "guidance_scale": request.guidance_scale,
+                   "cache_interval": plan.spec.cache_interval, "cache_branch": plan.spec.cached_branch,
                    "stages": {}}
         generator = torch.Generator().manual_seed(request.seed)
         for model in plan.base.models:
@@ -91,30 +96,37 @@ def compare(flags) -> int:
             for name, pipeline in pipelines.items():
                 stage = pipeline.stages[model.name]
                 stage.prepare(batch, request.height, request.width)
-                outputs[name] = next(iter(stage(feed).values())).float()
-            expected = outputs["torch"]
+                outputs[name] = stage(feed)
+            # Every output, by name (a cached UNet's deep features too; an engine's come in its bindings' order).
+            got, expected = ([outputs[name][output].float() for output in model.output_names]
+                             for name in (plan.backend.name, "torch"))
             results["stages"][model.name] = {
-                "max_abs_diff": (outputs[plan.backend.name] - expected).abs().max().item(),
-                "reference_max_abs": expected.abs().max().item(),
-                "finite": bool(torch.isfinite(outputs[plan.backend.name]).all()),
+                "max_abs_diff": max((g - e).abs().max().item() for g, e in zip(got, expected)),
+                "reference_max_abs": max(e.abs().max().item() for e in expected),
+                "finite": all(bool(torch.isfinite(g).all()) for g in got),
             }
         images = {name: to_uint8(pipeline.run([request])) for name, pipeline in pipelines.items()}
     difference = np.abs(images[plan.backend.name].astype(np.int16) - images["torch"].astype(np.int16))
     results["image"] = {"psnr_db": image_psnr(images[plan.backend.name], images["torch"]),
                         "max_pixel_diff": int(difference.max()), "mean_pixel_diff": float(difference.mean())}
 
+    cache = ("" if plan.spec.cached_branch is None else
+             f", step cache every {plan.spec.cache_interval} calls from branch {plan.spec.cache_branch} on both")
     print(f"{plan.backend.name} vs torch on {results['device']}, {plan.source.name} {request.height}x"
-          f"{request.width}, {request.scheduler} {request.denoising_steps} steps, seed {request.seed}")
-    print(f"{'stage':<8} {'max |engine - torch|':>21} {'max |torch|':>12}")
+          f"{request.width}, {request.scheduler} {request.denoising_steps} steps, seed {request.seed}{cache}")
+    width = max(8, *map(len, results["stages"]))  # unet_shallow and the like
+    print(f"{'stage':<{width}} {'max |engine - torch|':>21} {'max |torch|':>12}")
     for name, row in results["stages"].items():
-        print(f"{name:<8} {row['max_abs_diff']:21.4g} {row['reference_max_abs']:12.4g}")
+        print(f"{name:<{width}} {row['max_abs_diff']:21.4g} {row['reference_max_abs']:12.4g}")
     image = results["image"]
     print(f"image: PSNR {image['psnr_db']:.2f} dB, max pixel difference {image['max_pixel_diff']}/255, "
           f"mean {image['mean_pixel_diff']:.3f}")
     if compare_flags.json:
-        atomic_write_bytes(Path(compare_flags.json), json.dumps(results, indent=1).encode())
+        save_file("--json", Path(compare_flags.json), json.dumps(results, indent=1).encode())
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m demo.cli.compare_backends: answered as the console command is, signals too
+    from demo.cli.entry import compare_backends
+
+    sys.exit(compare_backends())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.artifacts import artifact_bytes
-from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
+from core.atomic import check_writable_directory, check_writable_file, save_file
 from demo.cli.build_engines import BuildFlags
 from demo.cli.command import run_command
 from demo.cli.flags import EngineFlags, ModelFlags, Parser, add_flags, flag, parse_flags, same_as, summary
@@ -84,9 +84,11 @@ def export(flags) -> int:
         print(format_report_line(name, report))
         print(f"{name}: {path} ({size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s)")
     if export_flags.report_json:
-        atomic_write_bytes(Path(export_flags.report_json), json.dumps(counts, indent=1).encode())
+        save_file("--report-json", Path(export_flags.report_json), json.dumps(counts, indent=1).encode())
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m demo.cli.export_onnx: answered as the console command is, signals too
+    from demo.cli.entry import export_onnx
+
+    sys.exit(export_onnx())

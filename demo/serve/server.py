@@ -209,10 +209,7 @@ def serve(spec: PipelineSpec, options: ServeOptions, name: Callable[[str], str] 
     with claim_ports(options):
         devices = serving_devices(options.gpus)
         plan = plan_pipeline(spec, devices[0], progress=progress)  # what checks requests here; nothing loads here
-        notes = plan.notes + ([f"{field('batch_size')} unused by the {plan.backend.name} backend"]
-                              if not plan.backend.capabilities.artifacts and spec.batch_size != PipelineSpec.batch_size
-                              else [])  # the engines' optimum
-        for note in notes:
+        for note in startup_notes(plan, options, devices):
             progress(f"note: {render_fields(note, name)}")
         triton_api = import_pytriton()
         check_python_backend()
@@ -231,6 +228,23 @@ def serve(spec: PipelineSpec, options: ServeOptions, name: Callable[[str], str] 
                 worker.close()
     progress(f"[{PROG}] stopped in {time.monotonic() - signalled:.1f} s")  # the signal to the process's end, all of it
     return 128 + signum
+
+
+def startup_notes(plan, options: ServeOptions, devices: list[torch.device]) -> list[str]:
+    """What the server says before it prepares anything: the plan's notes, the options that change nothing in this
+    run, and, without a GPU, that Triton's CUDA lines are no fault."""
+    spec, notes = plan.spec, list(plan.notes)
+    if not plan.backend.capabilities.artifacts and spec.batch_size != PipelineSpec.batch_size:
+        notes.append(f"{field('batch_size')} unused by the {plan.backend.name} backend")  # the engines' optimum
+    if options.max_queue_delay_ms and (spec.max_batch_size == 1 or TEXT_TO_IMAGE not in plan.modes):
+        why = (f"{field('max_batch_size')} is 1" if spec.max_batch_size == 1 else
+               f"model '{plan.source.name}' serves image requests only, each run alone")
+        notes.append(f"{field('max_queue_delay_ms')} unused: no request waits for others to batch with ({why})")
+    if all(device.type == "cpu" for device in devices):
+        notes.append("no CUDA GPU here: the two lines Triton logs about CUDA as it starts (\"Unable to allocate "
+                     "pinned system memory\", \"CudaDriverHelper has not been initialized\") are expected on such a "
+                     "machine and harmless")
+    return notes
 
 
 class Server:
@@ -461,9 +475,11 @@ def serve_forever(triton_api, server: Server, modes, max_batch_size: int, serve:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
+    gpus = any(worker.device.type == "cuda" for worker in server.pool.workers)
     config = triton_api.TritonConfig(http_address=serve.host, grpc_address=serve.host, metrics_address=serve.host,
                                      http_port=serve.http_port, grpc_port=serve.grpc_port,
-                                     metrics_port=serve.metrics_port, exit_timeout_secs=TRITON_EXIT_TIMEOUT_S)
+                                     metrics_port=serve.metrics_port, exit_timeout_secs=TRITON_EXIT_TIMEOUT_S,
+                                     allow_gpu_metrics=gpus)  # without a GPU: no NVML, DCGM error lines
     workspace = Workspace()  # in ~/.cache/pytriton, as PyTriton makes it; made here to know its model store
     # The model written into a local model store before Triton starts, which loads it then: /v2/health/ready answers
     # only once the model is there (by default PyTriton loads it into a running server, ready before it is).

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from core.errors import RunFailure
+from core.errors import RunFailure, UsageError
 
 
 def _die_with_parent() -> None:
@@ -181,8 +181,17 @@ class DeviceWorker:
         return value
 
     def wait_prepared(self) -> None:
-        """Returns once the pipeline is prepared; raises what preparing it raised."""
-        self._receive()
+        """Returns once the pipeline is prepared; raises what preparing it raised: a UsageError or RunFailure as it
+        is, anything else as a RunFailure with its type and first line (its traceback, the device process's, shows
+        with --verbose; here it would show only this call)."""
+        try:
+            self._receive()
+        except (UsageError, RunFailure):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- whatever preparing the pipeline raised, as one line
+            first_line = (str(exc).strip().splitlines() or ["no detail"])[0]
+            raise RunFailure(f"preparing the pipeline for {self.device} failed: {type(exc).__name__}: "
+                             f"{first_line}") from None
 
     def __call__(self, requests: Sequence):
         with self._lock:

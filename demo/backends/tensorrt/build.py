@@ -325,7 +325,8 @@ def prepare_engine(model: StageModel, onnx_key: dict, make_onnx: Callable[[], Co
             convention = onnx_key["plugin_convention"] if onnx_key["plugins"] else None
             build_engine_file(path, onnx_path, model, shapes, options, progress, convention, int8)
 
-    return cached_build(artifact, key, build, force, log, verify_content=True, build_missing=build_missing)
+    return cached_build(artifact, key, build, force, log, verify_content=True, build_missing=build_missing,
+                        progress=progress)
 
 
 @dataclass
