@@ -117,6 +117,12 @@ def test_diffusers_names_draw_our_names_image(pipe):
     np.testing.assert_array_equal(tensor.permute(0, 2, 3, 1).numpy(), array)
 
 
+def test_a_call_field_that_does_nothing_is_a_warning_at_the_callers_line(pipe):
+    with pytest.warns(UserWarning, match="guess_mode unused without ControlNets") as caught:
+        pipe("a circle", guess_mode=True, denoising_steps=1)
+    assert caught[0].filename == __file__
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(num_steps=2), "unknown field(s) num_steps; a call takes prompt, negative_prompt"),
     (dict(num_inference_steps=2, denoising_steps=3), "denoising_steps given twice (also as"),

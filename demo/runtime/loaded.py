@@ -7,6 +7,7 @@ import contextlib
 import functools
 import gc
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from core.errors import UsageError, field
+from core.errors import UsageError, field, render_fields
 from demo.pipelines import ExpertsPipeline, make_pipeline, to_uint8
 from demo.pipelines.lora import LoraSpec
 from demo.pipelines.timer import StageTimer, timed_runs
@@ -155,10 +156,13 @@ class Pipeline:
     def __call__(self, prompt: str | Request, progress=None, output_type: str = "pil", **fields) -> Result:
         """The images of one request (a prompt with Request's fields as keyword arguments, or a Request), as
         `output_type` says (OUTPUT_TYPES), and their latency report. `progress` hears of each denoising step
-        (update(); e.g. a tqdm bar)."""
+        (update(); e.g. a tqdm bar). A field that does nothing in this call (guess_mode without ControlNets, say) is a
+        UserWarning."""
         if output_type not in OUTPUT_TYPES:
             raise UsageError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
         request = self.request(prompt, **fields)
+        for note in request.unused():  # what the command line notes; stacklevel: the caller's line, past serialised
+            warnings.warn(render_fields(note), UserWarning, stacklevel=3)
         timer = StageTimer(self.device)
         images = self.run([request], timer, progress)
         if output_type == "np":

@@ -69,6 +69,7 @@ def check_memory(source: ModelSource, batch_size: int, height: int, width: int, 
     if weights + activations > free:
         gib = 2**30
         raise UsageError(f"batch {batch_size} at {width}x{height} needs at least "
-                         f"{(weights + activations) / gib:.1f} GiB on {device.type} (weights {weights / gib:.1f} GiB, "
+                         f"{(weights + activations) / gib:.1f} GiB on {device.type} ("
+                         f"{'the weights loaded already' if loaded else f'weights {weights / gib:.1f} GiB'}, "
                          f"activations at least {activations / gib:.1f} GiB); {free / gib:.1f} GiB is free: use a "
                          f"smaller {field('batch_size')}, {field('height')} or {field('width')}")
