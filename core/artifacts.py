@@ -23,8 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-# checkpoint_hooks: named here too, where tests/paused.py installs its hook.
-from core.atomic import atomic_write_bytes, checkpoint, checkpoint_hooks, file_lock, remove_dead_staging  # noqa: F401
+from core.atomic import atomic_write_bytes, checkpoint, file_lock, remove_dead_staging
 from core.errors import RunFailure
 
 # Besides core.atomic's checkpoints, two of every cached_build: "building" (lock held, staging folder made, nothing

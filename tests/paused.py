@@ -1,4 +1,4 @@
-"""Run a command stopped at a checkpoint of its builds (core.artifacts.checkpoint_hooks), for the fault tests:
+"""Run a command stopped at a checkpoint of its builds (core.atomic.checkpoint_hooks), for the fault tests:
 
     python tests/paused.py clip.onnx:building scripts/build_engines.py ARGS...
 
@@ -13,14 +13,14 @@ from pathlib import Path
 
 
 def main(target: str, script: str, *arguments: str) -> None:
-    from core import artifacts
+    from core import atomic
 
     def pause(artifact: Path, point: str) -> None:
         if f"{artifact.name}:{point}" == target:
             print(f"[test] paused at {target}", file=sys.stderr, flush=True)
             sys.stdin.readline()
 
-    artifacts.checkpoint_hooks.append(pause)
+    atomic.checkpoint_hooks.append(pause)
     sys.argv = [script, *arguments]
     runpy.run_path(script, run_name="__main__")
 
