@@ -1,10 +1,10 @@
-"""Built-in models: `shapes`, trained and shipped (models/shapes), and real diffusers architectures with
-deterministic random weights.
+"""Built-in models: `shapes` and `scenes`, trained and shipped (models/shapes, models/scenes), and real diffusers
+architectures with deterministic random weights.
 
 They need no network and no checkpoint, so the demo, the tests and the benchmarks run anywhere. `shapes` draws what
-its prompt says (simple scenes); the others have random weights, so they draw noise-like images, but their
-architectures are real. A generated built-in is written once as a diffusers-format directory and then loaded like
-any other.
+its prompt says (one shape), `scenes` several objects with patterns (the quality yardstick's); the others have
+random weights, so they draw noise-like images, but their architectures are real. A generated built-in is written
+once as a diffusers-format directory and then loaded like any other.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable
 
 from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
 from core.errors import RunFailure, UsageError
-from models import shapes
+from models import scenes, shapes
 from models.families import IMAGE_TO_IMAGE, INPAINTING, SD, SDXL, TEXT_TO_IMAGE
 from models.validate import check_weight_file
 
@@ -214,7 +214,7 @@ for _base in ("tiny", "tiny-xl"):
                                           "unet": {**BUILTIN_MODELS[_base]["unet"], "in_channels": 9}}
 # Built-ins trained rather than generated, by name: the package holding each (its diffusers folder MODEL_DIR, and
 # damage(): why its files are not the recorded ones).
-SHIPPED_MODELS = {"shapes": shapes}
+SHIPPED_MODELS = {"shapes": shapes, "scenes": scenes}
 BUILTIN_NAMES = (*SHIPPED_MODELS, *BUILTIN_MODELS)  # what --model takes by name, the one that draws its prompt first
 # Built-in ControlNets: trained and shipped (the package holding each: its CONTROLNET_DIR, checked by its damage()),
 # and made with random weights from a built-in's UNet (by that built-in's name; models.controlnet).

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.errors import RunFailure, UsageError, field
-from models import shapes
 from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES, SHIPPED_MODELS, builtin_model_dir
 from models.cache import content_fingerprint, default_cache_dir
 from models.families import Family, family_of
@@ -129,10 +128,11 @@ class ModelSource:
 
     @property
     def default_guidance_scale(self) -> float:
-        """The guidance scale a request that gives none gets: the shipped `shapes` model's own (its folder, by name or
-        by path), else DEFAULT_GUIDANCE_SCALE."""
-        if self.path.resolve() == shapes.MODEL_DIR.resolve():
-            return shapes.GUIDANCE_SCALE
+        """The guidance scale a request that gives none gets: a shipped model's own (its folder, by name or by path),
+        else DEFAULT_GUIDANCE_SCALE."""
+        for package in SHIPPED_MODELS.values():
+            if self.path.resolve() == package.MODEL_DIR.resolve():
+                return package.GUIDANCE_SCALE
         return DEFAULT_GUIDANCE_SCALE
 
 

@@ -21,22 +21,27 @@ HASHES = HERE / "weights.sha256"  # sha256sum's format, paths relative to this f
 GUIDANCE_SCALE = 3.0
 
 
-def shipped_files() -> dict[str, str]:
-    """The shipped files' recorded sha256 by path (relative to this folder)."""
-    lines = HASHES.read_text().splitlines()
+def shipped_files(hashes: Path = HASHES) -> dict[str, str]:
+    """The shipped files' recorded sha256 by path (relative to the folder of `hashes`)."""
+    lines = hashes.read_text().splitlines()
     return {path: digest for digest, path in (line.split("  ", 1) for line in lines if line.strip())}
+
+
+def shipped_damage(folder: Path, hashes: Path) -> str | None:
+    """Why the files `hashes` records (paths relative to `folder`) are not the recorded ones (None: they are)."""
+    try:
+        recorded = shipped_files(hashes)
+    except (OSError, ValueError) as error:
+        return f"{hashes.name} unreadable ({error})"
+    for path, digest in recorded.items():
+        file = folder / path
+        if not file.is_file():
+            return f"{path} is missing"
+        if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+            return f"{path} is not the file recorded in {hashes.name}"
+    return None
 
 
 def damage() -> str | None:
     """Why the shipped files are not the recorded ones (None: they are)."""
-    try:
-        recorded = shipped_files()
-    except (OSError, ValueError) as error:
-        return f"{HASHES.name} unreadable ({error})"
-    for path, digest in recorded.items():
-        file = HERE / path
-        if not file.is_file():
-            return f"{path} is missing"
-        if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
-            return f"{path} is not the file recorded in {HASHES.name}"
-    return None
+    return shipped_damage(HERE, HASHES)

@@ -86,25 +86,29 @@ class Scenes:
         return render_batch(**scene_tensors(scenes, self.rng, self.device)) * 2 - 1, scenes
 
 
+def shapes_prompt(drop: float):
+    """A scene's training prompt: naming each attribute but the shape with probability 1 - `drop`."""
+    return lambda scene, rng: partial_prompt(scene, {a: rng.random() >= drop for a in ATTRIBUTES})
+
+
 class LatentSet:
     """Scenes rendered, encoded and tokenized once, kept on the device: each training step draws a batch of them
     with no Python per sample (the UNet at 16x16 is so small that per-step host work would bound the run).
 
-    Each scene keeps one prompt, naming each attribute but the shape with probability 1 - `drop`; a batch swaps
-    a share `empty` of prompts for the empty one (classifier-free guidance's unconditional half)."""
+    Each scene of `source` (its draw(n): images in [-1, 1] and their scenes) keeps one prompt, `prompt(scene, rng)`;
+    a batch swaps a share `empty` of prompts for the empty one (classifier-free guidance's unconditional half)."""
 
-    def __init__(self, vae, tok, device, count: int, seed: int, style: str, drop: float, chunk: int = 1000):
-        scenes_source, rng = Scenes(device, seed, style), random.Random(seed + 1)
+    def __init__(self, vae, tok, device, count: int, seed: int, source, prompt, chunk: int = 1000):
+        rng = random.Random(seed + 1)
         means, stds, prompt_of, prompts = [], [], [], {}
         for start in range(0, count, chunk):
-            images, scenes = scenes_source.draw(min(chunk, count - start))
+            images, scenes = source.draw(min(chunk, count - start))
             with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
                 posterior = vae.encode(images).latent_dist
             means.append(posterior.mean.float())
             stds.append(posterior.std.float())
             for scene in scenes:
-                prompt = partial_prompt(scene, {a: rng.random() >= drop for a in ATTRIBUTES})
-                prompt_of.append(prompts.setdefault(prompt, len(prompts)))
+                prompt_of.append(prompts.setdefault(prompt(scene, rng), len(prompts)))
         scale = vae.config.scaling_factor
         self.mean, self.std = torch.cat(means) * scale, torch.cat(stds) * scale
         self.prompt_of = torch.tensor(prompt_of, device=device)
@@ -117,6 +121,11 @@ class LatentSet:
         ids = self.ids[self.prompt_of[pick]]
         unconditional = torch.rand(n, 1, device=ids.device) < empty
         return latents, torch.where(unconditional, self.empty_ids, ids)
+
+
+def latent_set(vae, tok, device, count: int, seed: int) -> LatentSet:
+    """The base model's training set: filled shapes, prompts sometimes naming fewer attributes."""
+    return LatentSet(vae, tok, device, count, seed, Scenes(device, seed, "filled"), shapes_prompt(drop=0.1))
 
 
 def _token_ids(tok, prompts: list[str], device) -> torch.Tensor:
@@ -147,12 +156,14 @@ class Progress:
         return {"steps": steps_done, "seconds": round(time.monotonic() - self.start, 1), "losses": self.losses}
 
 
-def train_vae(device, steps: int, batch: int, seed: int, scale_samples: int = 2048):
+def train_vae(device, steps: int, batch: int, seed: int, scale_samples: int = 2048, config: dict = VAE_CONFIG,
+              data=None):
+    """The VAE on `data`'s images (its draw(n); default: shapes' scenes, filled and outlined)."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    vae = AutoencoderKL(**VAE_CONFIG).to(device).train()
-    data = Scenes(device, seed, style="mixed")  # the LoRA's outlines must survive the VAE too
+    vae = AutoencoderKL(**config).to(device).train()
+    data = data or Scenes(device, seed, style="mixed")  # the LoRA's outlines must survive the VAE too
     optimizer = torch.optim.AdamW(vae.parameters(), lr=6e-4, betas=(0.9, 0.99), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, steps, 200))
     progress, done = Progress("vae", steps), 0
@@ -186,17 +197,20 @@ def _parameters(*modules):
 
 
 def train_text_unet(vae, device, steps: int, batch: int, seed: int, deadline: float, reserve_steps: int,
-                    dataset: int):
+                    dataset: int, world=None):
     """The text encoder and the UNet, together. Where `steps` would not fit before `deadline` (leaving time for
-    `reserve_steps` more at this pace, the LoRA's), fewer are run, the learning-rate schedule fitted to them."""
+    `reserve_steps` more at this pace, the LoRA's), fewer are run, the learning-rate schedule fitted to them.
+    `world` (default: shapes'): its tokenizer, TEXT_CONFIG, UNET_CONFIG and latent_set(vae, tok, device, count,
+    seed)."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    tok = tokenizer()
+    world = world or sys.modules[__name__]
+    tok = world.tokenizer()
     torch.manual_seed(seed)
     special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.eos_token_id}
-    text = CLIPTextModel(CLIPTextConfig(**TEXT_CONFIG, vocab_size=len(tok), **special)).to(device).train()
-    unet = UNet2DConditionModel(**UNET_CONFIG).to(device, memory_format=torch.channels_last).train()
+    text = CLIPTextModel(CLIPTextConfig(**world.TEXT_CONFIG, vocab_size=len(tok), **special)).to(device).train()
+    unet = UNet2DConditionModel(**world.UNET_CONFIG).to(device, memory_format=torch.channels_last).train()
     alphas = _alphas_cumprod(device)
     params = _parameters(text, unet)
     ema = [p.detach().clone() for p in params]
@@ -204,7 +218,7 @@ def train_text_unet(vae, device, steps: int, batch: int, seed: int, deadline: fl
                                   fused=device.type == "cuda")
     progress = Progress("unet", steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, progress.steps, 300))
-    data = LatentSet(vae, tok, device, dataset, seed, "filled", drop=0.1)
+    data = world.latent_set(vae, tok, device, dataset, seed)
     print(f"[unet] {dataset} scenes encoded, {len(data.ids)} distinct prompts", flush=True)
     done = 0
     while done < progress.steps:
@@ -285,7 +299,7 @@ def train_lora(unet, text, vae, tok, device, steps: int, batch: int, seed: int, 
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, steps, 100))
     alphas = _alphas_cumprod(device)
-    data = LatentSet(vae, tok, device, dataset, seed, "outline", drop=0.1)
+    data = LatentSet(vae, tok, device, dataset, seed, Scenes(device, seed, "outline"), shapes_prompt(drop=0.1))
     progress, done = Progress("lora", steps), 0
     unet.train()
     for done in range(steps):
@@ -348,22 +362,28 @@ def vae_read_back(vae, count: int, device) -> dict:
     return {style: round(100 * hits / count, 1) for style, hits in exact.items()}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, required=True, help="folder for shapes/, the LoRA and training.json")
-    parser.add_argument("--vae-steps", type=int, default=3000)
-    parser.add_argument("--vae-batch", type=int, default=64)
+def training_parser(description: str, output: str, vae_steps: int, vae_batch: int, batch: int, batch_help: str,
+                    scenes: int, scenes_help: str, minutes: float) -> argparse.ArgumentParser:
+    """The flags every trained built-in's training takes, at that built-in's defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--output", type=Path, required=True, help=output)
+    parser.add_argument("--vae-steps", type=int, default=vae_steps)
+    parser.add_argument("--vae-batch", type=int, default=vae_batch)
     parser.add_argument("--unet-steps", type=int, default=8000)
-    parser.add_argument("--lora-steps", type=int, default=800)
-    parser.add_argument("--batch", type=int, default=1024, help="latents per UNet and LoRA step")
-    parser.add_argument("--scenes", type=int, default=300_000, help="scenes encoded for the UNet (the LoRA: a third)")
+    parser.add_argument("--batch", type=int, default=batch, help=batch_help)
+    parser.add_argument("--scenes", type=int, default=scenes, help=scenes_help)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--minutes", type=float, default=12.0,
+    parser.add_argument("--minutes", type=float, default=minutes,
                         help="time budget: the UNet runs fewer steps where its own would not fit (training.json "
                              "records how many ran; pass them as --unet-steps to repeat the run)")
     parser.add_argument("--read-back", type=int, default=200, help="scenes drawn for the first reading (0: none)")
+    return parser
+
+
+def start_training(parser: argparse.ArgumentParser, argv, counts: tuple[str, ...]):
+    """The parsed flags, checked (each of `counts` at least 1), and the run's device, deadline and record."""
     args = parser.parse_args(argv)
-    for name in ("vae_steps", "vae_batch", "unet_steps", "lora_steps", "batch", "scenes"):
+    for name in counts:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not (args.minutes > 0 and args.read_back >= 0):
@@ -374,10 +394,19 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         print("[train] no CUDA GPU: training on the CPU takes many hours at the default sizes", flush=True)
     start = time.monotonic()
-    deadline = start + 60 * args.minutes
     record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return args, device, start, start + 60 * args.minutes, record
+
+
+def main(argv=None) -> int:
+    parser = training_parser(__doc__.split("\n\n")[0], "folder for shapes/, the LoRA and training.json", 3000, 64,
+                             1024, "latents per UNet and LoRA step", 300_000,
+                             "scenes encoded for the UNet (the LoRA: a third)", 12.0)
+    parser.add_argument("--lora-steps", type=int, default=800)
+    args, device, start, deadline, record = start_training(
+        parser, argv, ("vae_steps", "vae_batch", "unet_steps", "lora_steps", "batch", "scenes"))
 
     vae, record["vae"] = train_vae(device, args.vae_steps, args.vae_batch, args.seed)
     if args.read_back:
