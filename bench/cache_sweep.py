@@ -1,6 +1,7 @@
 """The step cache's curve (sd-quality --cache-sweep): for the uncached run and each interval:branch, the yardstick's
-exact match and how much of the picture changed against the uncached run, beside its speed relative to it; as
-JSON, a markdown table and a chart of exact match against speedup."""
+exact match and how much of the picture changed against the uncached run (with scenes: SSIM and object-mask IoU
+against its images, with 95% intervals), beside its speed relative to it (timed after warm-up); as JSON, a markdown
+table and a chart of exact match against speedup."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import io
 
 from demo.request import TEXT_TO_IMAGE
 
-SWEEP_VERSION = 1
+SWEEP_VERSION = 2  # 2: speed timed after warm-up (its first call apart); with scenes, fidelity
 LABEL_OFFSETS = (5, -11, 15)  # points above a point's marker (negative: below)
+FIDELITY_COLUMNS = {"ssim": "SSIM vs uncached", "mask_iou": "mask IoU vs uncached"}
 
 
 def sweep_summary(reports: list[dict], command: str) -> dict:
@@ -21,13 +23,17 @@ def sweep_summary(reports: list[dict], command: str) -> dict:
     for report in reports:
         settings = report["settings"]
         changed = (report.get("reference") or {}).get("changed", {}).get("share", {})
+        fidelity = (report.get("reference") or {}).get("fidelity")
         rows.append({
             "cache_interval": settings.get("cache_interval", 1),
             "cache_branch": settings.get("cache_branch"),
             "exact_match": {mode: figures["exact_match"] for mode, figures in report["summary"].items()},
             "changed_vs_uncached": changed.get("any", 0.0),
             "images_per_s": report["images_per_s"],
+            "first_call_s": report.get("speed", {}).get("first_call_s"),
             "speedup": report["images_per_s"] / uncached["images_per_s"],
+            **({"fidelity": {metric: fidelity["summary"][metric]["value"] for metric in FIDELITY_COLUMNS}}
+               if fidelity else {}),
         })
     settings = uncached["settings"]
     return {"tool": "sd-quality --cache-sweep", "version": SWEEP_VERSION, "command": command,
@@ -44,17 +50,28 @@ def _label(row: dict) -> str:
 
 def sweep_table(summary: dict) -> str:
     modes = list(summary["rows"][0]["exact_match"])
+    fidelity = any("fidelity" in row for row in summary["rows"])
     head = ["step cache", *(f"exact match, {mode}" for mode in modes), "readings changed vs uncached",
-            "images/s", "speedup"]
+            *(FIDELITY_COLUMNS.values() if fidelity else ()), "images/s", "first call s", "speedup"]
     lines = [f"sd-quality --cache-sweep: {summary['model']} (case set v{summary['set_version']}) on "
              f"{summary['backend']} ({summary['precision']}, {summary['device']}), {summary['scheduler']}, "
              f"{summary['steps']} steps, guidance {summary['guidance_scale']}, {summary['date'][:10]}", "",
              "| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for row in summary["rows"]:
         cells = [_label(row), *(f"{100 * row['exact_match'][mode]:.1f}%" for mode in modes),
-                 f"{100 * row['changed_vs_uncached']:.1f}%", f"{row['images_per_s']:.2f}", f"{row['speedup']:.2f}x"]
+                 f"{100 * row['changed_vs_uncached']:.1f}%",
+                 *((_interval(row.get("fidelity", {}).get(metric)) for metric in FIDELITY_COLUMNS) if fidelity
+                   else ()),
+                 f"{row['images_per_s']:.2f}", "—" if row["first_call_s"] is None else f"{row['first_call_s']:.1f}",
+                 f"{row['speedup']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _interval(figures: dict | None) -> str:
+    if not figures or figures["mean"] is None:
+        return "—"
+    return f"{figures['mean']:.4f} [{figures['low']:.4f}, {figures['high']:.4f}]"
 
 
 def sweep_chart(summary: dict) -> bytes:

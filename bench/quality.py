@@ -1,8 +1,10 @@
 """Measure how well a model draws what its prompts name: a fixed set of `shapes` scenes rendered with any backend and
-settings demo-diffusion takes, each image read back by a deterministic detector.
+settings demo-diffusion takes, each image read back by a deterministic detector; with `--model scenes` (the scenes
+yardstick, bench/scenes_quality.py), also how far each image is from an exact run's (fidelity, bench/fidelity.py).
 
     sd-quality [--model shapes] [--backend B] [--lora FILE[:SCALE]] [--controlnet shapes-controlnet[:SCALE]]
                [--cases N] [--no-edits] [--reference REPORT.json]
+    sd-quality --model scenes [--reference REPORT.json [--floor REPORT.json]] [--sensitivity ROW,...]
 
 The set, version QUALITY_SET_VERSION, is drawn from a fixed seed: 200 text-to-image cases (a scene's prompt and a
 seed; every shape, colour, background, position and size many times), 24 inpainting cases (a drawn scene whose
@@ -17,10 +19,11 @@ per attribute and overall (cases matched by id).
 
 Writes into --output-dir (default quality/): quality-<model>-<backend>-<precision>[-lora-<name>]
 [-controlnet-<name>-x<scale>].json (what ran, on what, the per-case readings and the summary) and its chart (.png,
-with matplotlib: the `bench` extra); with --save-images, <name>-images/ (a PNG per case and grid.png, the first 16
-text-to-image cases with their prompts). Nothing is written before every case has run; then the three as one set,
-whole or not at all, never over what this run did not write: -run2, -run3 ... after the name where any of them is
-taken, unless --json names the report (replaced, with its chart; an images folder there is refused).
+with matplotlib: the `bench` extra); with --save-images (scenes: always), <name>-images/ (a PNG per case and
+grid.png, the first 16 text-to-image cases with their prompts). Nothing is written before every case has run; then
+the three as one set, whole or not at all, never over what this run did not write: -run2, -run3 ... after the name
+where any of them is taken, unless --json names the report (replaced, with its chart; an images folder there is
+refused).
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from bench import scenes_quality
 from bench.common import log, slug
+from bench.sensitivity import parse_rows
 from core.atomic import atomic_file, check_writable_directory, check_writable_file, write_new_set
 from core.errors import RunFailure, UsageError, at_least, field, render_fields
 from demo.backends import INT8_UNET, TORCH
@@ -66,6 +71,7 @@ from demo.cli.flags import (
 from demo.cli.to_spec import spec_from_flags
 from demo.request import DEFAULT_STRENGTH, IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Request, is_guided
 from demo.runtime.spec import PRECISIONS
+from models import scenes as scenes_model
 
 if TYPE_CHECKING:
     import numpy as np
@@ -86,6 +92,7 @@ DEFAULT_CASES_PER_CALL = 8
 GRID_CASES = 16
 GRID_CELL = 256  # pixels a side of each image in the grid (upscaled: the model draws 128)
 PROGRESS_EVERY_S = 5.0
+SPEED_RUNS = 3  # timed calls after every case has rendered; their median is the speed
 SECTION_TITLES = {
     TEXT_TO_IMAGE: "text-to-image",
     INPAINTING: "inpainting: the object repainted in another colour through a mask",
@@ -114,8 +121,21 @@ class QualityFlags:
                              "their prompts", False)
     cache_sweep: str | None = flag("the step cache's curve: render the set without the cache, then at each "
                                    "interval:branch of this comma list (e.g. 2:0,3:0,5:0,3:2), each against the "
-                                   "uncached run, and write a table and chart of exact match against speed (each "
-                                   "run timed after one untimed call; docs/step-cache.md)", metavar="N:K,...")
+                                   "uncached run, and write a table and chart of exact match (and with scenes, "
+                                   "fidelity) against speed (timed after warm-up; docs/step-cache.md)",
+                                   metavar="N:K,...")
+    yardstick: str | None = flag("the case set and detector that judge the run: shapes or scenes (default: scenes for "
+                                 "the scenes model, by name or folder; else shapes)", None,
+                                 choices=("shapes", "scenes"), metavar="NAME")
+    floor: str | None = flag("scenes: a report made against the same --reference by an exact run (fp32 at another "
+                             "batch size; for a fast path, the exact path at its precision): the noise floor; this "
+                             "run is flagged where it differs from the reference more than the floor does, by more "
+                             "than a metric's margin (paired bootstrap, 95%%)", metavar="REPORT.json")
+    sensitivity: str | None = flag("scenes: render an fp32 reference and an fp32 floor at half the batch, then each "
+                                   "of these comma-listed paths against them (fp16, cache:N[:K], compile, "
+                                   "cuda-graphs, engines, engines-no-plugins), and write a table and chart of "
+                                   "their fidelity with intervals, each flagged or not (docs/quality.md)",
+                                   metavar="ROW,...")
 
 
 @dataclass(frozen=True)
@@ -329,7 +349,7 @@ def changed_readings(cases: list[dict], reference_cases: list[dict]) -> dict:
     return {"cases": len(both), "share": share}
 
 
-def summary_lines(mode: str, figures: dict) -> list[tuple[str, float]]:
+def summary_lines(mode: str, figures: dict, yardstick: str = "shapes") -> list[tuple[str, float]]:
     """A kind's figures as (label, share) lines, in the table's and the chart's order."""
     def label(name: str) -> str:
         if mode == TEXT_TO_IMAGE:
@@ -337,7 +357,8 @@ def summary_lines(mode: str, figures: dict) -> list[tuple[str, float]]:
         return "new colour" if name == "colour" else f"{name} kept"
 
     return ([(label(name), share) for name, share in figures["accuracy"].items()]
-            + [(EXACT_LABELS[mode], figures["exact_match"]), (OUTLINE_LABEL, figures["outline_share"])])
+            + [(YARDSTICKS[yardstick].exact_labels[mode], figures["exact_match"])]
+            + ([(OUTLINE_LABEL, figures["outline_share"])] if "outline_share" in figures else []))
 
 
 def _percent(share: float | None) -> str:
@@ -372,14 +393,14 @@ def quality_table(report: dict) -> str:
              + (f"; reference: {reference['path']}" if reference else "")]
     for mode, figures in report["summary"].items():
         earlier = reference["summary"].get(mode) if reference else None
-        earlier_lines = dict(summary_lines(mode, earlier)) if earlier else {}
+        earlier_lines = dict(summary_lines(mode, earlier, report_yardstick(report))) if earlier else {}
         head = f"| {SECTION_TITLES[mode]}, {_cases(figures['cases'])} | this run |"
         rule = "| --- | ---: |"
         if reference:
             head += f" reference ({_cases(earlier['cases'] if earlier else 0)}) |"
             rule += " ---: |"
         lines = [head, rule]
-        for label, share in summary_lines(mode, figures):
+        for label, share in summary_lines(mode, figures, report_yardstick(report)):
             lines.append(f"| {label} | {_percent(share)} |" + (f" {_percent(earlier_lines.get(label))} |"
                                                                 if reference else ""))
         parts.append("\n".join(lines))
@@ -390,7 +411,46 @@ def quality_table(report: dict) -> str:
         lines += [f"| {name if name != 'any' else 'any attribute'} | {_percent(share)} |"
                   for name, share in changed["share"].items()]
         parts.append("\n".join(lines))
+        if "fidelity" in reference:
+            parts.append(fidelity_table(reference["fidelity"]))
     return "\n\n".join(parts) + "\n"
+
+
+def _interval(figures: dict | None, digits: int) -> str:
+    if not figures or figures["mean"] is None:
+        return "—"
+    return f"{figures['mean']:.{digits}f} [{figures['low']:.{digits}f}, {figures['high']:.{digits}f}]"
+
+
+def fidelity_table(fidelity: dict) -> str:
+    """Each metric's mean with its 95% interval, and with a floor its excess over the floor's and whether that is
+    beyond the metric's margin."""
+    from bench.fidelity import METRICS
+
+    summary, floor = fidelity["summary"], fidelity.get("floor")
+    head = f"| fidelity to the reference, {fidelity['cases']} images | mean [95% interval] |"
+    rule = "| --- | ---: |"
+    if floor:
+        head += " loss beyond the floor's [95%] | margin | flagged |"
+        rule += " ---: | ---: | :---: |"
+    lines = [head, rule]
+    for metric in METRICS:
+        figures = summary[metric]
+        line = f"| {METRIC_LABELS[metric]} | {_interval(figures['value'], 4)} |"
+        if floor:
+            excess = figures["excess"]
+            line += f" {_interval(excess, 4)} | {excess['margin']:g} | {'yes' if excess['flagged'] else 'no'} |"
+        lines.append(line)
+    verdict = ""
+    if floor:
+        verdict = (f"\n\nfloor: {floor}; flagged: " + (", ".join(summary["flagged_by"]) if summary["flagged"] else
+                                                       "no (within the floor's noise and the margins)"))
+    return "\n".join(lines) + verdict
+
+
+METRIC_LABELS = {"mask_iou": "object mask IoU", "centroid_shift": "centroid shift (pixels)",
+                 "colour_distance": "colour distance (8-bit RGB)", "frequency_error": "pattern frequency error "
+                 "(changes per pixel)", "ssim": "SSIM, whole image"}
 
 
 def quality_chart(report: dict) -> bytes:
@@ -399,7 +459,7 @@ def quality_chart(report: dict) -> bytes:
 
     reference = report.get("reference")
     modes = list(report["summary"])
-    heights = [len(summary_lines(mode, report["summary"][mode])) + 1 for mode in modes]
+    heights = [len(summary_lines(mode, report["summary"][mode], report_yardstick(report))) + 1 for mode in modes]
     figure = Figure(figsize=(10, 0.3 * sum(heights) + 1.5), dpi=100, layout="constrained")
     axes = figure.subplots(len(modes), 1, squeeze=False, height_ratios=heights)[:, 0]
     runs = [("this run", report["summary"], "#4c72b0")]
@@ -407,9 +467,9 @@ def quality_chart(report: dict) -> bytes:
         runs.append(("reference", reference["summary"], "#bbbbbb"))
     bar = 0.8 / len(runs)
     for ax, mode in zip(axes, modes):
-        labels = [label for label, _ in summary_lines(mode, report["summary"][mode])]
+        labels = [label for label, _ in summary_lines(mode, report["summary"][mode], report_yardstick(report))]
         for offset, (name, figures, colour) in enumerate(runs):
-            shares = dict(summary_lines(mode, figures[mode])) if mode in figures else {}
+            shares = dict(summary_lines(mode, figures[mode], report_yardstick(report))) if mode in figures else {}
             places = [y + (offset - (len(runs) - 1) / 2) * bar for y in range(len(labels))]
             values = [100 * shares.get(label, 0.0) for label in labels]
             ax.barh(places, values, bar, color=colour, label=name)
@@ -447,7 +507,9 @@ def grid_image(images: list[Image], cases: list[dict]) -> Image:
         grid.paste(image.resize((GRID_CELL, GRID_CELL), Image.Resampling.NEAREST), (left, top))
         draw.multiline_text((left + 4, top + GRID_CELL + 2), "\n".join(textwrap.wrap(case["prompt"], 32)),
                             fill="black", font=font, spacing=1)
-        wrong = [case["reading"][name] for name in case["expected"] if case["reading"][name] != case["expected"][name]]
+        read = case["reading"]
+        wrong = [read[name] if isinstance(read[name], str) else name  # scenes: "objects"
+                 for name in case["expected"] if read[name] != case["expected"][name]]
         if wrong:
             text = "read: " + ", ".join(wrong)
             while draw.textlength(text, font=font) > GRID_CELL - 8:
@@ -458,10 +520,11 @@ def grid_image(images: list[Image], cases: list[dict]) -> Image:
 
 # ---- checking the command line -----------------------------------------------------------------------------------
 
-def read_reference(path: str, counts: dict[str, int]) -> dict:
-    """A --reference report, checked before anything loads: an sd-quality JSON (reference_problem) of this set
-    version whose cases share some with this run."""
-    where = f"--reference {path}"
+def read_report(path: str, counts: dict[str, int], yardstick: Yardstick, given: str = "--reference") -> dict:
+    """A --reference (or --floor) report, checked before anything loads: an sd-quality JSON (reference_problem) of
+    this yardstick and set version whose cases share some with this run (with scenes: all of them, with their
+    images)."""
+    where = f"{given} {path}"
     try:
         report = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -473,14 +536,43 @@ def read_reference(path: str, counts: dict[str, int]) -> dict:
     problem = reference_problem(report)
     if problem:
         raise UsageError(f"{where}: not an sd-quality report ({problem})")
-    if report["set_version"] != QUALITY_SET_VERSION:
+    if report_yardstick(report) != yardstick.name:
+        raise UsageError(f"{where} was judged by the {report_yardstick(report)} yardstick, this run by "
+                         f"{yardstick.name}: only runs of one case set compare")
+    if report["set_version"] != yardstick.set_version:
         raise UsageError(f"{where}: made on case set version {report['set_version']}, this run's is "
-                         f"{QUALITY_SET_VERSION}: only runs of one version compare")
+                         f"{yardstick.set_version}: only runs of one version compare")
     ours = set(run_case_ids(counts))
     cases = report["cases"]
     if not any(case["id"] in ours for case in cases):
         raise UsageError(f"{where}: no case in common with this run (it has {len(cases)}, none of this run's "
                          f"{len(ours)}; see --cases and --no-edits)")
+    if yardstick.keeps_images and given == "--reference":  # fidelity compares each image with the reference's
+        missing = sorted(ours - {case["id"] for case in cases})
+        if missing:
+            raise UsageError(f"{where} lacks {len(missing)} of this run's cases (first: {missing[0]}): give as many "
+                             "--cases as it ran, or fewer")
+        images = scenes_quality.image_paths(report, path, ours)
+        absent = sorted(case_id for case_id in ours if case_id not in images or not images[case_id].is_file())
+        if absent:
+            raise UsageError(f"{where}: the image of case {absent[0]} is not beside it "
+                             f"({images.get(absent[0], 'none named')}; {len(absent)} missing)")
+    return report
+
+
+def read_floor(path: str, reference_path: str, counts: dict[str, int]) -> dict:
+    """A --floor report: a scenes report made against the same --reference, with the fidelity of each of this run's
+    cases."""
+    where = f"--floor {path}"
+    report = read_report(path, counts, SCENES, given="--floor")
+    theirs = (report.get("reference") or {}).get("path")
+    if not theirs or Path(theirs).resolve() != Path(reference_path).resolve():
+        raise UsageError(f"{where} was made against {theirs or 'no reference'}, not against --reference "
+                         f"{reference_path}: a floor is two exact runs' difference, measured on the same reference")
+    figures = {case["id"]: case.get("fidelity") for case in report["cases"]}
+    lacking = [case_id for case_id in run_case_ids(counts) if not isinstance(figures.get(case_id), dict)]
+    if lacking:
+        raise UsageError(f"{where}: case {lacking[0]} has no fidelity figures (a floor needs each of this run's)")
     return report
 
 
@@ -505,29 +597,39 @@ def reference_problem(report) -> str | None:
             return f"case {index} has no id of its own"
         seen.add(case["id"])
         where = f"case {case['id']}"
-        if case.get("mode") not in SET_SIZES:
-            return f"{where}'s mode is none of {', '.join(SET_SIZES)}"
-        expected, reading = case.get("expected"), case.get("reading")
-        if not (_is_text_map(expected) and expected):
-            return f"{where} has no expected attributes"
-        if not _is_text_map(reading):
-            return f"{where} has no reading"
-        lacking = [name for name in (*expected, "style") if name not in reading]
-        if lacking:
-            return f"{where}'s reading lacks {', '.join(lacking)}"
+        yardstick = YARDSTICKS.get(report_yardstick(report))
+        if yardstick is None:
+            return f"its yardstick {json.dumps(report.get('yardstick'))} is none of {', '.join(YARDSTICKS)}"
+        if case.get("mode") not in yardstick.set_sizes:
+            return f"{where}'s mode is none of {', '.join(yardstick.set_sizes)}"
+        problem = yardstick.reading_problem(where, case.get("expected"), case.get("reading"))
+        if problem:
+            return problem
     return None
 
 
-def check_same_cases(reference: dict, path: str, cases: list[Case]) -> None:
+def shapes_reading_problem(where: str, expected, reading) -> str | None:
+    if not (_is_text_map(expected) and expected):
+        return f"{where} has no expected attributes"
+    if not _is_text_map(reading):
+        return f"{where} has no reading"
+    lacking = [name for name in (*expected, "style") if name not in reading]
+    if lacking:
+        return f"{where}'s reading lacks {', '.join(lacking)}"
+    return None
+
+
+def check_same_cases(reference: dict, path: str, cases: list, given: str = "--reference") -> None:
     """A UsageError unless each case the reference and this run both have is the same case: its prompt, seed, inputs
     and control image, and what its image should show (a run steered by ControlNets prompts its cases without their
     position)."""
-    where = f"--reference {path}"
+    where = f"{given} {path}"
     earlier = {case["id"]: case for case in reference["cases"]}
+    derived = ("reading", "image", "fidelity")  # what a run made, not what makes its case
     for case in cases:
         if case.id not in earlier:
             continue
-        theirs = {name: value for name, value in earlier[case.id].items() if name not in ("reading", "image")}
+        theirs = {name: value for name, value in earlier[case.id].items() if name not in derived}
         ours = {**case.description(), "expected": case.expected()}
         if theirs == ours:
             continue
@@ -540,29 +642,114 @@ def check_same_cases(reference: dict, path: str, cases: list[Case]) -> None:
                          "runs of the same cases compare")
 
 
-def compare_with(reference: dict, path: str, entries: list[dict]) -> dict:
+def compare_with(reference: dict, path: str, entries: list[dict], images: list[Image] | None = None,
+                 floor: tuple[dict, str] | None = None) -> dict:
     """The reference's figures on the cases this run has too (so that a subset compares with the same subset), and
-    the readings that changed."""
+    the readings that changed; with scenes (`images`: this run's, in the entries' order), each image's fidelity to
+    the reference's (into its entry) and their summary, against the `floor` report's where given."""
     ours = {entry["id"] for entry in entries}
-    return {"path": path, "model": reference.get("model"), "settings": reference.get("settings"),
-            "summary": summarise([case for case in reference["cases"] if case["id"] in ours]),
-            "changed": changed_readings(entries, reference["cases"])}
+    yardstick = YARDSTICKS[report_yardstick(reference)]
+    compared = {"path": path, "model": reference.get("model"), "settings": reference.get("settings"),
+                "summary": yardstick.summarise([case for case in reference["cases"] if case["id"] in ours]),
+                "changed": changed_readings(entries, reference["cases"])}
+    if yardstick.keeps_images and images is not None:
+        from PIL import Image as PILImage
+
+        from bench.fidelity import summarise_fidelity
+
+        theirs = {case_id: PILImage.open(file) for case_id, file in scenes_quality.image_paths(reference, path,
+                                                                                               ours).items()}
+        figures = scenes_quality.fidelity_per_case({e["id"]: image for e, image in zip(entries, images)}, theirs)
+        for entry in entries:
+            entry["fidelity"] = figures[entry["id"]]
+        floor_figures = None
+        if floor is not None:
+            by_id = {case["id"]: case["fidelity"] for case in floor[0]["cases"] if case["id"] in ours}
+            floor_figures = [by_id[entry["id"]] for entry in entries]
+        compared["fidelity"] = {"cases": len(entries), "floor": None if floor is None else floor[1],
+                                "summary": summarise_fidelity([entry["fidelity"] for entry in entries],
+                                                              floor_figures)}
+    return compared
+
+
+@dataclass(frozen=True)
+class Yardstick:
+    """What judges a run: a world's case set (its version, the kinds of case and their sizes), its detector's
+    reading of an image, and how readings are scored; `keeps_images`: its reports always hold their images, which
+    fidelity to a reference compares."""
+
+    name: str
+    set_version: int
+    set_sizes: dict[str, int]
+    exact_labels: dict[str, str]
+    counts: Callable[[int | None, bool], dict[str, int]]  # (--cases, edits) -> the cases of each kind a run takes
+    cases: Callable[[dict[str, int], bool], list]  # (counts, steered) -> the run's cases
+    read: Callable[[Image], dict]
+    summarise: Callable[[list[dict]], dict]
+    reading_problem: Callable[[str, object, object], str | None]
+    keeps_images: bool
+
+
+def _read_shapes(image: Image) -> dict:
+    from models.shapes.detector import read_image
+
+    return read_image(image).as_dict()
+
+
+SHAPES = Yardstick("shapes", QUALITY_SET_VERSION, SET_SIZES, EXACT_LABELS, run_counts, run_cases, _read_shapes,
+                   summarise, shapes_reading_problem, keeps_images=False)
+SCENES = Yardstick(scenes_quality.NAME, scenes_quality.SET_VERSION, scenes_quality.SET_SIZES,
+                   scenes_quality.EXACT_LABELS, lambda text_cases, edits: scenes_quality.run_counts(text_cases),
+                   lambda counts, steered: scenes_quality.run_cases(counts),
+                   lambda image: scenes_quality.read(image).as_dict(), scenes_quality.summarise,
+                   scenes_quality.reading_problem, keeps_images=True)
+YARDSTICKS = {yardstick.name: yardstick for yardstick in (SHAPES, SCENES)}
+
+
+def report_yardstick(report: dict) -> str:
+    """The yardstick that judged a report (reports before `scenes` were all shapes')."""
+    return report.get("yardstick", SHAPES.name)
+
+
+def yardstick_of(model: str, named: str | None = None) -> Yardstick:
+    """The yardstick `named` (--yardstick), else the one a --model is judged by: scenes for the `scenes` built-in (by
+    name or its folder), shapes for any other."""
+    if named is not None:
+        return YARDSTICKS[named]
+    if model == scenes_quality.NAME or Path(model).expanduser().resolve() == scenes_model.MODEL_DIR.resolve():
+        return SCENES
+    return SHAPES
 
 
 def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags, cache: CacheFlags,
-                steered: bool = False) -> dict[str, int]:
+                steered: bool = False, yardstick: Yardstick = SHAPES) -> dict[str, int]:
     """Everything the command line alone decides, before torch is imported: the cases this run takes (`steered`: by
     ControlNets, the text-to-image ones alone)."""
-    if quality.cases is not None and not 1 <= quality.cases <= SET_SIZES[TEXT_TO_IMAGE]:
-        raise UsageError(f"--cases must be 1..{SET_SIZES[TEXT_TO_IMAGE]}, got {quality.cases}")
-    counts = run_counts(quality.cases, not (quality.no_edits or steered))
+    most = yardstick.set_sizes[TEXT_TO_IMAGE]
+    if quality.cases is not None and not 1 <= quality.cases <= most:
+        raise UsageError(f"--cases must be 1..{most}, got {quality.cases}")
+    counts = yardstick.counts(quality.cases, not (quality.no_edits or steered))
+    scenes_only = [name for name, given in (("--floor", quality.floor), ("--sensitivity", quality.sensitivity))
+                   if given is not None]
+    if scenes_only and not yardstick.keeps_images:
+        raise UsageError(f"{' and '.join(scenes_only)} compare images by the scenes yardstick: give --model scenes")
+    if quality.floor is not None and quality.reference is None:
+        raise UsageError("--floor is a difference from a reference: give the --reference it was made against")
+    if quality.sensitivity is not None:
+        parse_rows(quality.sensitivity)
+        if quality.cache_sweep is not None or quality.json_path is not None or quality.reference is not None:
+            raise UsageError("--sensitivity renders its own reference and floor and names its reports: drop "
+                             "--cache-sweep, --json, --reference and --floor")
+        given = changed(cache)
+        if given:
+            raise UsageError(f"--sensitivity sets the step cache of each of its rows: drop {' and '.join(given)}")
     at_least("max_batch_size", render.max_batch_size, 1)
     if render.max_batch_size > 1 and render.backend != TORCH and (engine.build_static_batch or engine.use_cuda_graph):
         raise UsageError("--build-static-batch and --use-cuda-graph make engines of one batch, and the cases run as "
                          "one-image requests, up to --max-batch-size to a call: give --max-batch-size 1")
     Request("", negative_prompt=render.negative_prompt, denoising_steps=render.denoising_steps,
             guidance_scale=render.guidance_scale, scheduler=render.scheduler).check_inputs()
-    if counts[IMAGE_TO_IMAGE] and int(render.denoising_steps * IMAGE_TO_IMAGE_STRENGTH) < 1:
+    if counts.get(IMAGE_TO_IMAGE) and int(render.denoising_steps * IMAGE_TO_IMAGE_STRENGTH) < 1:
         raise UsageError(f"--denoising-steps {render.denoising_steps} leaves the image-to-image cases (strength "
                          f"{IMAGE_TO_IMAGE_STRENGTH}) no step to run: give 2 or more, or --no-edits")
     check_writable_directory("output directory", Path(quality.output_dir))
@@ -585,9 +772,19 @@ def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags,
     return counts
 
 
-def quality_notes(quality: QualityFlags, steered: bool) -> list[str]:
+def quality_notes(quality: QualityFlags, render: RenderFlags, steered: bool, yardstick: Yardstick = SHAPES
+                  ) -> list[str]:
     """What this command's own flags set that the run does not use."""
     notes = []
+    if yardstick.keeps_images:
+        notes += [f"{name} unused with the {yardstick.name} yardstick: {why}" for name, given, why in (
+            ("--no-edits", quality.no_edits, "its cases are text-to-image alone"),
+            ("--save-images", quality.save_images, "its reports always keep their images (fidelity compares them)"))
+            if given]
+    if quality.sensitivity is not None:
+        notes += [f"{name} unused with --sensitivity, whose rows set it" for name, given in (
+            ("--backend", render.backend != RenderFlags.backend), ("--precision", render.precision != SPEC.precision))
+            if given]
     if quality.no_edits and steered:
         notes.append(f"--no-edits unused with {field('controlnets')}: a steered run takes the text-to-image cases "
                      "alone")
@@ -599,20 +796,25 @@ def quality_notes(quality: QualityFlags, steered: bool) -> list[str]:
 def run(flags, command: str) -> int:
     quality, render = flags[QualityFlags], flags[RenderFlags]
     steered = bool(flags[ControlNetFlags].controlnet)
-    counts = check_flags(quality, render, flags[EngineFlags], flags[CacheFlags], steered)
-    reference = (read_reference(quality.reference, counts), quality.reference) if quality.reference else None
+    yardstick = yardstick_of(flags[ModelFlags].model, quality.yardstick)
+    counts = check_flags(quality, render, flags[EngineFlags], flags[CacheFlags], steered, yardstick)
+    reference = (read_report(quality.reference, counts, yardstick), quality.reference) if quality.reference else None
+    floor = (read_floor(quality.floor, quality.reference, counts), quality.floor) if quality.floor else None
     spec = spec_from_flags(flags, backend=render.backend, precision=render.precision, scheduler=render.scheduler,
                            batch_size=render.max_batch_size, max_batch_size=render.max_batch_size,
                            guided=is_guided(render.guidance_scale),
                            modes=tuple(mode for mode, count in counts.items() if count))
     spec.check()
-    for note in quality_notes(quality, steered):
+    for note in quality_notes(quality, render, steered, yardstick):
         print(f"note: {render_fields(note, flag_name)}", file=sys.stderr, flush=True)
-    if reference is not None:  # the cases themselves: the set loads torch, so after the checks above
-        check_same_cases(*reference, run_cases(counts, steered))
+    for given, compared in (("--reference", reference), ("--floor", floor)):  # the set loads torch: after the checks
+        if compared is not None:
+            check_same_cases(*compared, yardstick.cases(counts, steered), given)
     if quality.cache_sweep is not None:
         return sweep(flags, spec, counts, parse_sweep(quality.cache_sweep), command)
-    measure(flags, spec, counts, reference, command)
+    if quality.sensitivity is not None:
+        return sensitivity(flags, spec, counts, parse_rows(quality.sensitivity), command)
+    measure(flags, spec, counts, reference, command, floor=floor)
     return 0
 
 
@@ -640,25 +842,79 @@ def sweep(flags, spec, counts: dict[str, int], pairs: list[tuple[int, int]], com
                                       prediction_type=spec.prediction_type).denoiser_config)
     for _, branch in pairs:  # a bad branch is a usage error before anything renders
         branches.check(branch)
-    uncached, path = measure(flags, dataclasses.replace(spec, cache_interval=1), counts, None, command, warm_up=True)
+    uncached, path = measure(flags, dataclasses.replace(spec, cache_interval=1), counts, None, command)
     reports = [uncached]
     for interval, branch in pairs:
         say(f"step cache every {interval}, branch {branch}")
         cached = dataclasses.replace(spec, cache_interval=interval, cache_branch=branch)
-        reports.append(measure(flags, cached, counts, (uncached, str(path)), command, warm_up=True)[0])
+        reports.append(measure(flags, cached, counts, (uncached, str(path)), command)[0])
     summary = sweep_summary(reports, command)
-    table = sweep_table(summary)
+    return write_summary(quality, f"{path.stem}-cache-sweep", sweep_table(summary), summary, sweep_chart)
+
+
+def sensitivity(flags, spec, counts: dict[str, int], rows: list[str], command: str) -> int:
+    """The fp32 reference, the floor (fp32 at half the batch), then each row against them (bench.sensitivity); a row
+    that cannot run here is one line in the table, and the rest still run."""
+    from bench.sensitivity import (
+        BASELINE_ROW,
+        exact_spec,
+        planting,
+        row_spec,
+        sensitivity_chart,
+        sensitivity_summary,
+        sensitivity_table,
+    )
+    from models.source import resolve_model
+    from models.unet_cache import Branches
+
+    quality, render = flags[QualityFlags], flags[RenderFlags]
+    exact = exact_spec(spec)
+    branches = Branches.of(resolve_model(spec.model).denoiser_config)
+    for row in rows:  # a bad branch is a usage error before anything renders
+        if row.startswith("cache:"):
+            branches.check(int(row.split(":")[2]))
+    half = render.max_batch_size // 2 if render.max_batch_size > 1 else 2
+    say(f"sensitivity: the fp32 reference at batch {render.max_batch_size}")
+    reference = measure(flags, exact, counts, None, command, label="reference")
+    compared = (reference[0], str(reference[1]))
+    say(f"sensitivity: the floor, fp32 at batch {half}")
+    floor = measure(flags.replaced(dataclasses.replace(render, max_batch_size=half)),
+                    dataclasses.replace(exact, batch_size=half, max_batch_size=half), counts, compared, command,
+                    label="floor")
+    baseline, done, failed = (floor[0], str(floor[1])), [], []
+    for row in rows:
+        say(f"sensitivity: {row}")
+        row_of, fault = row_spec(exact, row)
+        try:
+            with planting(fault):
+                report, path = measure(flags, row_of, counts, compared, command, floor=baseline, label=slug(row))
+        except (RunFailure, UsageError) as exc:
+            if row == BASELINE_ROW:
+                raise
+            say(f"sensitivity: {row} cannot run here: {exc}")
+            failed.append({"row": row, "reason": str(exc)})
+            continue
+        done.append((row, report, str(path)))
+        if row == BASELINE_ROW:  # every other row runs in fp16: tested against the exact fp16 path
+            baseline = (report, str(path))
+    summary = sensitivity_summary(reference[0], (floor[0], str(floor[1])), done, failed, command)
+    return write_summary(quality, f"{Path(reference[1]).stem}-sensitivity", sensitivity_table(summary), summary,
+                         sensitivity_chart)
+
+
+def write_summary(quality: QualityFlags, stem: str, table: str, summary: dict, chart: Callable[[dict], bytes]) -> int:
+    """A sweep's or sensitivity's table, JSON and chart (with matplotlib) as one set, under a name of their own."""
     files = {".md": table.encode(), ".json": (json.dumps(summary, indent=1) + "\n").encode()}
     try:
-        files[".png"] = sweep_chart(summary)
+        files[".png"] = chart(summary)
     except ImportError:
         say("no chart: matplotlib is not installed (pip install 'demo-diffusion[bench]')")
     directory = Path(quality.output_dir)
     try:
-        name = under_a_new_name(f"{path.stem}-cache-sweep", lambda stem: write_new_set(
-            directory, {stem + suffix: data for suffix, data in files.items()}))
+        name = under_a_new_name(stem, lambda candidate: write_new_set(
+            directory, {candidate + suffix: data for suffix, data in files.items()}))
     except OSError as exc:
-        raise RunFailure(f"cannot write the sweep in {directory}: {exc.strerror or exc} (nothing was "
+        raise RunFailure(f"cannot write {stem} in {directory}: {exc.strerror or exc} (nothing was "
                          "written)") from None
     print(table, end="")
     say(f"wrote {directory / name}.json")
@@ -719,20 +975,28 @@ SETTINGS = ("backend", "backend_reason", "device", "precision", "scheduler", "st
 
 
 def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | None, command: str,
-            warm_up: bool = False) -> tuple[dict, Path]:
-    """Render the cases with `spec` (`warm_up`: after rendering the first call once untimed), read them, write the
-    report (against `reference`: a report and its path, where given) and print its table; the report and where it
-    went."""
+            floor: tuple[dict, str] | None = None, label: str | None = None) -> tuple[dict, Path]:
+    """Render the cases with `spec`, read them, write the report (against `reference`, and `floor`: a report and its
+    path each, where given; `label`: a sensitivity row's name, in the report's name) and print its table; the
+    report and where it went. Speed is timed as sd-benchmark times it: the first call (compiling, CUDA-graph
+    capture) apart, then SPEED_RUNS calls of the first call's requests once every case has rendered."""
     # Planning loads torch (seconds): --help and the usage errors above answer without it.
     from PIL import Image
 
     from demo.pipelines.timer import StageTimer
     from demo.runtime.loader import plan_pipeline, to_stderr
-    from models.shapes.detector import read_image
 
     quality, render = flags[QualityFlags], flags[RenderFlags]
+    yardstick = yardstick_of(spec.model, quality.yardstick)
     plan = plan_pipeline(spec)
-    cases = run_cases(counts, steered=bool(spec.controlnets))
+    cases = yardstick.cases(counts, bool(spec.controlnets))
+    checked_detector = None
+    if yardstick is SCENES:  # the detector proves itself on the renderer's images before it judges a model
+        checked_detector = scenes_quality.detector_check(cases)
+        if checked_detector["misread"]:
+            raise RunFailure(f"the scenes detector misreads {len(checked_detector['misread'])} of the renderer's own "
+                             f"{len(cases)} images of these cases (first: {checked_detector['misread'][0]}): it "
+                             "judges no model until it reads every one")
     requests = [plan.checked(request) for request in case_requests(cases, render, plan.source.native_image_size,
                                                                     len(spec.controlnets))]
     notes = plan.notes + requests[0].unused()
@@ -743,13 +1007,16 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
         to_stderr(f"note: {render_fields(note, flag_name)}")
     say(f"model {plan.source.name} ({plan.source.path}), backend {plan.backend.name} ({plan.backend_reason}), "
         f"{plan.device}; {len(cases)} cases ({', '.join(f'{n} {mode}' for mode, n in counts.items() if n)}), "
-        f"case set v{QUALITY_SET_VERSION}")
+        f"{yardstick.name} case set v{yardstick.set_version}")
     progress = Progress(len(cases))
     pixels: list[np.ndarray] = []
     calls = calls_of(requests, render.max_batch_size)
+    start = time.perf_counter()
     with plan.load() as pipeline:
-        if warm_up:  # CUDA graphs, compiling and the first kernels' set-up stay out of the images per second
-            pipeline.run(calls[0], StageTimer(pipeline.device), pixels=True)
+        load_s = time.perf_counter() - start
+        start = time.perf_counter()
+        pipeline.run(calls[0], StageTimer(pipeline.device), pixels=True)  # compiling and capture: timed apart
+        first_call_s = time.perf_counter() - start
         for call in calls:
             timer = StageTimer(pipeline.device)
             start = time.perf_counter()
@@ -757,20 +1024,33 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
             progress.add(len(call), time.perf_counter() - start)
             if len(pixels) == len(call):  # the first call: what ran, as its report says
                 ran = dataclasses.asdict(pipeline.report(call[0], timer))
+        timed = []
+        for _ in range(SPEED_RUNS):  # every shape the cases take has run once: nothing left to compile or capture
+            start = time.perf_counter()
+            pipeline.run(calls[0], StageTimer(pipeline.device), pixels=True)
+            timed.append(time.perf_counter() - start)
     images = [Image.fromarray(image) for image in pixels]
-    entries = [{**case.description(), "expected": case.expected(), "reading": read_image(image).as_dict()}
+    entries = [{**case.description(), "expected": case.expected(), "reading": yardstick.read(image)}
                for case, image in zip(cases, images)]
+    call_s = sorted(timed)[len(timed) // 2]
     report = {
         "tool": PROG, "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "set_version": QUALITY_SET_VERSION, "model": plan.source.name, "model_path": str(plan.source.path),
+        "yardstick": yardstick.name, "set_version": yardstick.set_version, "model": plan.source.name,
+        "model_path": str(plan.source.path),
+        **({"row": label} if label else {}),
         "settings": {**{name: ran[name] for name in SETTINGS}, "max_batch_size": render.max_batch_size,
                      "controlnets": [list(pair) for pair in spec.controlnets]},
         "versions": ran["versions"], "cases_run": counts, "render_s": round(progress.seconds, 2),
-        "images_per_s": round(progress.rate, 3), "summary": summarise(entries),
-        "reference": None if reference is None else compare_with(*reference, entries),
+        "images_per_s": round(len(calls[0]) / call_s, 3),
+        "speed": {"images_per_s": round(len(calls[0]) / call_s, 3), "batch": len(calls[0]), "runs": SPEED_RUNS,
+                  "median_call_s": round(call_s, 4), "first_call_s": round(first_call_s, 2),
+                  "load_s": round(load_s, 2)},
+        **({"detector_check": checked_detector} if checked_detector else {}),
+        "summary": yardstick.summarise(entries),
+        "reference": None if reference is None else compare_with(*reference, entries, images, floor),
         "cases": entries,
     }
-    json_path = write_outputs(quality, report, images)
+    json_path = write_outputs(quality, report, images, keep_images=yardstick.keeps_images)
     print(quality_table(report), end="")
     say(f"wrote {json_path}")
     return report, json_path
@@ -778,7 +1058,8 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
 
 def output_stem(report: dict) -> str:
     settings = report["settings"]
-    parts = ["quality", Path(report["model"]).name, settings["backend"], settings["precision"],
+    parts = ["quality", Path(report["model"]).name, *([report["row"]] if report.get("row") else []),
+             settings["backend"], settings["precision"],
              *(["int8"] if INT8_UNET in settings["options"] else []),
              *(f"lora-{Path(lora['path']).stem}" for lora in settings["loras"]),
              *(f"controlnet-{Path(name).name}-x{scale:g}" for name, scale in settings.get("controlnets", ())),
@@ -811,13 +1092,13 @@ def _png(image: Image) -> bytes:
     return buffer.getvalue()
 
 
-def write_outputs(quality: QualityFlags, report: dict, images: list[Image]) -> Path:
+def write_outputs(quality: QualityFlags, report: dict, images: list[Image], keep_images: bool = False) -> Path:
     """The report, its chart (with matplotlib) and, with --save-images, its images folder, as one set: all of it or
     none, never over a file or into a folder this run did not make. Its name: <stem>.json, or -run2, -run3 ... after
     the stem where any of the set's names is taken; --json names the report (replaced, with its chart, where it
     exists). A full disk is one line (exit 1)."""
     images_named = {}
-    if quality.save_images:
+    if quality.save_images or keep_images:
         images_named = {f"{case['id']}.png": _png(image) for case, image in zip(report["cases"], images)}
         first = [index for index, case in enumerate(report["cases"]) if case["mode"] == TEXT_TO_IMAGE][:GRID_CASES]
         images_named["grid.png"] = _png(grid_image([images[index] for index in first],

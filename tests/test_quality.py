@@ -17,12 +17,13 @@ import pytest
 from bench.quality import (
     QUALITY_SET_VERSION,
     SET_SIZES,
+    YARDSTICKS,
     compare_with,
     main,
     output_stem,
     quality_cases,
     quality_table,
-    read_reference,
+    read_report,
     run_counts,
     run_title,
     select_cases,
@@ -123,7 +124,7 @@ def test_the_reference_comparison_counts_the_readings_that_changed(tmp_path):
            case("inpainting-000", INPAINTING, SCENE, style="outline")]
     path = tmp_path / "reference.json"
     path.write_text(json.dumps({"set_version": QUALITY_SET_VERSION, "model": "shapes", "cases": earlier}))
-    reference = read_reference(str(path), run_counts(3, True))
+    reference = read_report(str(path), run_counts(3, True), YARDSTICKS["shapes"])
     compared = compare_with(reference, str(path), now)
     assert compared["changed"] == {"cases": 4, "share": {"shape": 0.0, "colour": 0.5, "background": 0.0,
                                                          "position": 0.25, "size": 0.0, "style": 0.25, "any": 0.75}}

@@ -305,6 +305,10 @@ class Flags:
     def __contains__(self, group: type) -> bool:
         return group in self._groups
 
+    def replaced(self, value) -> Flags:
+        """These flags with one group's value (its type names the group) replaced."""
+        return Flags({**self._groups, type(value): value})
+
 
 def parse_flags(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> Flags:
     """Parse a command line into the groups add_flags declared on `parser` (usage errors: UsageError, via Parser)."""

@@ -9,6 +9,7 @@ import torch
 from demo.backends import TORCH
 from demo.backends.base import Backend, Capabilities, Description
 from demo.backends.torch.options import TorchOptions
+from demo.backends.torch.planted import fault_options, planted_settings
 from demo.backends.torch.settings import TorchSettings, resolve_torch_settings
 from demo.backends.torch.stage import TorchStage
 
@@ -33,8 +34,9 @@ class TorchBackend(Backend):
 
     def settings(self, source, options: TorchOptions, plugins, use_cuda_graph, workload, device, dtype,
                  record_activations=None):
-        return resolve_torch_settings(plugins, options.channels_last, use_cuda_graph, options.compile, device,
-                                      family=source.family.tuned_key)
+        settings, source_text = resolve_torch_settings(plugins, options.channels_last, use_cuda_graph, options.compile,
+                                                       device, family=source.family.tuned_key)
+        return planted_settings(settings, source_text, plugins)  # test-only faults, from the environment alone
 
     def create_stages(self, models, settings_of, device, dtype, log, progress):
         stages = {}
@@ -55,7 +57,7 @@ class TorchBackend(Backend):
         return stages
 
     def describe(self, settings: TorchSettings) -> Description:
-        return Description(settings.plugins, accel_options(settings))
+        return Description(settings.plugins, accel_options(settings) + fault_options(settings))
 
     def stats(self, stages, settings_of):
         prepared = [(stage.settings, stage.prepare_seconds) for stage in stages.values()]

@@ -8,6 +8,7 @@ import time
 import torch
 
 from demo.backends.base import LoraApplier, Stage
+from demo.backends.torch.planted import plant
 from demo.backends.torch.settings import (
     FALLBACK,
     GRAPHING_COMPILE_MODES,
@@ -39,6 +40,7 @@ class TorchStage(Stage):
             self.substitution = whole.substitution
         else:
             self.module = model.load_module().to(device=device, dtype=dtype).eval()
+            plant(model, self.module, settings)  # test-only faults the settings carry (planted.py); none otherwise
             self.substitution = None
             if settings.plugins:
                 self.substitution = substitute(computed_part(model.name, self.module), settings.plugins,
