@@ -30,7 +30,7 @@ def sweep_summary(reports: list[dict], command: str) -> dict:
             "exact_match": {mode: figures["exact_match"] for mode, figures in report["summary"].items()},
             "changed_vs_uncached": changed.get("any", 0.0),
             "images_per_s": report["images_per_s"],
-            "first_call_s": report.get("speed", {}).get("first_call_s"),
+            "first_call_s": report["speed"]["first_call_s"],
             "speedup": report["images_per_s"] / uncached["images_per_s"],
             **({"fidelity": {metric: fidelity["summary"][metric]["value"] for metric in FIDELITY_COLUMNS}}
                if fidelity else {}),
@@ -49,6 +49,8 @@ def _label(row: dict) -> str:
 
 
 def sweep_table(summary: dict) -> str:
+    from bench.fidelity import interval_text
+
     modes = list(summary["rows"][0]["exact_match"])
     fidelity = any("fidelity" in row for row in summary["rows"])
     head = ["step cache", *(f"exact match, {mode}" for mode in modes), "readings changed vs uncached",
@@ -60,18 +62,12 @@ def sweep_table(summary: dict) -> str:
     for row in summary["rows"]:
         cells = [_label(row), *(f"{100 * row['exact_match'][mode]:.1f}%" for mode in modes),
                  f"{100 * row['changed_vs_uncached']:.1f}%",
-                 *((_interval(row.get("fidelity", {}).get(metric)) for metric in FIDELITY_COLUMNS) if fidelity
+                 *((interval_text(row.get("fidelity", {}).get(metric)) for metric in FIDELITY_COLUMNS) if fidelity
                    else ()),
-                 f"{row['images_per_s']:.2f}", "—" if row["first_call_s"] is None else f"{row['first_call_s']:.1f}",
+                 f"{row['images_per_s']:.2f}", f"{row['first_call_s']:.1f}",
                  f"{row['speedup']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _interval(figures: dict | None) -> str:
-    if not figures or figures["mean"] is None:
-        return "—"
-    return f"{figures['mean']:.4f} [{figures['low']:.4f}, {figures['high']:.4f}]"
 
 
 def sweep_chart(summary: dict) -> bytes:

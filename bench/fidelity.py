@@ -157,6 +157,13 @@ def _bootstrap(array: np.ndarray, rounds: int, seed: int, level: float) -> dict:
     return {"mean": float(array.mean()), "low": float(low), "high": float(high), "n": n}
 
 
+def interval_text(figures: dict | None, digits: int = 4) -> str:
+    """A mean and its interval (bootstrap_mean's or paired_excess's dict) as "mean [low, high]"; "—" for none."""
+    if not figures or figures.get("mean") is None:
+        return "—"
+    return f"{figures['mean']:.{digits}f} [{figures['low']:.{digits}f}, {figures['high']:.{digits}f}]"
+
+
 def bootstrap_mean(values, rounds: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
     """Mean over images with its percentile bootstrap interval ({"mean", "low", "high", "n"}). NaNs (images where a
     metric is undefined) are dropped first; n is how many were used; with none, mean/low/high are None."""

@@ -416,16 +416,10 @@ def quality_table(report: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def _interval(figures: dict | None, digits: int) -> str:
-    if not figures or figures["mean"] is None:
-        return "—"
-    return f"{figures['mean']:.{digits}f} [{figures['low']:.{digits}f}, {figures['high']:.{digits}f}]"
-
-
 def fidelity_table(fidelity: dict) -> str:
     """Each metric's mean with its 95% interval, and with a floor its excess over the floor's and whether that is
     beyond the metric's margin."""
-    from bench.fidelity import METRICS
+    from bench.fidelity import METRICS, interval_text
 
     summary, floor = fidelity["summary"], fidelity.get("floor")
     head = f"| fidelity to the reference, {fidelity['cases']} images | mean [95% interval] |"
@@ -436,10 +430,10 @@ def fidelity_table(fidelity: dict) -> str:
     lines = [head, rule]
     for metric in METRICS:
         figures = summary[metric]
-        line = f"| {METRIC_LABELS[metric]} | {_interval(figures['value'], 4)} |"
+        line = f"| {METRIC_LABELS[metric]} | {interval_text(figures['value'])} |"
         if floor:
             excess = figures["excess"]
-            line += f" {_interval(excess, 4)} | {excess['margin']:g} | {'yes' if excess['flagged'] else 'no'} |"
+            line += f" {interval_text(excess)} | {excess['margin']:g} | {'yes' if excess['flagged'] else 'no'} |"
         lines.append(line)
     verdict = ""
     if floor:
@@ -643,23 +637,22 @@ def check_same_cases(reference: dict, path: str, cases: list, given: str = "--re
 
 
 def compare_with(reference: dict, path: str, entries: list[dict], images: list[Image] | None = None,
-                 floor: tuple[dict, str] | None = None) -> dict:
+                 readings: list | None = None, floor: tuple[dict, str] | None = None) -> dict:
     """The reference's figures on the cases this run has too (so that a subset compares with the same subset), and
-    the readings that changed; with scenes (`images`: this run's, in the entries' order), each image's fidelity to
-    the reference's (into its entry) and their summary, against the `floor` report's where given."""
+    the readings that changed; with scenes (`images` and their `readings`: this run's, in the entries' order), each
+    image's fidelity to the reference's (into its entry) and their summary, against the `floor` report's where
+    given."""
     ours = {entry["id"] for entry in entries}
     yardstick = YARDSTICKS[report_yardstick(reference)]
     compared = {"path": path, "model": reference.get("model"), "settings": reference.get("settings"),
                 "summary": yardstick.summarise([case for case in reference["cases"] if case["id"] in ours]),
                 "changed": changed_readings(entries, reference["cases"])}
     if yardstick.keeps_images and images is not None:
-        from PIL import Image as PILImage
-
         from bench.fidelity import summarise_fidelity
 
-        theirs = {case_id: PILImage.open(file) for case_id, file in scenes_quality.image_paths(reference, path,
-                                                                                               ours).items()}
-        figures = scenes_quality.fidelity_per_case({e["id"]: image for e, image in zip(entries, images)}, theirs)
+        figures = scenes_quality.fidelity_per_case(
+            {entry["id"]: (image, reading) for entry, image, reading in zip(entries, images, readings)},
+            scenes_quality.image_paths(reference, path, ours))
         for entry in entries:
             entry["fidelity"] = figures[entry["id"]]
         floor_figures = None
@@ -684,16 +677,16 @@ class Yardstick:
     exact_labels: dict[str, str]
     counts: Callable[[int | None, bool], dict[str, int]]  # (--cases, edits) -> the cases of each kind a run takes
     cases: Callable[[dict[str, int], bool], list]  # (counts, steered) -> the run's cases
-    read: Callable[[Image], dict]
+    read: Callable[[Image], object]  # the detector's reading (its as_dict() goes into the report)
     summarise: Callable[[list[dict]], dict]
     reading_problem: Callable[[str, object, object], str | None]
     keeps_images: bool
 
 
-def _read_shapes(image: Image) -> dict:
+def _read_shapes(image: Image):
     from models.shapes.detector import read_image
 
-    return read_image(image).as_dict()
+    return read_image(image)
 
 
 SHAPES = Yardstick("shapes", QUALITY_SET_VERSION, SET_SIZES, EXACT_LABELS, run_counts, run_cases, _read_shapes,
@@ -701,7 +694,7 @@ SHAPES = Yardstick("shapes", QUALITY_SET_VERSION, SET_SIZES, EXACT_LABELS, run_c
 SCENES = Yardstick(scenes_quality.NAME, scenes_quality.SET_VERSION, scenes_quality.SET_SIZES,
                    scenes_quality.EXACT_LABELS, lambda text_cases, edits: scenes_quality.run_counts(text_cases),
                    lambda counts, steered: scenes_quality.run_cases(counts),
-                   lambda image: scenes_quality.read(image).as_dict(), scenes_quality.summarise,
+                   scenes_quality.read, scenes_quality.summarise,
                    scenes_quality.reading_problem, keeps_images=True)
 YARDSTICKS = {yardstick.name: yardstick for yardstick in (SHAPES, SCENES)}
 
@@ -1030,8 +1023,9 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
             pipeline.run(calls[0], StageTimer(pipeline.device), pixels=True)
             timed.append(time.perf_counter() - start)
     images = [Image.fromarray(image) for image in pixels]
-    entries = [{**case.description(), "expected": case.expected(), "reading": yardstick.read(image)}
-               for case, image in zip(cases, images)]
+    readings = [yardstick.read(image) for image in images]
+    entries = [{**case.description(), "expected": case.expected(), "reading": reading.as_dict()}
+               for case, reading in zip(cases, readings)]
     call_s = sorted(timed)[len(timed) // 2]
     report = {
         "tool": PROG, "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -1047,7 +1041,7 @@ def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | N
                   "load_s": round(load_s, 2)},
         **({"detector_check": checked_detector} if checked_detector else {}),
         "summary": yardstick.summarise(entries),
-        "reference": None if reference is None else compare_with(*reference, entries, images, floor),
+        "reference": None if reference is None else compare_with(*reference, entries, images, readings, floor),
         "cases": entries,
     }
     json_path = write_outputs(quality, report, images, keep_images=yardstick.keeps_images)

@@ -17,6 +17,7 @@ metric: whether this run differs from the reference more than the floor does, by
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,14 @@ def read(image):
 
 def detector_check(cases: list[Case]) -> dict:
     """The detector on the cases' own scenes drawn by the renderer, jittered as in training: the share read exactly
-    (1.0, or the run stops) and the cases it misread."""
+    (1.0, or the run stops) and the cases it misread. Checked once per process for a set of cases (a sweep or a
+    sensitivity run judges the same cases many times)."""
+    check = _detector_check(tuple(cases))
+    return {**check, "misread": list(check["misread"])}
+
+
+@functools.lru_cache(maxsize=None)
+def _detector_check(cases: tuple[Case, ...]) -> dict:
     from models.scenes.world import render
 
     rng = random.Random(DETECTOR_CHECK_JITTER_SEED)
@@ -140,23 +148,38 @@ def image_paths(report: dict, report_path: str, ids: set[str]) -> dict[str, Path
             if case["id"] in ids and isinstance(case.get("image"), str)}
 
 
-def fidelity_per_case(images: dict, reference_images: dict) -> dict[str, dict[str, float]]:
-    """Each case's fidelity figures (bench.fidelity.image_fidelity), this run's image against the reference's; both
-    {case id: PIL image}."""
+def at_size(image):
+    """A PIL image as the detector reads it: RGB, at the world's size, as an array."""
     import numpy as np
     from PIL import Image
 
-    from bench.fidelity import image_fidelity
     from models.scenes.world import SIZE
 
-    def at_size(image) -> np.ndarray:  # as the detector reads it: at the world's size
-        image = image.convert("RGB")
-        if image.size != (SIZE, SIZE):
-            image = image.resize((SIZE, SIZE), Image.Resampling.BILINEAR)
-        return np.asarray(image)
+    image = image.convert("RGB")
+    if image.size != (SIZE, SIZE):
+        image = image.resize((SIZE, SIZE), Image.Resampling.BILINEAR)
+    return np.asarray(image)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_image(file: Path, modified_ns: int):
+    """A reference image at the world's size and its reading: read once per process (every row of a sweep or a
+    sensitivity run compares with the same reference)."""
+    from PIL import Image
+
+    with Image.open(file) as image:
+        pixels = at_size(image)
+    return pixels, read(pixels)
+
+
+def fidelity_per_case(ours: dict, reference_files: dict[str, Path]) -> dict[str, dict[str, float]]:
+    """Each case's fidelity figures (bench.fidelity.image_fidelity), this run's image against the reference's:
+    `ours` {case id: (PIL image, its reading)}, `reference_files` {case id: the reference's image file}."""
+    from bench.fidelity import image_fidelity
 
     figures = {}
-    for case_id, image in images.items():
-        ours, theirs = at_size(image), at_size(reference_images[case_id])
-        figures[case_id] = image_fidelity(ours, theirs, read(ours), read(theirs))
+    for case_id, (image, reading) in ours.items():
+        file = reference_files[case_id]
+        theirs, their_reading = _reference_image(file, file.stat().st_mtime_ns)
+        figures[case_id] = image_fidelity(at_size(image), theirs, reading, their_reading)
     return figures

@@ -174,17 +174,13 @@ def cache_curve(rows: list[tuple[str, dict, str]]) -> list[dict]:
     return steps
 
 
-def _cell(figures: dict | None, digits: int) -> str:
-    if not figures or figures.get("mean") is None:
-        return "—"
-    return f"{figures['mean']:.{digits}f} [{figures['low']:.{digits}f}, {figures['high']:.{digits}f}]"
-
-
 TABLE_METRICS = (("ssim", "SSIM", 4), ("mask_iou", "mask IoU", 4), ("colour_distance", "colour distance", 2),
                  ("frequency_error", "pattern freq. error", 4), ("centroid_shift", "centroid shift px", 2))
 
 
 def sensitivity_table(summary: dict) -> str:
+    from bench.fidelity import interval_text
+
     head = ["path", "against", *(label for _, label, _ in TABLE_METRICS), "exact match", "flagged (by)",
             "images/s"]
     lines = [f"sd-quality --sensitivity: {summary['model']} ({summary['yardstick']} case set "
@@ -199,7 +195,8 @@ def sensitivity_table(summary: dict) -> str:
         flagged = fidelity.get("flagged")
         verdict = "—" if flagged is None else ("**yes** (" + ", ".join(fidelity["flagged_by"]) + ")" if flagged
                                               else "no")
-        cells = [entry["row"], entry["baseline"], *(_cell(fidelity[m]["value"], d) for m, _, d in TABLE_METRICS),
+        cells = [entry["row"], entry["baseline"],
+                 *(interval_text(fidelity[metric]["value"], digits) for metric, _, digits in TABLE_METRICS),
                  f"{100 * entry['exact_match']:.1f}%", verdict, f"{entry['images_per_s']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"| {entry['row']} | cannot run here: {entry['reason']} |" + " |" * (len(head) - 2)
@@ -209,8 +206,9 @@ def sensitivity_table(summary: dict) -> str:
                   "loss [95%] | worse beyond chance |", "| --- | ---: | ---: | --- |"]
         for step in summary["cache_curve"]:
             worse = [metric for metric in CURVE_METRICS if step["beyond"][metric]]
-            lines.append(f"| N={step['from']} to N={step['to']} (branch {step['branch']}) | {_cell(step['ssim'], 4)} "
-                         f"| {_cell(step['mask_iou'], 4)} | {', '.join(worse) if worse else 'no'} |")
+            lines.append(f"| N={step['from']} to N={step['to']} (branch {step['branch']}) | "
+                         f"{interval_text(step['ssim'])} | {interval_text(step['mask_iou'])} | "
+                         f"{', '.join(worse) if worse else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
