@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from core.errors import UsageError
 from demo.backends.torch.options import TorchOptions, TorchSettings
 from models.plugin_set import parse_plugin_set
+from models.source import VAE_PRECISIONS
 from plugins.contract import ATTENTION_KEYS, PLUGIN_KEYS
 
 EAGER = "diffusers-eager"  # the reference every image is compared with
@@ -17,6 +18,9 @@ TRT_AUTO = "tensorrt-auto"  # engines with the plugins `--plugins auto` picks, r
 TRT_INT8 = "tensorrt-int8"  # the same, with the UNet's engine --int8
 DIFFUSERS = "diffusers"  # the backend of a contender that runs diffusers' own pipeline (bench.diffusers_pipeline)
 CACHED = "@cache"  # <label>@cache<N>: that contender with the step cache every N UNet calls
+# <label>@vae:<V>: that contender with its VAE in precision V (models.source.VAE_PRECISIONS), or another VAE (a --vae
+# value: a folder, a file, a built-in such as taesdxl-arch)
+OTHER_VAE = "@vae:"
 
 
 @dataclass(frozen=True)
@@ -32,11 +36,16 @@ class Contender:
     skip: str | None = None  # why it cannot run here, found while resolving it (resolve_here)
     # The step cache's interval (`<label>@cache<N>`: the named contender with it); None: the command's --cache-interval
     cache_interval: int | None = None
+    vae: str | None = None  # @vae:<V>: another VAE (None: the command's --vae)
+    vae_precision: str | None = None  # @vae:<precision>: what its VAE runs in (None: the command's --vae-precision)
 
     def spec_fields(self) -> dict:
         """What the contender sets in a pipeline spec (demo.runtime.spec.PipelineSpec) besides the engines' folders:
-        its backend, plugins, and for the torch backend exactly its settings."""
+        its backend, plugins, and for the torch backend exactly its settings; its step cache and VAE where its label
+        gives them."""
         cache = {} if self.cache_interval is None else {"cache_interval": self.cache_interval}
+        cache.update({name: value for name, value in (("vae", self.vae), ("vae_precision", self.vae_precision))
+                      if value is not None})
         if self.settings is None:
             return {"backend": self.backend, "plugins": ",".join(self.plugins) or "none", "use_cuda_graph": True,
                     **cache}
@@ -113,6 +122,18 @@ def select_contenders(text: str | None) -> list[Contender]:
         labels = list(known)
     chosen, unknown = [], []
     for label in labels:
+        named, other_vae, vae = label.partition(OTHER_VAE)
+        if other_vae and vae:
+            try:
+                found = select_contenders(named)[0]
+            except UsageError:
+                found = None
+            if found is None or found.backend == DIFFUSERS:  # diffusers' own pipeline loads its model's VAE
+                unknown.append(label)
+                continue
+            which = {"vae_precision": vae} if vae in VAE_PRECISIONS else {"vae": vae}
+            chosen.append(replace(found, label=label, what=f"{found.what}; VAE {vae}", **which))
+            continue
         base, cached, interval = label.partition(CACHED)
         if cached and base in known and interval.isdigit() and int(interval) >= 2:
             chosen.append(replace(known[base], label=label, cache_interval=int(interval)))
@@ -130,7 +151,9 @@ def select_contenders(text: str | None) -> list[Contender]:
             unknown.append(label)
     if unknown or not chosen:
         raise UsageError(f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}, "
-                         f"all, or ours+<plugin>+<plugin>; any of them{CACHED}<N> (N >= 2) with the step cache")
+                         f"all, or ours+<plugin>+<plugin>; any of them{CACHED}<N> (N >= 2) with the step cache, "
+                         f"and{OTHER_VAE}<V> with the VAE in precision V ({', '.join(VAE_PRECISIONS)}) or another "
+                         "VAE V (a --vae value)")
     if len({c.label for c in chosen}) != len(chosen):
         raise UsageError("--contenders names a contender twice")
     return sorted(chosen, key=lambda c: c.label != EAGER)

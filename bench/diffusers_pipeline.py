@@ -15,7 +15,6 @@ import torch
 
 from demo.pipelines import StageTimer
 from demo.request import TEXT_TO_IMAGE, Request
-from demo.schedulers import make_scheduler
 from models.controlnet import resolve_controlnet
 from models.source import ModelSource
 
@@ -81,20 +80,24 @@ class DiffusersPipeline:
         """The request's images (text-to-image) as float32 [B, H, W, 3] in [0, 1]; `timer` gets the regions."""
         self._timer = timer or StageTimer(self.device)
         self._loop = contextlib.ExitStack()  # a call that failed mid-loop leaves nothing open for the next
-        self.pipe.scheduler = make_scheduler(request.scheduler, self.source)
-        control = {}
+        inputs = {}
+        self.pipe.scheduler = request.make_scheduler(self.source)
+        if request.eta is not None:  # as its pipelines take the scheduler's options (the rest are its config's)
+            inputs["eta"] = request.eta
+        if request.timesteps is not None:
+            inputs["timesteps"] = list(request.timesteps)
         if self.scales:
             images = list(request.control_images)
-            control = dict(image=images if len(images) > 1 else images[0],
-                           controlnet_conditioning_scale=self.scales if len(self.scales) > 1 else self.scales[0],
-                           control_guidance_start=request.control_guidance_start,
-                           control_guidance_end=request.control_guidance_end, guess_mode=request.guess_mode)
+            inputs.update(image=images if len(images) > 1 else images[0],
+                          controlnet_conditioning_scale=self.scales if len(self.scales) > 1 else self.scales[0],
+                          control_guidance_start=request.control_guidance_start,
+                          control_guidance_end=request.control_guidance_end, guess_mode=request.guess_mode)
         with self._timer.measure("pipeline"):
             images = self.pipe(request.prompts, negative_prompt=request.negative_prompts, height=request.height,
                                width=request.width, num_inference_steps=request.denoising_steps,
                                guidance_scale=request.guidance_scale,
                                generator=torch.Generator("cpu").manual_seed(request.seed), output_type="pt",
-                               callback_on_step_end=self._step_end, **control).images
+                               callback_on_step_end=self._step_end, **inputs).images
             images = images.float().cpu()
         return images.permute(0, 2, 3, 1).numpy()
 

@@ -132,9 +132,9 @@ class QualityFlags:
                              "run is flagged where it differs from the reference more than the floor does, by more "
                              "than a metric's margin (paired bootstrap, 95%%)", metavar="REPORT.json")
     sensitivity: str | None = flag("scenes: render an fp32 reference and an fp32 floor at half the batch, then each "
-                                   "of these comma-listed paths against them (fp16, cache:N[:K], compile, "
-                                   "cuda-graphs, engines, engines-no-plugins), and write a table and chart of "
-                                   "their fidelity with intervals, each flagged or not (docs/quality.md)",
+                                   "of these comma-listed paths against them (fp16, cache:N[:K], vae:P, "
+                                   "compile, cuda-graphs, plugins, engines, engines-no-plugins), and write a table "
+                                   "and chart of their fidelity with intervals, each flagged or not (docs/quality.md)",
                                    metavar="ROW,...")
 
 
@@ -146,6 +146,10 @@ class RenderFlags:
     denoising_steps: int = same_as(RequestFlags, "denoising_steps")
     guidance_scale: float | None = same_as(RequestFlags, "guidance_scale")
     scheduler: str | None = same_as(RequestFlags, "scheduler")
+    timestep_spacing: str | None = same_as(RequestFlags, "timestep_spacing")
+    karras_sigmas: bool | None = same_as(RequestFlags, "karras_sigmas")
+    eta: float | None = same_as(RequestFlags, "eta")
+    timesteps: tuple[int, ...] | None = same_as(RequestFlags, "timesteps")
     backend: str = same_as(DemoFlags, "backend")
     precision: str = flag("auto (the backend's own: engines fp16; torch fp16 on a GPU, fp32 on a CPU), fp16 or fp32 "
                           "(default: %(default)s)", SPEC.precision, choices=PRECISIONS)
@@ -369,6 +373,14 @@ def _cases(count: int) -> str:
     return f"{count} case" if count == 1 else f"{count} cases"
 
 
+def scheduler_text(settings: dict) -> str:
+    """The scheduler and the options the run set (a report from before they existed has none)."""
+    options = settings.get("scheduler_options") or {}
+    shown = [f"{name.replace('_', ' ')} {','.join(map(str, value)) if isinstance(value, list) else value}"
+             for name, value in options.items()]
+    return " ".join([settings["scheduler"], *(["(" + ", ".join(shown) + ")"] if shown else [])])
+
+
 def run_title(report: dict, detailed: bool) -> str:
     """What rendered the images: model, backend, precision and what else changes them (an INT8 UNet, LoRAs, the step
     cache); detailed adds the device, scheduler and guidance."""
@@ -377,7 +389,7 @@ def run_title(report: dict, detailed: bool) -> str:
     what = ", ".join([settings["precision"], *quantized, *([settings["device"]] if detailed else [])])
     loras = ", ".join(f"{Path(lora['path']).name} x {lora['scale']}" for lora in settings["loras"])
     return (f"{report['model']} on {settings['backend']} ({what}), "
-            + (f"{settings['scheduler']}, " if detailed else "") + f"{settings['steps']} steps"
+            + (f"{scheduler_text(settings)}, " if detailed else "") + f"{settings['steps']} steps"
             + (f", guidance {settings['guidance_scale']}" if detailed else "")
             + (f", LoRA {loras}" if loras else "")
             + "".join(f", ControlNet {Path(name).name} x {scale}" for name, scale in settings.get("controlnets", ()))
@@ -740,8 +752,7 @@ def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags,
     if render.max_batch_size > 1 and render.backend != TORCH and (engine.build_static_batch or engine.use_cuda_graph):
         raise UsageError("--build-static-batch and --use-cuda-graph make engines of one batch, and the cases run as "
                          "one-image requests, up to --max-batch-size to a call: give --max-batch-size 1")
-    Request("", negative_prompt=render.negative_prompt, denoising_steps=render.denoising_steps,
-            guidance_scale=render.guidance_scale, scheduler=render.scheduler).check_inputs()
+    Request("", **case_fields(render)).check_inputs()
     if counts.get(IMAGE_TO_IMAGE) and int(render.denoising_steps * IMAGE_TO_IMAGE_STRENGTH) < 1:
         raise UsageError(f"--denoising-steps {render.denoising_steps} leaves the image-to-image cases (strength "
                          f"{IMAGE_TO_IMAGE_STRENGTH}) no step to run: give 2 or more, or --no-edits")
@@ -933,11 +944,17 @@ class Progress:
         return self.done / self.seconds if self.seconds else 0.0
 
 
+def case_fields(render: RenderFlags) -> dict:
+    """The Request fields every case takes from the rendering flags."""
+    requested = {item.name for item in dataclasses.fields(Request)}
+    return {item.name: getattr(render, item.name) for item in dataclasses.fields(RenderFlags)
+            if item.name in requested}
+
+
 def case_requests(cases: list[Case], render: RenderFlags, size: int, controlnets: int = 0) -> list[Request]:
     """Each case as a request; the edits' input images at the model's own size (`size`), as its text-to-image cases
     are drawn, so that every call runs one shape; a steered case's control image once per ControlNet."""
-    common = dict(negative_prompt=render.negative_prompt, denoising_steps=render.denoising_steps,
-                  guidance_scale=render.guidance_scale, scheduler=render.scheduler)
+    common = case_fields(render)
     requests = []
     for case in cases:
         if case.source is None:
@@ -962,9 +979,9 @@ def calls_of(requests: list[Request], most: int) -> list[list[Request]]:
 
 
 # What ran, as demo-diffusion's report of the first call gives it.
-SETTINGS = ("backend", "backend_reason", "device", "precision", "scheduler", "steps", "unet_calls", "guidance_scale",
-            "negative_prompt", "height", "width", "plugins", "options", "options_reason", "loras", "lora_refit_ms",
-            "cache_interval", "cache_branch")
+SETTINGS = ("backend", "backend_reason", "device", "precision", "scheduler", "scheduler_options", "steps", "unet_calls",
+            "guidance_scale", "negative_prompt", "height", "width", "plugins", "options", "options_reason", "loras",
+            "lora_refit_ms", "cache_interval", "cache_branch")
 
 
 def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | None, command: str,

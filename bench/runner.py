@@ -93,7 +93,11 @@ class Setup:
 
 
 def prompt_digest(request: Request) -> str:
-    return hashlib.sha256(f"{request.prompt}\0{request.negative_prompt!r}".encode()).hexdigest()[:8]
+    """What of the request the images directory's name does not spell: its prompts and scheduler options."""
+    text = f"{request.prompt}\0{request.negative_prompt!r}"
+    if request.scheduler_options:  # without any, the digest of earlier runs' directories
+        text += f"\0{sorted(request.scheduler_options.items())!r}"
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def sync(device) -> None:

@@ -8,6 +8,7 @@ more than a metric's margin (bench.fidelity). Rows:
 
     fp16                 the exact path in fp16
     cache:N[:K]          the step cache, every Nth UNet call whole, branch K (default 0)
+    vae:P                the VAE in precision P (fp32, bf16, fp16), the rest in fp16
     compile              torch.compile (mode default)
     cuda-graphs          the torch backend's CUDA graphs
     plugins              the torch backend with our kernels (all plugins)
@@ -68,6 +69,12 @@ def parse_rows(text: str) -> list[str]:
             if not (1 <= len(numbers) <= 2 and all(n.isdigit() for n in numbers) and int(numbers[0]) >= 2):
                 raise UsageError(f"--sensitivity: a cache row is cache:N or cache:N:K (N 2 or more), got '{item}'")
             item = f"cache:{int(numbers[0])}:{int(numbers[1]) if len(numbers) == 2 else 0}"
+        elif item.startswith("vae:"):
+            from models.source import VAE_PRECISIONS
+
+            if item.split(":", 1)[1] not in VAE_PRECISIONS:
+                raise UsageError(f"--sensitivity: a VAE row is vae:P, P one of {', '.join(VAE_PRECISIONS)}, got "
+                                 f"'{item}'")
         elif item.startswith("planted:"):
             if os.environ.get(PLANTING) != "1":
                 raise UsageError(f"--sensitivity: '{item}' plants a fault, for testing the yardstick only: set "
@@ -76,8 +83,8 @@ def parse_rows(text: str) -> list[str]:
                 raise UsageError(f"--sensitivity: no planted fault '{item.split(':', 1)[1]}'; there are "
                                  f"{', '.join(planted_faults())}")
         elif item not in FIXED_ROWS:
-            raise UsageError(f"--sensitivity: unknown row '{item}'; rows are {', '.join(FIXED_ROWS)}, cache:N[:K] "
-                             "and (test-only) planted:NAME")
+            raise UsageError(f"--sensitivity: unknown row '{item}'; rows are {', '.join(FIXED_ROWS)}, cache:N[:K], "
+                             "vae:P and (test-only) planted:NAME")
         if item in rows:
             raise UsageError(f"--sensitivity: row '{item}' given twice")
         rows.append(item)
@@ -98,6 +105,8 @@ def row_spec(exact, row: str):
         spec = dataclasses.replace(spec, cache_interval=int(interval), cache_branch=int(branch))
     elif row.startswith("planted:"):
         fault = row.split(":", 1)[1]
+    elif row.startswith("vae:"):
+        spec = dataclasses.replace(spec, vae_precision=row.split(":", 1)[1])
     elif row == "compile":
         spec = dataclasses.replace(spec, torch=TorchOptions(channels_last=False, compile="default"))
     elif row == "cuda-graphs":

@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING, Callable
 
 from core.errors import UsageError, at_least, field
 from core.typed import check_field_types
-from demo.schedulers import check_steps, default_scheduler_name, make_scheduler, scheduler_named
+from demo.schedulers import (
+    SCHEDULER_OPTIONS,
+    check_option_values,
+    check_options,
+    check_steps,
+    check_timesteps_in_range,
+    default_scheduler_name,
+    make_scheduler,
+    scheduler_named,
+)
 from models.families import CLASSIFIER_FREE, EMBEDDED, IMAGE_TO_IMAGE, INPAINTING, MODES, NO_GUIDANCE, TEXT_TO_IMAGE
 
 if TYPE_CHECKING:
@@ -72,6 +81,13 @@ class Request:
     denoising_steps: int = 50
     guidance_scale: float | None = None  # None: the model's own; <= 1: no classifier-free guidance
     scheduler: str | None = None  # None: the model's own (demo.schedulers.SCHEDULERS)
+    # The scheduler's options (demo.schedulers.TAKES says which each takes); None leaves each to the model's scheduler
+    # config (spacing: leading, linspace or trailing; Karras sigmas) or to diffusers' pipelines (eta 0; the scheduler's
+    # own timesteps). Explicit `timesteps`, from the noisiest down, set the step count (denoising_steps).
+    timestep_spacing: str | None = None
+    karras_sigmas: bool | None = None
+    eta: float | None = None
+    timesteps: tuple[int, ...] | None = None
     seed: int | None = None  # None: a random one, reported
     image: Image | None = None  # image-to-image and inpainting: the input image (RGB)
     mask: Image | None = None  # inpainting: white is repainted, black kept
@@ -154,9 +170,28 @@ class Request:
             controls = tuple(control if control.mode == "RGB" else control.convert("RGB") for control in controls)
         scheduler = scheduler_named(self.scheduler) if self.scheduler else default_scheduler_name(source)
         guidance_scale = source.default_guidance_scale if self.guidance_scale is None else self.guidance_scale
+        check_option_values(self, Request.denoising_steps)  # before explicit timesteps replace the step count
+        steps = self.denoising_steps if self.timesteps is None else len(self.timesteps)
         return replace(self, height=height, width=width, scheduler=scheduler, guidance_scale=guidance_scale,
+                       denoising_steps=steps,
                        seed=self.seed if self.seed is not None else draw_seed(), image=image, strength=strength,
                        control_images=controls, guidance=guidance_of(source.guidance, guidance_scale))
+
+    def make_scheduler(self, source: ModelSource):
+        """The resolved request's scheduler for `source`, with its spacing and Karras sigmas."""
+        return make_scheduler(self.scheduler, source, self.timestep_spacing, self.karras_sigmas)
+
+    @property
+    def scheduler_options(self) -> dict:
+        """The scheduler options it sets (demo.schedulers.SCHEDULER_OPTIONS), as JSON takes them."""
+        given = {option: getattr(self, option) for option in SCHEDULER_OPTIONS}
+        return {option: list(value) if isinstance(value, tuple) else value for option, value in given.items()
+                if value is not None}
+
+    @property
+    def scheduler_key(self) -> tuple:
+        """What tells one request's scheduler object from another's (its steps, eta and timesteps are set per run)."""
+        return self.scheduler, self.timestep_spacing, self.karras_sigmas
 
     def unused(self) -> list[str]:
         """What the request sets that its run does not use, each naming fields (core.errors.field)."""
@@ -190,6 +225,7 @@ class Request:
             raise UsageError(f"{field('seed')} must be 0..{MAX_SEED}, got {self.seed}")
         if self.scheduler is not None:
             scheduler_named(self.scheduler)
+        check_option_values(self, Request.denoising_steps)
         start, end = self.control_guidance_start, self.control_guidance_end
         if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end <= 1):
             raise UsageError(f"{field('control_guidance_start')} and {field('control_guidance_end')} must be "
@@ -212,7 +248,12 @@ class Request:
         """A resolved request's values against their limits and the model: a one-line UsageError for the first bad
         one."""
         self.check_inputs()
-        check_steps(make_scheduler(self.scheduler, source), self.scheduler, self.denoising_steps)
+        check_options(self.scheduler, self)
+        scheduler = self.make_scheduler(source)
+        if self.timesteps is None:
+            check_steps(scheduler, self.scheduler, self.denoising_steps)
+        else:
+            check_timesteps_in_range(scheduler, self.scheduler, self.timesteps)
         check_image_size(source, self.height, self.width)
         check_mode(source, self.mode)
 
@@ -364,6 +405,7 @@ def batch_key(request: Request) -> tuple:
     takes one input image for the whole batch, so each image request runs alone."""
     if request.image is not None:
         return (id(request),)
-    return (request.height, request.width, request.denoising_steps, request.scheduler, request.guidance_scale,
+    return (request.height, request.width, request.denoising_steps, request.scheduler_key, request.eta,
+            request.timesteps, request.guidance_scale,
             request.negative_prompt is None, request.control_images is None, request.control_guidance_start,
             request.control_guidance_end, request.guess_mode)

@@ -1,6 +1,9 @@
-"""The schedulers a request may name: diffusers' own implementations, configured from the model's scheduler config."""
+"""The schedulers a request may name: diffusers' own implementations, configured from the model's scheduler config,
+and the options each one takes (a request's timestep spacing, Karras sigmas, eta and explicit timesteps)."""
 
 from __future__ import annotations
+
+import math
 
 from core.errors import UsageError, field
 
@@ -13,7 +16,30 @@ SCHEDULERS = {
     "DPM++2M": "DPMSolverMultistepScheduler",
     "LMSD": "LMSDiscreteScheduler",
     "UniPC": "UniPCMultistepScheduler",
+    "LCM": "LCMScheduler",
+    "TCD": "TCDScheduler",
 }
+# A request's scheduler options (demo.request.Request's fields of these names): None leaves each to the model's own
+# scheduler config (a timestep spacing, Karras sigmas) or to diffusers' pipelines' default (eta 0, the scheduler's own
+# timesteps for the steps asked).
+TIMESTEP_SPACING, KARRAS_SIGMAS, ETA, TIMESTEPS = "timestep_spacing", "karras_sigmas", "eta", "timesteps"
+SCHEDULER_OPTIONS = (TIMESTEP_SPACING, KARRAS_SIGMAS, ETA, TIMESTEPS)
+TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
+# The options each scheduler takes, as diffusers' implementations read them: the spacing and Karras sigmas from its
+# config (LCM and TCD space their own from original_inference_steps), eta in its step, explicit timesteps in
+# set_timesteps(timesteps=...).
+TAKES = {
+    "DDIM": (TIMESTEP_SPACING, ETA),
+    "PNDM": (TIMESTEP_SPACING,),
+    "Euler": (TIMESTEP_SPACING, KARRAS_SIGMAS, TIMESTEPS),
+    "EulerA": (TIMESTEP_SPACING,),
+    "DPM++2M": (TIMESTEP_SPACING, KARRAS_SIGMAS, TIMESTEPS),
+    "LMSD": (TIMESTEP_SPACING, KARRAS_SIGMAS),
+    "UniPC": (TIMESTEP_SPACING, KARRAS_SIGMAS),
+    "LCM": (TIMESTEPS,),
+    "TCD": (ETA, TIMESTEPS),
+}
+TAKER_OF = {option: tuple(name for name, takes in TAKES.items() if option in takes) for option in SCHEDULER_OPTIONS}
 
 
 def default_scheduler_name(source) -> str:
@@ -39,11 +65,14 @@ def scheduler_named(given: str) -> str:
                      "diffusers' class name)")
 
 
-def make_scheduler(name: str, source):
-    """diffusers' scheduler `name` (as scheduler_named takes it), configured from the model's scheduler config."""
+def make_scheduler(name: str, source, timestep_spacing: str | None = None, karras_sigmas: bool | None = None):
+    """diffusers' scheduler `name` (as scheduler_named takes it), configured from the model's scheduler config, with
+    a request's timestep spacing and Karras sigmas in place of the config's where given."""
     import diffusers
 
-    return getattr(diffusers, SCHEDULERS[scheduler_named(name)]).from_config(source.config("scheduler"))
+    overrides = {key: value for key, value in (("timestep_spacing", timestep_spacing),
+                                               ("use_karras_sigmas", karras_sigmas)) if value is not None}
+    return getattr(diffusers, SCHEDULERS[scheduler_named(name)]).from_config(source.config("scheduler"), **overrides)
 
 
 def _distinct_timesteps(scheduler, steps: int) -> int:
@@ -69,3 +98,48 @@ def check_steps(scheduler, name: str, steps: int, steps_field: str = "denoising_
         low, high = (middle, high) if _distinct_timesteps(scheduler, middle) >= middle else (low, middle - 1)
     raise UsageError(f"{field(steps_field)} {steps} is more than scheduler {name} can take for this model: at "
                      f"most {low} (it has {scheduler.config.num_train_timesteps} training timesteps)")
+
+
+def check_option_values(request, default_steps: int) -> None:
+    """A request's scheduler options in range, whatever the scheduler (a one-line UsageError for the first bad one):
+    a spacing we know, eta in [0, 1], explicit timesteps from the noisiest down, none repeated, none negative, and
+    no other step count beside them (`default_steps`: the count a request has unless given one)."""
+    if request.timestep_spacing is not None and request.timestep_spacing not in TIMESTEP_SPACINGS:
+        raise UsageError(f"{field(TIMESTEP_SPACING)} must be one of {', '.join(TIMESTEP_SPACINGS)}, got "
+                         f"'{request.timestep_spacing}'")
+    eta = request.eta
+    if eta is not None and not (math.isfinite(eta) and 0 <= eta <= 1):
+        raise UsageError(f"{field(ETA)} must be 0..1, got {eta}")
+    timesteps = request.timesteps
+    if timesteps is None:
+        return
+    if not timesteps:
+        raise UsageError(f"{field(TIMESTEPS)} must name one timestep at least, got none")
+    if any(later >= earlier for earlier, later in zip(timesteps, timesteps[1:])) or timesteps[-1] < 0:
+        raise UsageError(f"{field(TIMESTEPS)} must run from the noisiest down, each below the one before and none "
+                         f"below 0 (e.g. 999,749,499,249), got {','.join(map(str, timesteps))}")
+    if request.denoising_steps not in (len(timesteps), default_steps):
+        raise UsageError(f"{field('denoising_steps')} {request.denoising_steps} and {field(TIMESTEPS)} "
+                         f"({len(timesteps)} of them) disagree: the timesteps set the step count, give one")
+
+
+def check_options(name: str, request) -> None:
+    """A UsageError naming the first option the request sets that scheduler `name` (ours) does not take."""
+    for option in SCHEDULER_OPTIONS:
+        if getattr(request, option) is not None and option not in TAKES[name]:
+            takes = ", ".join(map(field, TAKES[name])) or "none of them"
+            raise UsageError(f"{field(option)}: scheduler {name} does not take it (of its options it takes {takes})")
+
+
+def check_timesteps_in_range(scheduler, name: str, timesteps: tuple[int, ...]) -> None:
+    """A UsageError where scheduler `name` cannot run these explicit timesteps: one at or above its training
+    timesteps, or a setting of the model's config that diffusers refuses beside them (Karras sigmas)."""
+    training = scheduler.config.num_train_timesteps
+    if timesteps[0] >= training:
+        raise UsageError(f"{field(TIMESTEPS)} {timesteps[0]} is out of range: scheduler {name} has {training} "
+                         f"training timesteps (0..{training - 1})")
+    try:
+        scheduler.set_timesteps(timesteps=list(timesteps))
+    except ValueError as exc:
+        raise UsageError(f"{field(TIMESTEPS)}: scheduler {name} refuses them for this model: "
+                         f"{str(exc).strip().splitlines()[0]}") from None

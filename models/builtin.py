@@ -21,6 +21,7 @@ from core.atomic import atomic_directory, discard_directory, file_lock, writable
 from core.errors import RunFailure, UsageError
 from models import scenes, shapes
 from models.families import IMAGE_TO_IMAGE, INPAINTING, SD, SDXL, TEXT_TO_IMAGE
+from models.families.base import GUIDANCE_EMBEDDING_KEY
 from models.validate import check_weight_file
 
 # Bump when the generated files change, so cached directories (and artifacts keyed by them) are rebuilt.
@@ -212,6 +213,15 @@ BUILTIN_MODELS["tiny-xl-refiner"] = {
 for _base in ("tiny", "tiny-xl"):
     BUILTIN_MODELS[f"{_base}-inpaint"] = {**BUILTIN_MODELS[_base], "inpainting": True,
                                           "unet": {**BUILTIN_MODELS[_base]["unet"], "in_channels": 9}}
+# A latent consistency model as LCM's are published (LCM Dreamshaper): `tiny` with the guidance scale embedded in its
+# UNet (time_cond_proj_dim), LCMScheduler, saved by LatentConsistencyModelPipeline.
+BUILTIN_MODELS["tiny-lcm"] = {
+    **BUILTIN_MODELS["tiny"],
+    "unet": {**BUILTIN_MODELS["tiny"]["unet"], GUIDANCE_EMBEDDING_KEY: 32},
+    "scheduler": {**{key: value for key, value in SD15_SCHEDULER.items() if key != "skip_prk_steps"},  # PNDM's
+                  "_class_name": "LCMScheduler", "original_inference_steps": 50},
+    "pipeline": "LatentConsistencyModelPipeline",
+}
 # Built-ins trained rather than generated, by name: the package holding each (its diffusers folder MODEL_DIR, and
 # damage(): why its files are not the recorded ones).
 SHIPPED_MODELS = {"shapes": shapes, "scenes": scenes}
@@ -222,9 +232,31 @@ SHIPPED_CONTROLNETS = {"shapes-controlnet": shapes}
 GENERATED_CONTROLNETS = {"tiny-controlnet": "tiny", "tiny-xl-controlnet": "tiny-xl",
                          "sd15-controlnet-arch": "sd1.5-arch", "sdxl-controlnet-arch": "sdxl-arch"}
 CONTROLNET_NAMES = (*SHIPPED_CONTROLNETS, *GENERATED_CONTROLNETS)  # what --controlnet takes by name
-# Built-in LoRAs, trained and shipped: the package holding each (its OUTLINE_LORA, checked by its damage()).
-SHIPPED_LORAS = {"shapes-outline": shapes}
+# Built-in LoRAs, trained and shipped: the package holding each (checked by its damage()) and the file.
+SHIPPED_LORAS = {"shapes-outline": (shapes, shapes.OUTLINE_LORA), "shapes-lcm": (shapes, shapes.LCM_LORA)}
 LORA_NAMES = tuple(SHIPPED_LORAS)  # what --lora takes by name
+# The tiny autoencoder (diffusers' AutoencoderTiny) as madebyollin/taesd configures it, which is diffusers' defaults:
+# 64-wide blocks, 1, 3, 3, 3 of them encoding and 3, 3, 3, 1 decoding, 4 latent channels, nearest upsampling, latents
+# taken as the UNet makes them (scaling factor 1, no shift).
+TAESD = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "encoder_block_out_channels": [64, 64, 64, 64],
+    "decoder_block_out_channels": [64, 64, 64, 64],
+    "act_fn": "relu",
+    "upsample_fn": "nearest",
+    "latent_channels": 4,
+    "upsampling_scaling_factor": 2,
+    "num_encoder_blocks": [1, 3, 3, 3],
+    "num_decoder_blocks": [3, 3, 3, 1],
+    "latent_magnitude": 3,
+    "latent_shift": 0.5,
+    "scaling_factor": 1.0,
+    "shift_factor": 0.0,
+}
+# Built-in VAEs, generated with random weights (seed 0): their AutoencoderTiny configs, by the name --vae takes. TAESDXL
+# (madebyollin/taesdxl) is TAESD's network trained for SDXL's latents.
+BUILTIN_VAES = {"taesd-arch": TAESD, "taesdxl-arch": TAESD}
 
 
 def scheduler_from(config: dict):
@@ -352,9 +384,9 @@ def build_builtin_model(name: str, directory: Path) -> None:
         pipe = getattr(diffusers, family.diffusers_pipeline(mode))(**parts, tokenizer=tokenizer,
                                                                    tokenizer_2=_tokenizer(spec, XL_PAD),
                                                                    scheduler=scheduler)
-    else:
-        pipe = getattr(diffusers, family.diffusers_pipeline(mode))(**parts, tokenizer=tokenizer, scheduler=scheduler,
-                                                                   feature_extractor=None, **family.diffusers_options)
+    else:  # saved by the model's own pipeline where it names one
+        pipe = getattr(diffusers, spec.get("pipeline", family.diffusers_pipeline(mode)))(
+            **parts, tokenizer=tokenizer, scheduler=scheduler, feature_extractor=None, **family.diffusers_options)
     if "dtype" in spec:
         pipe.to(getattr(torch, spec["dtype"]))
     pipe.save_pretrained(directory)
@@ -419,6 +451,29 @@ def builtin_model_dir(name: str, cache_root: Path, say: Callable[[str], None] = 
                      "for the full-size architectures) ...",
                      lambda damage: f"built-in model '{name}' in {directory} is damaged ({damage}): generating it "
                                     "again")
+
+
+def builtin_vae_dir(name: str, cache_root: Path, say: Callable[[str], None] = _to_stderr) -> Path:
+    """The folder of built-in VAE `name` (an AutoencoderTiny's), generated on first use and again where it was damaged
+    since, as the built-in models are."""
+    directory = cache_root / f"{name}-v{BUILTIN_FORMAT_VERSION}"
+    return made_once(directory, lambda staging: build_builtin_vae(name, staging), say,
+                     f"generating built-in VAE '{name}' into {directory} (once) ...",
+                     lambda damage: f"built-in VAE '{name}' in {directory} is damaged ({damage}): generating it again")
+
+
+def build_builtin_vae(name: str, directory: Path) -> None:
+    """Write the built-in VAE `name` into `directory` as diffusers' save_pretrained does."""
+    import torch
+    from diffusers import AutoencoderTiny
+
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        vae = AutoencoderTiny(**BUILTIN_VAES[name])
+    finally:
+        torch.random.set_rng_state(generator_state)
+    vae.save_pretrained(directory)
 
 
 def made_once(directory: Path, write: Callable[[Path], None], say: Callable[[str], None], making: str,

@@ -126,10 +126,10 @@ def _weights_file(text: str | Path) -> Path:
     """The file a LoRA names: a built-in's (checked), the path itself, or a folder's pytorch_lora_weights.safetensors
     (as diffusers takes it)."""
     if str(text) in SHIPPED_LORAS:
-        package = SHIPPED_LORAS[str(text)]
+        package, file = SHIPPED_LORAS[str(text)]
         if reason := package.damage():
             raise RunFailure(f"LoRA {text}: the LoRA shipped with the package is damaged ({reason}): reinstall it")
-        return package.OUTLINE_LORA
+        return file
     path = Path(text)
     if not path.is_dir():
         return path

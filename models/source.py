@@ -13,17 +13,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.errors import RunFailure, UsageError, field
-from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES, SHIPPED_MODELS, builtin_model_dir
+from models.builtin import (
+    BUILTIN_MODELS,
+    BUILTIN_NAMES,
+    BUILTIN_VAES,
+    SHIPPED_MODELS,
+    builtin_model_dir,
+    builtin_vae_dir,
+)
 from models.cache import content_fingerprint, default_cache_dir
 from models.families import Family, family_of
 from models.single_file import SINGLE_FILE_SUFFIXES, convert_model_file, convert_vae_file
-from models.validate import COMPONENTS, read_config, validate_component, validate_model_folder
+from models.validate import COMPONENTS, read_config, vae_config_as_loaded, validate_component, validate_model_folder
 
 SINGLE_FILE_DIR = "single-file"  # in the model cache: converted single-file checkpoints
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # The classifier-free guidance scale a request that gives none gets, on every model but those that say otherwise
 # (ModelSource.default_guidance_scale).
 DEFAULT_GUIDANCE_SCALE = 7.5
+# What the VAE stages may run in, in place of the pipeline's precision (ModelSource.vae_precision): the torch dtype of
+# each.
+VAE_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -33,13 +43,23 @@ class ModelSource:
     name: str
     path: Path
     vae: Path | None = None  # another VAE's folder (--vae), in place of the model's own
+    # VAE_PRECISIONS' name of what the VAE stages run in (None: the pipeline's precision, or what the family says)
+    vae_precision: str | None = None
 
     def component_dir(self, component: str) -> Path:
         """Where a component's config and weights are."""
         return self.vae if component == "vae" and self.vae else self.path / component
 
     def config(self, component: str) -> dict:
-        return read_config(self.component_dir(component) / COMPONENTS[component][0], component)
+        """A component's config, the VAE's as diffusers holds it once loaded (models.validate.vae_config_as_loaded)."""
+        config = read_config(self.component_dir(component) / COMPONENTS[component][0], component)
+        return vae_config_as_loaded(config) if component == "vae" else config
+
+    @functools.cached_property
+    def vae_class(self) -> str:
+        """The VAE's diffusers class (one of models.validate.VAE_ENCODES_GAUSSIAN): its config's, else the one
+        model_index.json names (validate_component checked that there is one)."""
+        return self.config("vae").get("_class_name") or self.index["vae"][1]
 
     @functools.cached_property
     def index(self) -> dict:
@@ -137,10 +157,11 @@ class ModelSource:
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = None, config: str | None = None,
-                  prediction_type: str | None = None, given: str = "model") -> ModelSource:
-    """Turn a --model value (a single file with its --model-config and --prediction-type; and a --vae folder or file)
-    into a ModelSource; raises UsageError with the reason when it cannot, naming the field `given` where the file is
-    at fault (model, refiner)."""
+                  prediction_type: str | None = None, given: str = "model",
+                  vae_precision: str | None = None) -> ModelSource:
+    """Turn a --model value (a single file with its --model-config and --prediction-type; a --vae folder, file or
+    built-in name; and --vae-precision, one of VAE_PRECISIONS) into a ModelSource; raises UsageError with the reason
+    when it cannot, naming the field `given` where the file is at fault (model, refiner)."""
     cache_dir = cache_dir or default_cache_dir()
     path = Path(spec).expanduser()
     if spec not in BUILTIN_NAMES and path.is_file():  # a single-file checkpoint: converted once, cached
@@ -151,7 +172,11 @@ def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = No
             if value is not None:
                 raise UsageError(f"{field(name)} describes a single-file model; model '{spec}' is not a file")
         source = _resolve_model(spec, cache_dir, given)
-    return replace(source, vae=_vae_folder(vae, source, cache_dir)) if vae else source
+    source = replace(source, vae=_vae_folder(vae, source, cache_dir)) if vae else source
+    if vae_precision == "fp16" and source.family.fp16_runs_fp32("vae", source.config("vae")):
+        raise UsageError(f"{field('vae_precision')} fp16: model '{source.name}''s VAE overflows in fp16 (its config "
+                         f"asks for fp32); use {field('vae_precision')} bf16, which has fp32's range")
+    return replace(source, vae_precision=vae_precision)
 
 
 def looks_like_path(spec: str) -> bool:
@@ -186,20 +211,17 @@ def _resolve_model(spec: str, cache_dir: Path, given: str) -> ModelSource:
 
 
 def _vae_folder(spec: str, source: ModelSource, cache_dir: Path) -> Path:
-    """A --vae value as a checked VAE folder: an AutoencoderKL folder, a model folder holding one in vae/, or a
-    single-file VAE (converted once, described by the model's own VAE config), whose latents are the UNet's."""
-    folder = Path(spec).expanduser()
+    """A --vae value as a checked VAE folder: a built-in's name (models.builtin.BUILTIN_VAES, made on first use), an
+    AutoencoderKL or AutoencoderTiny folder, a model folder holding one in vae/, or a single-file VAE (converted once,
+    described by the model's own VAE config), whose latents are the UNet's."""
+    folder = builtin_vae_dir(spec, cache_dir / "builtin") if spec in BUILTIN_VAES else Path(spec).expanduser()
     if folder.is_file():
         folder = convert_vae_file(folder, source.config("vae"), cache_dir / SINGLE_FILE_DIR)
     if (folder / "vae" / COMPONENTS["vae"][0]).is_file():
         folder = folder / "vae"
     if not (folder / COMPONENTS["vae"][0]).is_file():
         raise UsageError(f"{field('vae')} {spec}: not a VAE folder (no {COMPONENTS['vae'][0]} in it or in its vae/)")
-    subject = f"{field('vae')} {spec}"
-    named = read_config(folder / COMPONENTS["vae"][0], "vae", subject).get("_class_name")
-    if named is not None and named != "AutoencoderKL":  # what the VAE stages load (models/vae.py)
-        raise UsageError(f"{subject}: its config names {named}, not an AutoencoderKL")
-    config = validate_component(folder, "vae", subject=subject)
+    config = validate_component(folder, "vae", subject=f"{field('vae')} {spec}")
     channels = source.latent_channels
     if config.get("latent_channels") != channels:
         raise UsageError(f"{field('vae')} {spec}: its latents have {config.get('latent_channels')} channels, model "

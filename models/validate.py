@@ -8,6 +8,7 @@ module that diffusers loads half-initialised without a word)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import struct
 import zipfile
@@ -34,6 +35,11 @@ TOKENIZERS = ("tokenizer", "tokenizer_2")
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
 
 
+# The VAE classes the VAE stages load (models.vae), each with whether its encoder gives the latents' Gaussian (mean and
+# log-variance, which the pipeline samples) or the latents themselves: diffusers' retrieve_latents tells them apart by
+# `latent_dist` and `latents`.
+VAE_ENCODES_GAUSSIAN = {"AutoencoderKL": True, "AutoencoderTiny": False}
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
@@ -53,6 +59,19 @@ def read_config(path: Path, component: str, subject: str | None = None) -> dict:
     if not isinstance(config, dict):
         raise UsageError(f"{subject}: {path} holds a {type(config).__name__}, not a JSON object")
     return config
+
+
+def vae_config_as_loaded(config: dict) -> dict:
+    """A VAE config with what diffusers registers when it loads an AutoencoderTiny, which a saved config may lack
+    (madebyollin's TAESD folders do): block_out_channels, its decoder's widths (diffusers' pipelines compute the VAE's
+    scale factor from them), and force_upcast, always false."""
+    if config.get("_class_name") != "AutoencoderTiny":
+        return config
+    import diffusers
+
+    widths = inspect.signature(diffusers.AutoencoderTiny).parameters["decoder_block_out_channels"].default
+    return {**config, "block_out_channels": list(config.get("decoder_block_out_channels", widths)),
+            "force_upcast": False}
 
 
 def _class_name(config: dict, key: str) -> str | None:
@@ -138,6 +157,8 @@ def validate_component(folder: Path, component: str, index_class: list | None = 
         raise UsageError(f"{subject}: {file} names class {class_name!r} ({key}), which "
                          f"{library} {module.__version__} does not have")
     if component == "vae":
+        if class_name not in VAE_ENCODES_GAUSSIAN:
+            raise UsageError(f"{subject}: its config names {class_name}, not an {' or an '.join(VAE_ENCODES_GAUSSIAN)}")
         _check_scaling_factor(config, file, subject)
     if component in TOKENIZERS:
         _check_tokenizer_files(folder, component, subject)

@@ -1,7 +1,8 @@
 """Same seed, same image: our pipeline against diffusers' own for the request's mode (StableDiffusionPipeline,
 StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline or their SDXL twins, as the model's model_index.json
 says), on the CPU in fp32; the torch backend's stages those tests run; its input images against diffusers' image
-processors' (check_input_images); and diffusers' UNet with the step cache written from its own modules alone
+processors' (check_input_images), with the request's scheduler options (spacing, Karras sigmas, eta, timesteps) given to
+diffusers as its pipelines take them; and diffusers' UNet with the step cache written from its own modules alone
 (reference_unet), for diffusers' pipelines to run cached."""
 
 import diffusers
@@ -13,7 +14,7 @@ from demo.backends.torch.settings import FALLBACK
 from demo.pipelines import StageTimer, make_pipeline, to_uint8
 from demo.pipelines.images import preprocess
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, Request
-from demo.schedulers import SCHEDULERS
+from demo.schedulers import SCHEDULERS, make_scheduler
 from models import STAGE_MODELS, text_to_image_stages
 
 CPU = torch.device("cpu")
@@ -54,11 +55,18 @@ def diffusers_images(source, scheduler: str, request: Request, **components) -> 
     pixels."""
     reference = getattr(diffusers, source.family.diffusers_pipeline(request.mode))
     ref = reference.from_pretrained(source.path, **source.family.diffusers_options, **components)
-    ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config)
+    overrides = {key: value for key, value in (("timestep_spacing", request.timestep_spacing),
+                                               ("use_karras_sigmas", request.karras_sigmas)) if value is not None}
+    ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config, **overrides)
     ref.set_progress_bar_config(disable=True)
     inputs = dict(height=request.height, width=request.width)
+    if request.eta is not None:
+        inputs["eta"] = request.eta
+    if request.timesteps is not None:
+        inputs["timesteps"] = list(request.timesteps)
     if request.mode == IMAGE_TO_IMAGE:  # diffusers' image-to-image takes its size from the image
-        inputs = dict(image=request.image, strength=request.strength)
+        del inputs["height"], inputs["width"]
+        inputs.update(image=request.image, strength=request.strength)
     elif request.mode == INPAINTING:
         inputs.update(image=request.image, mask_image=request.mask, strength=request.strength)
     images = ref(
@@ -71,8 +79,8 @@ def diffusers_images(source, scheduler: str, request: Request, **components) -> 
 
 def check_parity(source, stages, scheduler: str, request: Request, **components) -> np.ndarray:
     """Our image against diffusers' within 2/255, and a real image (not a constant); returns ours."""
-    ours = to_uint8(make_pipeline(source, stages, scheduler, CPU, torch.float32, request.mode)(request,
-                                                                                             StageTimer(CPU)))
+    made = make_scheduler(scheduler, source, request.timestep_spacing, request.karras_sigmas)
+    ours = to_uint8(make_pipeline(source, stages, made, CPU, torch.float32, request.mode)(request, StageTimer(CPU)))
     theirs = diffusers_images(source, scheduler, request, **components)
     assert ours.shape == theirs.shape == (request.images, request.height, request.width, 3)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2

@@ -46,7 +46,8 @@ def test_the_shipped_outline_lora_goes_by_its_builtin_name(monkeypatch):
     assert parse_lora_spec("shapes-outline:0.5") == ("shapes-outline", 0.5)
     plan = plan_pipeline(PipelineSpec(model="shapes", backend="torch", loras=(("shapes-outline", 0.5),)), "cpu")
     assert [(file.path, scale) for file, scale in plan.loras] == [(str(shapes.OUTLINE_LORA), 0.5)]
-    with pytest.raises(UsageError, match=r"^LoRA shapes-outlin: no such file \(nor a built-in LoRA: shapes-outline\)"):
+    with pytest.raises(UsageError,
+                       match=r"^LoRA shapes-outlin: no such file \(nor a built-in LoRA: shapes-outline, shapes-lcm\)"):
         read_lora("shapes-outlin")
     monkeypatch.setattr(shapes, "damage", lambda: "outline.safetensors is not the file recorded in weights.sha256")
     with pytest.raises(RunFailure, match="^LoRA shapes-outline: the LoRA shipped with the package is damaged"):

@@ -27,15 +27,16 @@ def test_the_package_loads_the_recorded_files():
     recorded = shapes.shipped_files()
     on_disk = {p.relative_to(shapes.HERE).as_posix() for folder in (shapes.MODEL_DIR, shapes.CONTROLNET_DIR)
                for p in folder.rglob("*") if p.is_file()}
-    assert on_disk | {shapes.OUTLINE_LORA.name} == set(recorded)  # nothing shipped unrecorded, nothing missing
+    loras = (shapes.OUTLINE_LORA, shapes.LCM_LORA)
+    assert on_disk | {lora.name for lora in loras} == set(recorded)  # nothing shipped unrecorded, nothing missing
     assert shapes.damage() is None
     weights = [shapes.HERE / p for p in recorded if p.endswith(".safetensors") and p.startswith("model/")]
     assert sum(p.stat().st_size for p in weights) <= MAX_MODEL_BYTES
-    assert shapes.OUTLINE_LORA.stat().st_size <= MAX_LORA_BYTES
+    assert all(lora.stat().st_size <= MAX_LORA_BYTES for lora in loras)
     controlnet = shapes.CONTROLNET_DIR / "diffusion_pytorch_model.safetensors"
     assert controlnet.stat().st_size <= MAX_CONTROLNET_BYTES
     assert resolve_controlnet("shapes-controlnet").path == shapes.CONTROLNET_DIR
-    for path in [*weights, shapes.OUTLINE_LORA, controlnet]:
+    for path in [*weights, *loras, controlnet]:
         with safe_open(path, "pt") as weights_file:
             assert {weights_file.get_tensor(k).dtype for k in weights_file.keys()} == {torch.float16}
 

@@ -50,6 +50,10 @@ class ClientRequestFlags:
     denoising_steps: int = same_as(RequestFlags, "denoising_steps")
     guidance_scale: float | None = same_as(RequestFlags, "guidance_scale")
     scheduler: str | None = flag("one of the CLI's schedulers (default: the server's)")
+    timestep_spacing: str | None = same_as(RequestFlags, "timestep_spacing")
+    karras_sigmas: bool | None = same_as(RequestFlags, "karras_sigmas")
+    eta: float | None = same_as(RequestFlags, "eta")
+    timesteps: tuple[int, ...] | None = same_as(RequestFlags, "timesteps")
     seed: int | None = same_as(RequestFlags, "seed")
 
 

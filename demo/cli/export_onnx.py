@@ -63,7 +63,7 @@ def export(flags) -> int:
 
     configure_library_logging(model.verbose)
     source = resolve_model(model.model, vae=model.vae, config=model.model_config,
-                           prediction_type=model.prediction_type)
+                           prediction_type=model.prediction_type, vae_precision=model.vae_precision)
     check_model_stages(source, stages)
     stages = stages or text_to_image_stages(source)
     plugins = parse_plugin_set(export_flags.plugins, family=source.family.tuned_key)
@@ -74,9 +74,9 @@ def export(flags) -> int:
     counts = {}
     for name in stages:
         start = time.perf_counter()
-        path = STAGE_MODELS[name](source).prepare_onnx(
-            onnx_dir, device, dtype, export_flags.force_onnx_export, export_flags.force_onnx_optimize, plugins=plugins
-        )
+        stage = STAGE_MODELS[name](source)
+        path = stage.prepare_onnx(onnx_dir, device, stage.stage_dtype(dtype), export_flags.force_onnx_export,
+                                  export_flags.force_onnx_optimize, plugins=plugins)  # in what the stage runs in
         size = artifact_bytes(path)
         report = read_pass_report(path)
         counts[name] = {key: {"replaced": report[key]["replaced"], "skipped": report[key]["skipped"]}

@@ -28,13 +28,13 @@ from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import COMPILE_MODES, TorchOptions
 from demo.request import DEFAULT_PROMPT, DEFAULT_STRENGTH, Request
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
-from demo.schedulers import SCHEDULERS
+from demo.schedulers import ETA, KARRAS_SIGMAS, SCHEDULERS, TAKER_OF, TIMESTEP_SPACING, TIMESTEP_SPACINGS, TIMESTEPS
 from models import shapes
-from models.builtin import BUILTIN_NAMES, CONTROLNET_NAMES, LORA_NAMES
+from models.builtin import BUILTIN_NAMES, BUILTIN_VAES, CONTROLNET_NAMES, LORA_NAMES
 from models.plugin_set import PLUGINS_HELP
 from models.single_file import PREDICTION_TYPES as SINGLE_FILE_PREDICTIONS
 from models.single_file import SD2_DEFAULT_PREDICTION
-from models.source import DEFAULT_GUIDANCE_SCALE
+from models.source import DEFAULT_GUIDANCE_SCALE, VAE_PRECISIONS
 from plugins.contract import CONVENTIONS
 
 Group = TypeVar("Group")
@@ -54,13 +54,16 @@ def summary(doc: str) -> str:
 
 
 def flag(help: str | Callable[[], str], default: Any = None, *, name: str | None = None, metavar: str | None = None,
-         choices: tuple | None = None, positional: bool = False, repeatable: bool = False) -> Any:
+         choices: tuple | None = None, positional: bool = False, repeatable: bool = False,
+         comma_separated: bool = False) -> Any:
     """A dataclass field that declares its flag: `--field-name` unless `name` says otherwise; booleans that
     default to False are switches, those that default to None take --x / --no-x; a `repeatable` one (a tuple,
-    default None) takes one value each time it is given. A callable `help` is called when the flag is declared
-    (for help that names what another module defines)."""
+    default None) takes one value each time it is given; a `comma_separated` one (a tuple) takes its values as one
+    argument, e.g. 999,749,499. A callable `help` is called when the flag is declared (for help that names what
+    another module defines)."""
     return field(default=default, metadata={"help": help, "name": name, "metavar": metavar, "choices": choices,
-                                            "positional": positional, "repeatable": repeatable})
+                                            "positional": positional, "repeatable": repeatable,
+                                            "comma_separated": comma_separated})
 
 
 def same_as(group: type, name: str) -> Any:
@@ -81,8 +84,11 @@ class ModelFlags:
     prediction_type: str | None = flag(f"with a single-file SD 2.x --model, which cannot tell: what its UNet predicts "
                                        f"(default: {SD2_DEFAULT_PREDICTION})", SPEC.prediction_type,
                                        choices=SINGLE_FILE_PREDICTIONS)
-    vae: str | None = flag("decode with another VAE: an AutoencoderKL folder, a model folder with one in vae/, or a "
-                           "single-file VAE .safetensors (default: the model's own)", SPEC.vae, metavar="PATH")
+    vae: str | None = flag("decode with another VAE: an AutoencoderKL or AutoencoderTiny folder, a model folder with "
+                           f"one in vae/, a single-file VAE .safetensors, or a built-in ({', '.join(BUILTIN_VAES)}) "
+                           "(default: the model's own)", SPEC.vae, metavar="PATH")
+    vae_precision: str | None = flag("what the VAE runs in (default: the pipeline's precision; fp32 where an SDXL "
+                                     "VAE overflows in fp16)", SPEC.vae_precision, choices=tuple(VAE_PRECISIONS))
     verbose: bool = flag("show library logs and build details", SPEC.verbose)
 
 
@@ -102,6 +108,18 @@ class RequestFlags:
                                         f"own: {shapes.GUIDANCE_SCALE:g} for shapes, {DEFAULT_GUIDANCE_SCALE:g} "
                                         "otherwise)", REQUEST.guidance_scale)
     scheduler: str | None = flag(f"one of {', '.join(SCHEDULERS)} (default: the model's own)", REQUEST.scheduler)
+    timestep_spacing: str | None = flag(f"{', '.join(TAKER_OF[TIMESTEP_SPACING])}: how the steps spread over the "
+                                        "training timesteps (trailing: from the noisiest, as few-step models want; "
+                                        "default: the model's scheduler config)", REQUEST.timestep_spacing,
+                                        choices=TIMESTEP_SPACINGS)
+    karras_sigmas: bool | None = flag(f"{', '.join(TAKER_OF[KARRAS_SIGMAS])}: Karras' noise levels (DPM++2M with them "
+                                      "is A1111's DPM++ 2M Karras; default: the model's scheduler config)",
+                                      REQUEST.karras_sigmas)
+    eta: float | None = flag(f"{', '.join(TAKER_OF[ETA])}: the noise each step adds back, 0..1 (TCD's gamma; "
+                             "default: 0, as diffusers' pipelines)", REQUEST.eta, metavar="F")
+    timesteps: tuple[int, ...] | None = flag(f"{', '.join(TAKER_OF[TIMESTEPS])}: exactly these timesteps, noisiest "
+                                             "first, e.g. 999,749,499,249 (DMD2, SDXL-Lightning); they set the step "
+                                             "count", REQUEST.timesteps, metavar="T,T,...", comma_separated=True)
     seed: int | None = flag("random seed (default: a random one, reported)", REQUEST.seed)
 
 
@@ -245,6 +263,17 @@ def _value_type(annotation: str | type) -> tuple[type, bool]:
     return hint, False
 
 
+def comma_separated(kind: type) -> Callable[[str], tuple]:
+    """argparse's type for a flag of values of `kind` given as one comma-separated argument."""
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(value) for value in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind.__name__}s separated by commas, got '{text}'") from None
+    parse.__name__ = f"comma-separated {kind.__name__}s"  # how argparse names the type in its message
+    return parse
+
+
 def option_name(item: dataclasses.Field) -> str:
     return item.metadata["name"] or "--" + item.name.replace("_", "-")
 
@@ -268,11 +297,13 @@ def add_flags(parser: argparse.ArgumentParser, group: type, title: str | None = 
         options: dict[str, Any] = {"help": help_text, "default": default, "dest": item.name}
         if kind is bool:
             options["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
+        elif meta["comma_separated"]:
+            options.update(type=comma_separated(kind), metavar=meta["metavar"])
         else:
             options.update(type=kind, metavar=meta["metavar"], choices=meta["choices"])
         if meta["repeatable"]:
             options["action"] = "append"
-        elif several:
+        elif several and not meta["comma_separated"]:
             options["nargs"] = "+" if item.name in required else "*"
         if meta["positional"]:
             del options["dest"]
@@ -332,6 +363,8 @@ def to_argv(settings: Any) -> list[str]:
         if value == item.default:
             continue
         values = [str(v) for v in value] if isinstance(value, tuple) else [str(value)]
+        if item.metadata["comma_separated"]:
+            values = [",".join(values)]
         if item.metadata["positional"]:
             argv += values
         elif isinstance(value, bool):

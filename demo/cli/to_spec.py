@@ -65,7 +65,7 @@ def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
     if ModelFlags in flags:
         model = flags[ModelFlags]
         values.update(model=model.model, model_config=model.model_config, prediction_type=model.prediction_type,
-                      vae=model.vae, verbose=model.verbose)
+                      vae=model.vae, vae_precision=model.vae_precision, verbose=model.verbose)
     if DemoFlags in flags:
         values["backend"] = flags[DemoFlags].backend
     if EngineFlags in flags:

@@ -39,14 +39,12 @@ class Image2ImagePipeline(Text2ImagePipeline):
         return preprocess(self.image_processor, batch.head.image, batch.head.height, batch.head.width, self.device)
 
     def encode_image(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """The latents of images in [-1, 1] (fp32): the VAE encoder stage's Gaussian, in the stage's dtype (fp32 where
-        an SDXL config says force_upcast), sampled from `generator` as diffusers samples it, times the scaling
-        factor."""
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
+        """The latents of images in [-1, 1] (fp32): the VAE encoder stage's output, in the stage's dtype (fp32 where
+        an SDXL config says force_upcast), as latents as diffusers takes them (an AutoencoderKL's Gaussian sampled
+        from `generator`: VAEEncoderModel.latents), times the scaling factor."""
         encoder = self.stage(VAEEncoderModel)
-        moments = encoder.call(images.to(device=self.device, dtype=encoder.model.stage_dtype(self.dtype)))
-        return DiagonalGaussianDistribution(moments.float()).sample(generator) * self.scaling_factor
+        encoded = encoder.call(images.to(device=self.device, dtype=encoder.model.stage_dtype(self.dtype)))
+        return encoder.model.latents(encoded, generator) * self.scaling_factor
 
     def prepare_latents(self, batch, generator, timesteps):
         """The input image's latents, repeated for the batch, noised to the first timestep by noise drawn after
@@ -102,8 +100,9 @@ class InpaintPipeline(Image2ImagePipeline):
             self.masking = MaskLatents(latent_mask, torch.cat([extra] * 2) if batch.head.guided else extra, None, noise)
         else:
             # diffusers encodes the masked image for an ordinary UNet too, which never sees it: its sample is drawn
-            # all the same, so that later draws (a stochastic scheduler's) match.
-            self.noise((1, *shape[1:]), generator)
+            # all the same (where the VAE draws one), so that later draws (a stochastic scheduler's) match.
+            if self.stage(VAEEncoderModel).model.draws_sample:
+                self.noise((1, *shape[1:]), generator)
             self.masking = MaskLatents(latent_mask, None, image_latents, noise)
         return latents
 

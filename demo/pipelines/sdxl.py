@@ -82,8 +82,9 @@ class ExpertsPipeline:
         start = len(refiner) - int((refiner < cutoff).sum())
         return base[base >= cutoff], refiner[start:], start
 
-    def unet_calls(self, steps: int, strength: float = 1.0) -> int:
-        """As Text2ImagePipeline.unet_calls (an ensemble runs text-to-image only: `strength` is 1)."""
+    def unet_calls(self, steps: int, strength: float = 1.0, explicit: Sequence[int] | None = None) -> int:
+        """As Text2ImagePipeline.unet_calls (an ensemble runs text-to-image only, from `steps`: `strength` is 1 and
+        `explicit` timesteps None, as PipelinePlan.check requires)."""
         return sum(self.unet_calls_each(steps))
 
     def unet_calls_each(self, steps: int) -> tuple[int, int]:

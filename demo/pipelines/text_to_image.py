@@ -62,18 +62,23 @@ class Text2ImagePipeline:
     def stage(self, model: type[StageModel]) -> Stage:
         return self.stages[model.name]
 
-    def timesteps(self, steps: int, strength: float = 1.0) -> torch.Tensor:
-        """Sets the scheduler's timesteps for `steps` and returns those a run denoises: the last `strength` of them
-        (text-to-image: all), as diffusers' image-to-image pipelines pick them."""
-        self.scheduler.set_timesteps(steps, device=self.device)
+    def timesteps(self, steps: int, strength: float = 1.0, explicit: Sequence[int] | None = None) -> torch.Tensor:
+        """Sets the scheduler's timesteps for `steps` (or the `explicit` ones, as many) and returns those a run
+        denoises: the last `strength` of them (text-to-image: all), as diffusers' image-to-image pipelines pick them."""
+        if explicit is None:
+            self.scheduler.set_timesteps(steps, device=self.device)
+        else:  # as diffusers' retrieve_timesteps
+            self.scheduler.set_timesteps(timesteps=list(explicit), device=self.device)
+            steps = len(self.scheduler.timesteps)
         start = (steps - min(int(steps * strength), steps)) * self.scheduler.order
         if hasattr(self.scheduler, "set_begin_index"):
             self.scheduler.set_begin_index(start)
         return self.scheduler.timesteps[start:]
 
-    def unet_calls(self, steps: int, strength: float = 1.0) -> int:
-        """How many times the UNet runs for `steps` (some schedulers take extra warm-up steps) at `strength`."""
-        return len(self.timesteps(steps, strength))
+    def unet_calls(self, steps: int, strength: float = 1.0, explicit: Sequence[int] | None = None) -> int:
+        """How many times the UNet runs for `steps` (or the `explicit` timesteps; some schedulers take extra warm-up
+        steps) at `strength`."""
+        return len(self.timesteps(steps, strength, explicit))
 
     def set_loras(self, loras: Sequence[LoraSpec]) -> float | None:
         """Fuse LoRA files, (path, scale) each, added up, into the UNet and text encoders in place of those set
@@ -101,12 +106,13 @@ class Text2ImagePipeline:
         negatives = batch.negative_prompts or [""] * batch.batch_size
         return (negatives + batch.prompts) if batch.head.guided else batch.prompts
 
-    def _step_kwargs(self, generator: torch.Generator) -> dict:
-        # As diffusers does: stochastic schedulers (e.g. Euler ancestral) draw from the same generator.
+    def _step_kwargs(self, generator: torch.Generator, eta: float | None) -> dict:
+        # As diffusers does: stochastic schedulers (e.g. Euler ancestral) draw from the same generator; eta, where the
+        # step takes it, is the request's, else diffusers' pipelines' 0.
         accepted = inspect.signature(self.scheduler.step).parameters
         kwargs = {}
         if "eta" in accepted:
-            kwargs["eta"] = 0.0
+            kwargs["eta"] = 0.0 if eta is None else eta
         if "generator" in accepted:
             kwargs["generator"] = generator
         return kwargs
@@ -171,7 +177,7 @@ class Text2ImagePipeline:
         """The scheduler's loop over `timesteps`, guided as the request is (classifier-free: both halves in one batch;
         embedded: the scale's embedding beside the text); `conditioning` as encode_prompt gives it."""
         unet, shallow = self.stage(UNetModel), self.stages.get(UNetShallowModel.name)
-        step_kwargs = self._step_kwargs(generator)
+        step_kwargs = self._step_kwargs(generator, batch.head.eta)
         guidance = self.guidance_embedding(batch)
         features = None
         # The scheduler steps on the host's copy of the timesteps: DDIM and PNDM index host tables with the timestep
@@ -219,7 +225,7 @@ class Text2ImagePipeline:
             with timer.measure("clip"):
                 conditioning = self.encode_prompt(batch)
             generator = batch.generator()
-            timesteps = self.timesteps(batch.head.denoising_steps, batch.strength)
+            timesteps = self.timesteps(batch.head.denoising_steps, batch.strength, batch.head.timesteps)
             with timer.measure("vae_encoder") if self.encodes_image else contextlib.nullcontext():
                 latents = self.prepare_latents(batch, generator, timesteps)
             with timer.measure("unet"):

@@ -21,7 +21,6 @@ from demo.pipelines.lora import LoraSpec
 from demo.pipelines.timer import StageTimer, timed_runs
 from demo.request import TEXT_TO_IMAGE, Request, request_fields
 from demo.runtime.report import LatencyReport, device_name, library_versions, precision_name
-from demo.schedulers import make_scheduler
 from models.lora import LoraFile, read_lora
 
 
@@ -93,7 +92,7 @@ class Pipeline:
         self.device, self.dtype, self.backend = plan.device, plan.dtype, plan.backend
         self.loras: list[tuple[LoraFile, float]] = []  # applied now
         self.lora_refit_ms: float | None = None  # what applying them took, where engines were refitted
-        self._schedulers: dict[tuple[int, str], object] = {}  # (family pipeline, name) -> its scheduler
+        self._schedulers: dict[tuple[int, tuple], object] = {}  # (family pipeline, scheduler key) -> scheduler
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         self.stages, self.refiner_stages = {}, {}
         try:
@@ -181,16 +180,16 @@ class Pipeline:
         family = self.family(requests[0].mode)
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
-            self._use_scheduler(family, requests[0].scheduler)
+            self._use_scheduler(family, requests[0])
             return family(requests, timer or StageTimer(self.device), progress, pixels)
 
-    def _use_scheduler(self, family, name: str) -> None:
-        """The request's scheduler on the family's pipelines (a refiner's too), one object per name: a call sets its
-        timesteps anew."""
+    def _use_scheduler(self, family, request: Request) -> None:
+        """The request's scheduler on the family's pipelines (a refiner's too), one object per name and options
+        (Request.scheduler_key): a call sets its timesteps anew."""
         for pipeline in (family.base, family.refiner) if isinstance(family, ExpertsPipeline) else (family,):
-            key = (id(pipeline), name)
+            key = (id(pipeline), request.scheduler_key)
             if key not in self._schedulers:
-                self._schedulers[key] = make_scheduler(name, pipeline.source)
+                self._schedulers[key] = request.make_scheduler(pipeline.source)
             pipeline.scheduler = self._schedulers[key]
 
     @serialised
@@ -204,14 +203,15 @@ class Pipeline:
     def unet_calls(self, request: Request) -> int:
         """How many times the UNet runs for a resolved request (some schedulers take extra warm-up steps)."""
         family = self.family(request.mode)
-        self._use_scheduler(family, request.scheduler)
-        return family.unet_calls(request.denoising_steps, 1.0 if request.strength is None else request.strength)
+        self._use_scheduler(family, request)
+        return family.unet_calls(request.denoising_steps, 1.0 if request.strength is None else request.strength,
+                                 request.timesteps)
 
     @serialised
     def refiner_unet_calls(self, request: Request) -> int:
         """The refiner's part of unet_calls (a pipeline with a refiner)."""
         family = self.family(request.mode)
-        self._use_scheduler(family, request.scheduler)
+        self._use_scheduler(family, request)
         return family.unet_calls_each(request.denoising_steps)[1]
 
     @serialised
@@ -248,6 +248,7 @@ class Pipeline:
             plugins=list(described.plugins), options=list(described.options), options_reason=plan.base.reason,
             cache_interval=plan.spec.cache_interval, cache_branch=plan.spec.cached_branch,
             strength=None if request.mode == TEXT_TO_IMAGE else request.strength,
+            scheduler_options=request.scheduler_options,
             high_noise_frac=None if plan.refiner is None else plan.spec.high_noise_frac,
             refiner_unet_calls=None if plan.refiner is None else self.refiner_unet_calls(request),
             loras=[{"path": lora.path, "scale": scale} for lora, scale in self.loras],

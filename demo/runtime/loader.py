@@ -65,7 +65,8 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     if spec.loras:
         backend.check_loras(spec_options(spec, backend))
     loras = [(read_lora(path), scale) for path, scale in spec.loras]
-    source = resolve_model(spec.model, vae=spec.vae, config=spec.model_config, prediction_type=spec.prediction_type)
+    source = resolve_model(spec.model, vae=spec.vae, config=spec.model_config, prediction_type=spec.prediction_type,
+                           vae_precision=spec.vae_precision)
     check_family_features(spec, source)
     if spec.cache_branch != PipelineSpec.cache_branch:  # a branch the UNet lacks is wrong, the cache on or not
         Branches.of(source.denoiser_config).check(spec.cache_branch)
@@ -160,7 +161,7 @@ def resolve_refiner(spec: PipelineSpec, source: ModelSource, modes) -> ModelSour
     if not 0 < spec.high_noise_frac < 1:
         raise UsageError(f"{field('high_noise_frac')} must be between 0 and 1 (both excluded), got "
                          f"{spec.high_noise_frac}")
-    refiner = resolve_model(spec.refiner, given="refiner")
+    refiner = resolve_model(spec.refiner, given="refiner", vae_precision=spec.vae_precision)  # its VAE decodes
     if refiner.family is not source.family or not refiner.family.can_refine(refiner.components):
         raise UsageError(f"{field('refiner')} {spec.refiner} is not an {source.family.label} model that refines (its "
                          f"model_index.json names {refiner.index.get('_class_name')})")

@@ -16,7 +16,7 @@ from demo.request import Request
 from demo.runtime.loaded import Pipeline
 from demo.runtime.memory import check_memory
 from demo.runtime.spec import PipelineSpec
-from demo.schedulers import check_steps, make_scheduler
+from demo.schedulers import check_steps
 from models.base import StageModel
 from models.source import ModelSource
 
@@ -84,8 +84,10 @@ class PipelinePlan:
             raise UsageError(f"this pipeline runs {', '.join(self.modes)}, not {request.mode}: load it with that "
                              f"among its {field('modes')}")
         if self.refiner is not None:
-            check_steps(make_scheduler(request.scheduler, self.refiner.source), request.scheduler,
-                        request.denoising_steps)
+            if request.timesteps is not None:  # the ensemble splits the schedule of a step count between its experts
+                raise UsageError(f"{field('timesteps')}: a pipeline with a refiner splits the schedule of "
+                                 f"{field('denoising_steps')}; give that instead")
+            check_steps(request.make_scheduler(self.refiner.source), request.scheduler, request.denoising_steps)
         self.backend.check_request(self.base.settings_of(self.base.denoiser), self.source, request)
         check_control_images(request, self.spec)
 

@@ -40,6 +40,9 @@ class LatencyReport:
     input_image: str | None = None  # image-to-image and inpainting: the files given, and the strength
     mask_image: str | None = None
     strength: float | None = None
+    # the scheduler options the request set (demo.schedulers.SCHEDULER_OPTIONS: spacing, Karras sigmas, eta,
+    # timesteps); those it left out are the model's scheduler config's
+    scheduler_options: dict = field(default_factory=dict)
     high_noise_frac: float | None = None  # with an SDXL refiner: the part of the schedule the base denoised
     refiner_unet_calls: int | None = None  # with a refiner: its part of unet_calls (latency_ms splits the same way)
     cache_interval: int = 1  # the step cache: every Nth UNet call ran whole, the others the shallow pass (1: none)

@@ -19,6 +19,7 @@ from demo.schedulers import scheduler_named
 from models import check_stage_names
 from models.families import FAMILIES
 from models.single_file import PREDICTION_TYPES as SINGLE_FILE_PREDICTIONS
+from models.source import VAE_PRECISIONS
 
 # auto: the backend's own (engines fp16; torch fp16 on a GPU, fp32 on a CPU); else what some family runs in (a model
 # of another family is refused in one line: models.families Family.check_precision)
@@ -47,7 +48,11 @@ class PipelineSpec:
     model: str = "tiny"  # a built-in (models.builtin), a diffusers-format folder, a single file, or a hub id
     model_config: str | None = None  # a single-file model's configs: a diffusers folder (None: the built-in ones)
     prediction_type: str | None = None  # a single-file SD 2.x model's (None: models.single_file's default)
-    vae: str | None = None  # another VAE: an AutoencoderKL folder, a model folder with one in vae/, or a single file
+    # another VAE: an AutoencoderKL or AutoencoderTiny folder, a model folder with one in vae/, a single file, or a
+    # built-in's name (models.builtin.BUILTIN_VAES)
+    vae: str | None = None
+    # what the VAE stages run in, one of VAE_PRECISIONS (None: the pipeline's precision, fp32 where the family upcasts)
+    vae_precision: str | None = None
     backend: str = AUTO  # demo.backends.BACKENDS
     precision: str = "auto"  # PRECISIONS
     plugins: str = AUTO  # our kernels: none, all, a comma list of plugin keys, or auto (the tuned defaults)
@@ -96,6 +101,9 @@ class PipelineSpec:
                              f"'{self.prediction_type}'")
         if self.precision not in PRECISIONS:
             raise UsageError(f"{field('precision')} must be one of {', '.join(PRECISIONS)}, got '{self.precision}'")
+        if self.vae_precision is not None and self.vae_precision not in VAE_PRECISIONS:
+            raise UsageError(f"{field('vae_precision')} must be one of {', '.join(VAE_PRECISIONS)}, got "
+                             f"'{self.vae_precision}'")
         if self.scheduler is not None:
             scheduler_named(self.scheduler)
         at_least("batch_size", self.batch_size, 1)
@@ -135,8 +143,8 @@ def reference_spec(spec: PipelineSpec) -> PipelineSpec:
     """The spec's model, sizes and modes on the reference backend as diffusers runs it: its own torch modules, no
     kernels, CUDA graphs or compiling, no LoRA files or refiner; its ControlNets (diffusers' pipeline has them)."""
     return PipelineSpec(model=spec.model, model_config=spec.model_config, prediction_type=spec.prediction_type,
-                        vae=spec.vae, backend=REFERENCE_BACKEND, precision=spec.precision,
-                        controlnets=spec.controlnets,
+                        vae=spec.vae, vae_precision=spec.vae_precision, backend=REFERENCE_BACKEND,
+                        precision=spec.precision, controlnets=spec.controlnets,
                         plugins="none", use_cuda_graph=False, torch=TorchOptions(channels_last=False, compile="none"),
                         modes=spec.modes, scheduler=spec.scheduler, height=spec.height, width=spec.width,
                         batch_size=spec.batch_size, max_batch_size=spec.max_batch_size, guided=spec.guided,

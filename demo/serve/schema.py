@@ -39,6 +39,10 @@ INPUTS = (
     Input("height", np.int32, "height"),
     Input("width", np.int32, "width"),
     Input("scheduler", np.bytes_, "scheduler"),
+    Input("timestep_spacing", np.bytes_, "timestep_spacing"),
+    Input("karras_sigmas", np.bool_, "karras_sigmas"),
+    Input("eta", np.float32, "eta"),
+    Input("timesteps", np.int32, "timesteps", shape=(-1,)),  # noisiest first
     Input("image", np.uint8, "image", optional=False, shape=(-1, -1, 3), modes=IMAGE_MODES),  # RGB
     Input("mask", np.uint8, "mask", optional=False, shape=(-1, -1), modes=(INPAINTING,)),  # white: repaint
     Input("strength", np.float32, "strength", modes=IMAGE_MODES),
@@ -79,9 +83,11 @@ def check_shape(item: Input, array: np.ndarray) -> None:
     expected = (1, *item.shape)
     if (array.ndim != len(expected) or any(want not in (-1, got) for got, want in zip(array.shape, expected))
             or array.size == 0):  # several images in one request, or none
-        shape = ", ".join("HW"[i - 1] if want == -1 else str(want) for i, want in enumerate(expected))
-        raise RequestRejected(f"{item.name}: one {'value' if item.shape == (1,) else 'image'} per request (shape "
-                              f"[{shape}]), got shape {list(array.shape)}")
+        kind = {(1,): "value", (-1,): "list"}.get(item.shape, "image")
+        sizes = "N" if kind == "list" else "HW"  # what each free dimension counts
+        shape = ", ".join(sizes[i - 1] if want == -1 else str(want) for i, want in enumerate(expected))
+        raise RequestRejected(f"{item.name}: one {kind} per request (shape [{shape}]), got shape "
+                              f"{list(array.shape)}")
 
 
 def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) -> Request:
@@ -100,6 +106,9 @@ def parse_request(data: dict[str, np.ndarray], plan, mode: str = TEXT_TO_IMAGE) 
         if array is None:
             if not item.optional:
                 raise RequestRejected(f"{item.name}: required")
+            continue
+        if item.shape == (-1,):  # a list of values
+            values[item.field] = tuple(array[0].tolist())
             continue
         if item.shape != (1,):
             image = Image.fromarray(array[0])  # RGB, or a grayscale mask

@@ -21,6 +21,8 @@ CLASSIFIER_FREE = "classifier-free"  # two halves a step, the unconditional and 
 EMBEDDED = "embedded"  # the scale goes in as an embedding of the denoiser's (LCM's time_cond_proj_dim): one half
 NO_GUIDANCE = "none"  # one half, no scale (also what classifier-free guidance becomes at a scale of 1 or below)
 GUIDANCE_KINDS = (CLASSIFIER_FREE, EMBEDDED, NO_GUIDANCE)
+# The denoiser config's key for the width of its guidance-scale embedding (EMBEDDED: LCM's UNets)
+GUIDANCE_EMBEDDING_KEY = "time_cond_proj_dim"
 
 # What a request does, from the images it brings (demo.request): each family runs some of these modes.
 TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING = "text-to-image", "image-to-image", "inpainting"
@@ -78,11 +80,11 @@ class Family:
     def guidance(self, denoiser_config: dict) -> str:
         """The model's guidance kind (GUIDANCE_KINDS): embedded where its denoiser embeds the scale (diffusers'
         pipelines then skip the unconditional half), else classifier-free."""
-        return EMBEDDED if denoiser_config.get("time_cond_proj_dim") else CLASSIFIER_FREE
+        return EMBEDDED if denoiser_config.get(GUIDANCE_EMBEDDING_KEY) else CLASSIFIER_FREE
 
     def guidance_embedding_width(self, denoiser_config: dict) -> int | None:
         """The width of the guidance scale's embedding the denoiser takes (`timestep_cond`; None: it takes none)."""
-        return denoiser_config.get("time_cond_proj_dim") or None
+        return denoiser_config.get(GUIDANCE_EMBEDDING_KEY) or None
 
     def fp16_runs_fp32(self, component: str, config: dict) -> bool:
         """Whether a stage of `component` (its `config`) runs in fp32 when the pipeline runs in fp16 (the stage's own

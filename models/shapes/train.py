@@ -8,8 +8,8 @@ sometimes empty, so that classifier-free guidance works), and a LoRA on the froz
 of filled shapes. DIR receives `shapes/` (a diffusers folder, fp16 safetensors), `shapes-outline.safetensors` (the
 LoRA, diffusers/PEFT keys) and `training.json` (steps, losses, times, a first accuracy reading by the detector).
 To ship a new training, they replace models/shapes/model, outline.safetensors and training.json, and weights.sha256
-is written again (`cd models/shapes && (find model controlnet -type f | sort; echo outline.safetensors) | xargs
-sha256sum > weights.sha256`).
+is written again (`cd models/shapes && (find model controlnet -type f; echo outline.safetensors; echo lcm.safetensors)
+| sort | xargs sha256sum > weights.sha256`).
 """
 
 from __future__ import annotations
@@ -278,23 +278,32 @@ class LoraLinear(torch.nn.Module):
         return self.base(x) + self.up(self.down(x))
 
 
-def lora_layers(unet) -> dict[str, torch.nn.Module]:
-    """The UNet modules the outline LoRA adapts: the transformers' projections and feed-forwards, and the
-    ResNets' 3x3 convolutions (a filled shape becoming an outline is a spatial change)."""
-    names = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "conv1", "conv2")
+# The UNet modules the outline LoRA adapts: the transformers' projections and feed-forwards, and the ResNets' 3x3
+# convolutions (a filled shape becoming an outline is a spatial change).
+OUTLINE_LAYERS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "conv1", "conv2")
+
+
+def lora_layers(unet, names: tuple[str, ...] = OUTLINE_LAYERS) -> dict[str, torch.nn.Module]:
+    """The UNet's Linear and Conv2d modules whose paths end in one of `names`."""
     return {name: module for name, module in unet.named_modules()
             if name.endswith(names) and isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))}
 
 
-def train_lora(unet, text, vae, tok, device, steps: int, batch: int, seed: int, dataset: int):
-    for p in [*unet.parameters(), *text.parameters()]:
-        p.requires_grad_(False)
+def attach_lora(unet, rank: int, device, names: tuple[str, ...] = OUTLINE_LAYERS) -> dict[str, LoraLinear]:
+    """LoraLinear adapters of `rank` in place of the UNet's `names` layers, by path; the UNet's own weights frozen."""
+    unet.requires_grad_(False)
     adapters = {}
-    for name, module in lora_layers(unet).items():
+    for name, module in lora_layers(unet, names).items():
         parent, _, child = name.rpartition(".")
-        adapter = LoraLinear(module, LORA_RANK).to(device)
+        adapter = LoraLinear(module, rank).to(device)
         setattr(unet.get_submodule(parent), child, adapter)
         adapters[name] = adapter
+    return adapters
+
+
+def train_lora(unet, text, vae, tok, device, steps: int, batch: int, seed: int, dataset: int):
+    text.requires_grad_(False)
+    adapters = attach_lora(unet, LORA_RANK, device)
     params = [p for a in adapters.values() for p in (a.down.weight, a.up.weight)]
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, steps, 100))
@@ -328,8 +337,8 @@ def remove_lora(unet, adapters: dict) -> None:
         setattr(unet.get_submodule(parent), child, adapter.base)
 
 
-def read_back(pipe, count: int, seed: int, device, guidance: float, lora: bool = False) -> dict:
-    """A first reading of what the model draws (30 steps of its scheduler): the detector's accuracy on `count`
+def read_back(pipe, count: int, seed: int, device, guidance: float, lora: bool = False, steps: int = 30) -> dict:
+    """A first reading of what the model draws (`steps` of its scheduler): the detector's accuracy on `count`
     random scenes. sd-quality is the yardstick; this only tells the training run how it went."""
     rng = random.Random(seed)
     scenes = [random_scene(rng) for _ in range(count)]
@@ -337,8 +346,8 @@ def read_back(pipe, count: int, seed: int, device, guidance: float, lora: bool =
     for start in range(0, count, 50):
         chunk = scenes[start:start + 50]
         generator = torch.Generator(device).manual_seed(seed + start)
-        images = pipe([s.prompt for s in chunk], num_inference_steps=30, guidance_scale=guidance, generator=generator,
-                      height=128, width=128).images
+        images = pipe([s.prompt for s in chunk], num_inference_steps=steps, guidance_scale=guidance,
+                      generator=generator, height=128, width=128).images
         for scene, image in zip(chunk, images):
             reading = read_image(image)
             right = {a: getattr(reading, a) == getattr(scene, a) for a in ATTRIBUTES}
@@ -394,10 +403,15 @@ def start_training(parser: argparse.ArgumentParser, argv, counts: tuple[str, ...
     if device.type == "cpu":
         print("[train] no CUDA GPU: training on the CPU takes many hours at the default sizes", flush=True)
     start = time.monotonic()
-    record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    record = run_record(args, device)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return args, device, start, start + 60 * args.minutes, record
+
+
+def run_record(args: argparse.Namespace, device: torch.device) -> dict:
+    """What a training record starts with: the device it ran on, torch's version and the flags."""
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,8 @@ never by comparing version numbers at the call sites:
   `set_device_memory(ptr, size)`); before that, `create_execution_context_without_device_memory()`,
   `device_memory_size` and `context.device_memory = ptr`;
 - build progress monitors (10.0+); before that the builder is silent and we report elapsed time ourselves;
-- target compute capabilities (TensorRT for RTX).
+- target compute capabilities (TensorRT for RTX);
+- bf16 (10.0+, strongly typed): a VAE in bf16 (--vae-precision bf16) builds there only.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class TensorRTAPI:
         self.user_managed_memory = hasattr(trt, "ExecutionContextAllocationStrategy")
         self.progress_monitor = hasattr(trt, "IProgressMonitor")
         self.compute_capability_targets = hasattr(trt, "ComputeCapability")
+        # bf16 engines come from strongly typed networks of bf16 ONNX (10.0+); 8.6 has no bf16 at all
+        self.bfloat16 = self.strongly_typed and hasattr(trt.DataType, "BF16")
 
     @property
     def label(self) -> str:

@@ -64,6 +64,9 @@ def engine_settings(options: EngineOptions, source: ModelSource, flavour: str, w
                          disabled_tactic_sources=disabled, enabled_tactic_sources=enabled,
                          refit=options.build_enable_refit)
     api = TensorRTAPI(flavour)
+    if source.vae_precision == "bf16" and not api.bfloat16:
+        raise UsageError(f"{field('vae_precision')} bf16: {api.label} builds no bf16 engines (TensorRT 10 and newer "
+                         f"do); use {field('vae_precision')} fp32, or {field('backend')} torch")
     build_targets(build, api)  # a target or tactic source the flavour lacks fails before any export
     api.check_tactic_sources((*enabled, *disabled))
     # Unset, graphs replay engines whose shapes are all static: there a graph saves the launches and costs nothing.

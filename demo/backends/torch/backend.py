@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 
+from core.errors import UsageError, field
 from demo.backends import TORCH
 from demo.backends.base import Backend, Capabilities, Description
 from demo.backends.torch.options import TorchOptions
@@ -21,6 +22,16 @@ def accel_options(settings: TorchSettings) -> tuple[str, ...]:
     return tuple(options + ([f"compile {settings.compile}"] if settings.compile != "none" else []))
 
 
+def check_bf16_gpu(device: torch.device) -> None:
+    """A UsageError where the GPU has no bf16 kernels (before Ampere, compute capability 8.0, as
+    torch.cuda.is_bf16_supported(including_emulation=False) tells it) for a VAE asked to run in bf16."""
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        raise UsageError(f"{field('vae_precision')} bf16: this GPU (compute capability "
+                         f"{capability[0]}.{capability[1]}) has no bf16 kernels (Ampere and newer have); use "
+                         f"{field('vae_precision')} fp32")
+
+
 class TorchBackend(Backend):
     name = TORCH
     capabilities = Capabilities(artifacts=False, refit=False, cuda_graphs=True, layer_timings=False, cpu=True)
@@ -34,6 +45,8 @@ class TorchBackend(Backend):
 
     def settings(self, source, options: TorchOptions, plugins, use_cuda_graph, workload, device, dtype,
                  record_activations=None):
+        if source.vae_precision == "bf16" and device.type == "cuda":
+            check_bf16_gpu(device)
         settings, source_text = resolve_torch_settings(plugins, options.channels_last, use_cuda_graph, options.compile,
                                                        device, family=source.family.tuned_key)
         return planted_settings(settings, source_text, plugins)  # test-only faults, from the environment alone
