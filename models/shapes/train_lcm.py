@@ -55,7 +55,7 @@ WARMUP_STEPS = 100
 AUTOCAST_DTYPE = torch.float16
 STUDENT_STEPS, TEACHER_STEPS = 4, 30  # what the LoRA is for, and what it is measured against
 # The LoRA's readings: at its steps, and at 1, where LCMScheduler without it draws the blurred mean of what a prompt
-# allows (at 4 the sampler alone draws shapes' full prompts about as well as the teacher: 97% exact of 100, CPU).
+# allows (at 4 the sampler alone draws shapes' full prompts as well as the teacher: lcm-training.json, 99.5% exact).
 READ_BACK_STEPS = (1, STUDENT_STEPS)
 
 
