@@ -70,9 +70,14 @@ def make_scheduler(name: str, source, timestep_spacing: str | None = None, karra
     a request's timestep spacing and Karras sigmas in place of the config's where given."""
     import diffusers
 
-    overrides = {key: value for key, value in (("timestep_spacing", timestep_spacing),
-                                               ("use_karras_sigmas", karras_sigmas)) if value is not None}
-    return getattr(diffusers, SCHEDULERS[scheduler_named(name)]).from_config(source.config("scheduler"), **overrides)
+    return getattr(diffusers, SCHEDULERS[scheduler_named(name)]).from_config(
+        source.config("scheduler"), **config_overrides(timestep_spacing, karras_sigmas))
+
+
+def config_overrides(timestep_spacing: str | None, karras_sigmas: bool | None) -> dict:
+    """A request's spacing and Karras sigmas as diffusers' scheduler config names them (those given)."""
+    return {key: value for key, value in (("timestep_spacing", timestep_spacing),
+                                          ("use_karras_sigmas", karras_sigmas)) if value is not None}
 
 
 def _distinct_timesteps(scheduler, steps: int) -> int:

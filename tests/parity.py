@@ -14,7 +14,7 @@ from demo.backends.torch.settings import FALLBACK
 from demo.pipelines import StageTimer, make_pipeline, to_uint8
 from demo.pipelines.images import preprocess
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, Request
-from demo.schedulers import SCHEDULERS, make_scheduler
+from demo.schedulers import SCHEDULERS, config_overrides, make_scheduler
 from models import STAGE_MODELS, text_to_image_stages
 
 CPU = torch.device("cpu")
@@ -55,8 +55,7 @@ def diffusers_images(source, scheduler: str, request: Request, **components) -> 
     pixels."""
     reference = getattr(diffusers, source.family.diffusers_pipeline(request.mode))
     ref = reference.from_pretrained(source.path, **source.family.diffusers_options, **components)
-    overrides = {key: value for key, value in (("timestep_spacing", request.timestep_spacing),
-                                               ("use_karras_sigmas", request.karras_sigmas)) if value is not None}
+    overrides = config_overrides(request.timestep_spacing, request.karras_sigmas)
     ref.scheduler = getattr(diffusers, SCHEDULERS[scheduler]).from_config(ref.scheduler.config, **overrides)
     ref.set_progress_bar_config(disable=True)
     inputs = dict(height=request.height, width=request.width)
