@@ -42,7 +42,7 @@ class LoadFlags:
     sizes: str | None = flag("request sizes in turn, e.g. 512x512,768x512 (height x width; default: the server's)",
                              metavar="HxW,...")
     prompt: str = same_as(RequestFlags, "prompt")
-    denoising_steps: int = same_as(RequestFlags, "denoising_steps")
+    denoising_steps: int | None = same_as(RequestFlags, "denoising_steps")
     guidance_scale: float | None = same_as(RequestFlags, "guidance_scale")
     seed: int = flag("request i gets seed SEED + i (default: %(default)s)", 0)
     # Not results/: that is the curated archive, which a run adds to only when asked to.

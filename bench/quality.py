@@ -143,7 +143,9 @@ class RenderFlags:
     """How every case renders: demo-diffusion's request flags, less what the set decides (prompt, seed, size)."""
 
     negative_prompt: str | None = same_as(RequestFlags, "negative_prompt")
-    denoising_steps: int = same_as(RequestFlags, "denoising_steps")
+    # its own default, not what a model or LoRA recommends: the yardstick's readings are of this many steps
+    denoising_steps: int = flag("scheduler steps (default: %(default)s, whatever the model or LoRA recommends)",
+                                DEFAULT_STEPS)
     guidance_scale: float | None = same_as(RequestFlags, "guidance_scale")
     scheduler: str | None = same_as(RequestFlags, "scheduler")
     timestep_spacing: str | None = same_as(RequestFlags, "timestep_spacing")
@@ -162,7 +164,7 @@ def build_parser() -> Parser:
     p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ModelFlags, model="shapes")
     add_flags(p, QualityFlags, "the cases and the outputs")
-    add_flags(p, RenderFlags, "rendering", denoising_steps=DEFAULT_STEPS)
+    add_flags(p, RenderFlags, "rendering")
     add_flags(p, LoraFlags, "LoRA")
     add_flags(p, ControlNetFlags, "ControlNet", description="with --controlnet, the text-to-image cases alone, each "
               "prompted without its position and steered by its shape's silhouette")

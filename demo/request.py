@@ -12,21 +12,24 @@ import math
 import os
 import random
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from core.errors import UsageError, at_least, field
 from core.typed import check_field_types
 from demo.schedulers import (
     SCHEDULER_OPTIONS,
+    SCHEDULERS,
     check_option_values,
     check_options,
     check_steps,
     check_timesteps_in_range,
     default_scheduler_name,
+    default_steps,
     make_scheduler,
     scheduler_named,
 )
 from models.families import CLASSIFIER_FREE, EMBEDDED, IMAGE_TO_IMAGE, INPAINTING, MODES, NO_GUIDANCE, TEXT_TO_IMAGE
+from models.recommended import SETTINGS, Recommended, first_saying
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -78,9 +81,12 @@ class Request:
     batch_size: int = 1
     height: int | None = None  # None: the input image's own size, else the model's native size
     width: int | None = None
-    denoising_steps: int = 50
-    guidance_scale: float | None = None  # None: the model's own; <= 1: no classifier-free guidance
-    scheduler: str | None = None  # None: the model's own (demo.schedulers.SCHEDULERS)
+    # None leaves each of these three to what a LoRA, then the model, recommends (models.recommended), else to the
+    # toolkit's defaults: the scheduler's step count (demo.schedulers.default_steps), the model's guidance scale and
+    # its scheduler. A guidance scale of 1 or below: no classifier-free guidance.
+    denoising_steps: int | None = None
+    guidance_scale: float | None = None
+    scheduler: str | None = None  # demo.schedulers.SCHEDULERS' names
     # The scheduler's options (demo.schedulers.TAKES says which each takes); None leaves each to the model's scheduler
     # config (spacing: leading, linspace or trailing; Karras sigmas) or to diffusers' pipelines (eta 0; the scheduler's
     # own timesteps). Explicit `timesteps`, from the noisiest down, set the step count (denoising_steps).
@@ -145,11 +151,14 @@ class Request:
         """How many images the request makes."""
         return len(self.prompts)
 
-    def resolved(self, source: ModelSource, draw_seed: Callable[[], int] = random_seed) -> Request:
+    def resolved(self, source: ModelSource, draw_seed: Callable[[], int] = random_seed,
+                 recommended: Sequence[Recommended] = ()) -> Request:
         """The request with what it leaves to the model filled in: the size (the input image's own, rounded down to a
-        multiple of 8, where it brings one; else the model's native size), the model's own scheduler and guidance
-        scale, how the model guides it, a seed from `draw_seed`, the mode's strength; a UsageError where the image's
-        own size is one the model cannot take."""
+        multiple of 8, where it brings one; else the model's native size), the steps, scheduler and guidance scale the
+        first of `recommended` (LoRAs', in order) then the model recommends, else the scheduler's steps and the
+        model's own scheduler and scale, how the model guides it, a seed from `draw_seed`, the mode's strength; a
+        UsageError where the image's own size is one the model cannot take."""
+        said = {name: first_saying((*recommended, source.recommended), name) for name in SETTINGS}
         native = source.native_image_size
         given = self.height, self.width  # None: left to the image or the model (0 is given, and refused)
         height, width = (native if value is None else value for value in given)
@@ -168,10 +177,21 @@ class Request:
         controls = self.control_images
         if controls is not None:  # diffusers' control image processor converts to RGB
             controls = tuple(control if control.mode == "RGB" else control.convert("RGB") for control in controls)
-        scheduler = scheduler_named(self.scheduler) if self.scheduler else default_scheduler_name(source)
-        guidance_scale = source.default_guidance_scale if self.guidance_scale is None else self.guidance_scale
-        check_option_values(self, Request.denoising_steps)  # before explicit timesteps replace the step count
-        steps = self.denoising_steps if self.timesteps is None else len(self.timesteps)
+        if self.scheduler:
+            scheduler = scheduler_named(self.scheduler)
+        elif said["scheduler"]:
+            scheduler = recommended_scheduler(said["scheduler"])
+        else:
+            scheduler = default_scheduler_name(source)
+        values = {name: getattr(found, name) for name, found in said.items() if found}
+        guidance_scale = next(scale for scale in (self.guidance_scale, values.get("guidance_scale"),
+                                                  source.default_guidance_scale) if scale is not None)
+        check_option_values(self)  # before explicit timesteps replace the step count
+        if self.timesteps is not None:
+            steps = len(self.timesteps)
+        else:
+            steps = next(count for count in (self.denoising_steps, values.get("denoising_steps"),
+                                             default_steps(scheduler)) if count is not None)
         return replace(self, height=height, width=width, scheduler=scheduler, guidance_scale=guidance_scale,
                        denoising_steps=steps,
                        seed=self.seed if self.seed is not None else draw_seed(), image=image, strength=strength,
@@ -218,14 +238,15 @@ class Request:
         if isinstance(self.negative_prompt, tuple) and len(self.negative_prompt) != prompts:
             raise UsageError(f"{field('negative_prompt')} must be one, or one per prompt ({prompts}), got "
                              f"{len(self.negative_prompt)}")
-        at_least("denoising_steps", self.denoising_steps, 1)
+        if self.denoising_steps is not None:
+            at_least("denoising_steps", self.denoising_steps, 1)
         if self.guidance_scale is not None and not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0):
             raise UsageError(f"{field('guidance_scale')} must be a finite number, 0 or more, got {self.guidance_scale}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"{field('seed')} must be 0..{MAX_SEED}, got {self.seed}")
         if self.scheduler is not None:
             scheduler_named(self.scheduler)
-        check_option_values(self, Request.denoising_steps)
+        check_option_values(self)
         start, end = self.control_guidance_start, self.control_guidance_end
         if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end <= 1):
             raise UsageError(f"{field('control_guidance_start')} and {field('control_guidance_end')} must be "
@@ -240,7 +261,8 @@ class Request:
         strength = DEFAULT_STRENGTH[self.mode] if self.strength is None else self.strength
         if not 0 < strength <= 1:
             raise UsageError(f"{field('strength')} must be more than 0 and at most 1, got {strength}")
-        if int(self.denoising_steps * strength) < 1:  # the steps diffusers runs: int(steps x strength)
+        if self.denoising_steps is not None and int(self.denoising_steps * strength) < 1:
+            # the steps diffusers runs: int(steps x strength); a request's count is known once resolved
             raise UsageError(f"{field('strength')} {strength} leaves none of the {self.denoising_steps} denoising "
                              f"steps to run; raise {field('strength')} or {field('denoising_steps')}")
 
@@ -303,6 +325,32 @@ def check_mask(image: Image, mask: Image) -> None:
     if abs(mask.width / mask.height - image.width / image.height) > 0.01 * image.width / image.height:
         raise UsageError(f"{field('mask')} is {mask.width}x{mask.height}, {field('image')} {image.width}x"
                          f"{image.height}: the mask must have the image's proportions (it is resized with it)")
+
+
+def recommended_scheduler(recommended: Recommended) -> str:
+    """Our name of the scheduler `recommended` names (a UsageError naming who recommends it where it is none)."""
+    try:
+        return scheduler_named(recommended.scheduler)
+    except UsageError:
+        raise UsageError(f"{' and '.join(recommended.by)} recommends scheduler '{recommended.scheduler}', which this "
+                         f"toolkit does not offer; choose one with {field('scheduler')} "
+                         f"({', '.join(SCHEDULERS)})") from None
+
+
+def recommendation_note(given: Request, resolved: Request, recommendations: Sequence[Recommended]) -> str | None:
+    """What `resolved` took from `recommendations` (the first that says each, as Request.resolved takes them) where
+    `given` left it out, naming the fields and who recommends each; None where it took nothing."""
+    by: dict[tuple[str, ...], list[str]] = {}
+    for name in SETTINGS:
+        if getattr(given, name) is not None or (name == "denoising_steps" and given.timesteps is not None):
+            continue
+        said = first_saying(recommendations, name)
+        if said is None:
+            continue
+        value = recommended_scheduler(said) if name == "scheduler" else getattr(said, name)
+        if getattr(resolved, name) == value:  # not where the spec set it first
+            by.setdefault(said.by, []).append(f"{field(name)} {getattr(resolved, name)}")
+    return "; ".join(f"{', '.join(taken)}: as {' and '.join(who)} recommends" for who, taken in by.items()) or None
 
 
 def request_fields(given: dict) -> dict:

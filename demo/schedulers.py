@@ -40,6 +40,15 @@ TAKES = {
     "TCD": (ETA, TIMESTEPS),
 }
 TAKER_OF = {option: tuple(name for name, takes in TAKES.items() if option in takes) for option in SCHEDULER_OPTIONS}
+# The steps a request that gives none runs, where neither the model nor a LoRA recommends a count: the few-step
+# schedulers' usual count (LCM's and TCD's papers and model cards: 4), else diffusers' pipelines' default.
+DEFAULT_STEPS = 50
+FEW_STEPS = {"LCM": 4, "TCD": 4}
+
+
+def default_steps(name: str) -> int:
+    """The step count of scheduler `name` (ours) for a request that gives none and has none recommended."""
+    return FEW_STEPS.get(name, DEFAULT_STEPS)
 
 
 def default_scheduler_name(source) -> str:
@@ -105,10 +114,10 @@ def check_steps(scheduler, name: str, steps: int, steps_field: str = "denoising_
                      f"most {low} (it has {scheduler.config.num_train_timesteps} training timesteps)")
 
 
-def check_option_values(request, default_steps: int) -> None:
+def check_option_values(request) -> None:
     """A request's scheduler options in range, whatever the scheduler (a one-line UsageError for the first bad one):
     a spacing we know, eta in [0, 1], explicit timesteps from the noisiest down, none repeated, none negative, and
-    no other step count beside them (`default_steps`: the count a request has unless given one)."""
+    no other step count beside them."""
     if request.timestep_spacing is not None and request.timestep_spacing not in TIMESTEP_SPACINGS:
         raise UsageError(f"{field(TIMESTEP_SPACING)} must be one of {', '.join(TIMESTEP_SPACINGS)}, got "
                          f"'{request.timestep_spacing}'")
@@ -123,7 +132,7 @@ def check_option_values(request, default_steps: int) -> None:
     if any(later >= earlier for earlier, later in zip(timesteps, timesteps[1:])) or timesteps[-1] < 0:
         raise UsageError(f"{field(TIMESTEPS)} must run from the noisiest down, each below the one before and none "
                          f"below 0 (e.g. 999,749,499,249), got {','.join(map(str, timesteps))}")
-    if request.denoising_steps not in (len(timesteps), default_steps):
+    if request.denoising_steps not in (None, len(timesteps)):
         raise UsageError(f"{field('denoising_steps')} {request.denoising_steps} and {field(TIMESTEPS)} "
                          f"({len(timesteps)} of them) disagree: the timesteps set the step count, give one")
 

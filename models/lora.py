@@ -11,8 +11,8 @@ take the same deltas as the torch backend (LoraFusion: fused into the loaded mod
 bit).
 
 A LoRA is a safetensors file, a folder holding one by diffusers' name (pytorch_lora_weights.safetensors, what
-save_lora_weights and save_lora_adapter write), or a built-in's name (LORA_NAMES: `shapes-outline`, shipped with
-`shapes`). The key formats (one file may mix them):
+save_lora_weights and save_lora_adapter write), or a built-in's name (LORA_NAMES: `shapes-outline`, `shapes-lcm`,
+shipped with `shapes`). The key formats (one file may mix them):
 - diffusers / PEFT: `<component>.<module>.lora_A.weight` / `.lora_B.weight`, the component `unet`, `text_encoder` or
   `text_encoder_2`; a text encoder's module with or without `text_model.`. A file none of whose keys has a component
   prefix is the UNet's alone (what diffusers' unet.save_lora_adapter writes and unet.load_lora_adapter(prefix=None)
@@ -46,6 +46,7 @@ import torch
 from core.errors import RunFailure, UsageError, is_finite_number
 from models.builtin import LORA_NAMES, SHIPPED_LORAS
 from models.clip import CLIP2Model, CLIPModel
+from models.recommended import Recommended, in_lora_file
 from models.unet import UNetModel
 
 UNET, TEXT_ENCODER, TEXT_ENCODER_2 = UNetModel.component, CLIPModel.component, CLIP2Model.component
@@ -116,6 +117,7 @@ class LoraFile:
     layers: tuple[LoraLayer, ...]
     configs: Mapping[str, AdapterConfig]  # component -> its adapter config, from diffusers' metadata
     prefixless: bool  # no key names its component: the UNet's alone
+    recommended: Recommended = Recommended()  # the steps, guidance and scheduler it says it runs best with
 
 
 def _refuse(path, message: str):
@@ -258,8 +260,8 @@ def read_lora(path: str | Path) -> LoraFile:
     """A LoRA safetensors file's layers (or a folder's pytorch_lora_weights.safetensors', or a built-in's), each
     module's down, up and alpha gathered from whichever format it is in; a one-line UsageError for a file that is
     missing, unreadable, not safetensors, cut short, or holds keys of no format above or a pair that is none (a
-    damaged built-in: a RunFailure)."""
-    path = _weights_file(path)
+    damaged built-in: a RunFailure); with what it recommends (models.recommended)."""
+    given, path = str(path), _weights_file(path)
     tensors, metadata = _read_tensors(path)
     if not tensors:
         _refuse(path, "holds no tensors")
@@ -305,7 +307,8 @@ def read_lora(path: str | Path) -> LoraFile:
         if alpha is not None and (alpha.numel() != 1 or not math.isfinite(float(alpha.item()))):
             _refuse(path, f"{component} module {name}: its alpha is not one finite number")
         layers.append(LoraLayer(component, name, down, up, None if alpha is None else float(alpha.item())))
-    return LoraFile(str(path), tuple(layers), _adapter_configs(path, metadata, prefixless), prefixless)
+    return LoraFile(str(path), tuple(layers), _adapter_configs(path, metadata, prefixless), prefixless,
+                    in_lora_file(path, metadata, given))
 
 
 # ---- the model side --------------------------------------------------------------------------------------------

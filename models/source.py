@@ -23,6 +23,7 @@ from models.builtin import (
 )
 from models.cache import content_fingerprint, default_cache_dir
 from models.families import Family, family_of
+from models.recommended import Recommended
 from models.single_file import SINGLE_FILE_SUFFIXES, convert_model_file, convert_vae_file
 from models.validate import COMPONENTS, read_config, vae_config_as_loaded, validate_component, validate_model_folder
 
@@ -146,10 +147,18 @@ class ModelSource:
         """Supported height/width in pixels: half to twice the native size (256..1024 for SD 1.5)."""
         return self.native_image_size // 2, self.native_image_size * 2
 
+    @functools.cached_property
+    def recommended(self) -> Recommended:
+        """What the model says it runs best with (models.recommended): what its family recommends for its pipeline
+        class (LCM's 4 steps at 8.5)."""
+        class_name = self.index.get("_class_name")
+        said = self.family.recommended.get(class_name)
+        return replace(said, by=(f"model {self.name} ({class_name})",)) if said else Recommended()
+
     @property
     def default_guidance_scale(self) -> float:
-        """The guidance scale a request that gives none gets: a shipped model's own (its folder, by name or by path),
-        else DEFAULT_GUIDANCE_SCALE."""
+        """The guidance scale a request that gives none gets, where neither a LoRA nor the model recommends one: a
+        shipped model's own (its folder, by name or by path), else DEFAULT_GUIDANCE_SCALE."""
         for package in SHIPPED_MODELS.values():
             if self.path.resolve() == package.MODEL_DIR.resolve():
                 return package.GUIDANCE_SCALE

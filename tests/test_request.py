@@ -81,7 +81,8 @@ def test_the_flag_defaults_to_the_models_own_and_a_given_one_is_kept(tmp_path):
     from demo.runtime.loader import plan_pipeline, quiet
 
     parser = build_parser()
-    assert "(default: the model's own: 3 for shapes, 7.5 otherwise)" in " ".join(parser.format_help().split())
+    helped = " ".join(parser.format_help().split())
+    assert "(default: what a LoRA or the model recommends, else the model's own: 3 for shapes, 7.5 otherwise)" in helped
     prompt = "a small green triangle on the right on a yellow background"
     for extra, expected in (([], 3.0), (["--guidance-scale", "7.5"], 7.5)):
         flags = parse_flags(parser, [prompt, "--model", "shapes", "--backend", "torch", "--output-dir",

@@ -47,7 +47,7 @@ class ClientRequestFlags:
     negative_prompt: str | None = same_as(RequestFlags, "negative_prompt")
     height: int | None = flag("image height in pixels, a multiple of 8 (default: the server's)")
     width: int | None = flag("image width in pixels, a multiple of 8 (default: the server's)")
-    denoising_steps: int = same_as(RequestFlags, "denoising_steps")
+    denoising_steps: int | None = same_as(RequestFlags, "denoising_steps")
     guidance_scale: float | None = same_as(RequestFlags, "guidance_scale")
     scheduler: str | None = flag("one of the CLI's schedulers (default: the server's)")
     timestep_spacing: str | None = same_as(RequestFlags, "timestep_spacing")

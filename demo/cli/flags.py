@@ -28,7 +28,17 @@ from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import COMPILE_MODES, TorchOptions
 from demo.request import DEFAULT_PROMPT, DEFAULT_STRENGTH, Request
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
-from demo.schedulers import ETA, KARRAS_SIGMAS, SCHEDULERS, TAKER_OF, TIMESTEP_SPACING, TIMESTEP_SPACINGS, TIMESTEPS
+from demo.schedulers import (
+    DEFAULT_STEPS,
+    ETA,
+    FEW_STEPS,
+    KARRAS_SIGMAS,
+    SCHEDULERS,
+    TAKER_OF,
+    TIMESTEP_SPACING,
+    TIMESTEP_SPACINGS,
+    TIMESTEPS,
+)
 from models import shapes
 from models.builtin import BUILTIN_NAMES, BUILTIN_VAES, CONTROLNET_NAMES, LORA_NAMES
 from models.plugin_set import PLUGINS_HELP
@@ -103,11 +113,14 @@ class RequestFlags:
     batch_size: int = flag("images per run (default: %(default)s)", REQUEST.batch_size)
     height: int | None = flag("image height in pixels, a multiple of 8 (default: model's native)", REQUEST.height)
     width: int | None = flag("image width in pixels, a multiple of 8 (default: model's native)", REQUEST.width)
-    denoising_steps: int = flag("scheduler steps (default: %(default)s)", REQUEST.denoising_steps)
-    guidance_scale: float | None = flag("classifier-free guidance scale; <= 1 disables guidance (default: the model's "
-                                        f"own: {shapes.GUIDANCE_SCALE:g} for shapes, {DEFAULT_GUIDANCE_SCALE:g} "
-                                        "otherwise)", REQUEST.guidance_scale)
-    scheduler: str | None = flag(f"one of {', '.join(SCHEDULERS)} (default: the model's own)", REQUEST.scheduler)
+    denoising_steps: int | None = flag("scheduler steps (default: what a LoRA or the model recommends, else "
+                                       f"{', '.join(f'{count} for {name}' for name, count in FEW_STEPS.items())}, "
+                                       f"else {DEFAULT_STEPS})", REQUEST.denoising_steps)
+    guidance_scale: float | None = flag("classifier-free guidance scale; <= 1 disables guidance (default: what a LoRA "
+                                        f"or the model recommends, else the model's own: {shapes.GUIDANCE_SCALE:g} "
+                                        f"for shapes, {DEFAULT_GUIDANCE_SCALE:g} otherwise)", REQUEST.guidance_scale)
+    scheduler: str | None = flag(f"one of {', '.join(SCHEDULERS)} (default: what a LoRA recommends, else the model's "
+                                 "own)", REQUEST.scheduler)
     timestep_spacing: str | None = flag(f"{', '.join(TAKER_OF[TIMESTEP_SPACING])}: how the steps spread over the "
                                         "training timesteps (trailing: from the noisiest, as few-step models want; "
                                         "default: the model's scheduler config)", REQUEST.timestep_spacing,
@@ -193,8 +206,8 @@ class TorchFlags:
 @dataclass(frozen=True)
 class LoraFlags:
     lora: tuple[str, ...] | None = flag("fuse this LoRA (a .safetensors file of diffusers/PEFT or kohya keys, a "
-                                        f"diffusers LoRA folder, or {', '.join(LORA_NAMES)}, the one shipped with "
-                                        "shapes) into the UNet and text encoders, its delta times SCALE (default "
+                                        f"diffusers LoRA folder, or {', '.join(LORA_NAMES)}, shipped with shapes) "
+                                        "into the UNet and text encoders, its delta times SCALE (default "
                                         "1.0); repeatable, the deltas add up; engines take it by refit, with "
                                         "--build-enable-refit",
                                         metavar="PATH[:SCALE]", repeatable=True)

@@ -31,6 +31,7 @@ from demo.cli.flags import (
     parse_flags,
 )
 from demo.cli.to_spec import request_from_flags, spec_from_flags
+from demo.request import recommendation_note
 from models.builtin import BUILTIN_MODELS, BUILTIN_NAMES
 
 PROG = "demo-diffusion"
@@ -90,10 +91,12 @@ def run(flags) -> int:
     from tqdm import tqdm
 
     from demo.runtime.loader import plan_pipeline, to_stderr
+    from demo.runtime.plan import lora_recommendations
 
     plan = plan_pipeline(spec, request=request)
-    request = plan.request
-    for note in plan.notes + request.unused():
+    given, request = request, plan.request
+    recommended = recommendation_note(given, request, (*lora_recommendations(plan.loras), plan.source.recommended))
+    for note in plan.notes + ([recommended] if recommended else []) + request.unused():
         to_stderr(f"note: {render_fields(note, flag_name)}")
     if plan.source.name in BUILTIN_MODELS:  # generated (the default among them): noise that looks like a fault
         to_stderr(f"note: model '{plan.source.name}' has random weights, so its images look like noise (it runs every "

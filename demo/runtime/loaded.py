@@ -43,7 +43,7 @@ class Plan(Protocol):
     @property
     def source(self): ...
 
-    def checked(self, request: Request) -> Request: ...
+    def checked(self, request: Request, loras: list | None = None) -> Request: ...
 
 
 # A call's output_type (diffusers' names): PIL images; float32 [B, H, W, 3] in [0, 1]; a float32 tensor [B, 3, H, W]
@@ -148,8 +148,8 @@ class Pipeline:
         if isinstance(prompt, Request):
             if fields:
                 raise UsageError(f"a Request comes alone, without {', '.join(fields)}: set them in it")
-            return self.plan.checked(prompt)
-        return self.plan.checked(Request(prompt, **request_fields(fields)))
+            return self.plan.checked(prompt, self.loras)
+        return self.plan.checked(Request(prompt, **request_fields(fields)), self.loras)
 
     @serialised
     def __call__(self, prompt: str | Request, progress=None, output_type: str = "pil", **fields) -> Result:

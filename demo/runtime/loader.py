@@ -78,7 +78,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     device = checked_device(device)
     dtype = backend.default_dtype(device) if spec.precision == "auto" else DTYPES[spec.precision]
     if request is not None:
-        request = resolve_request(request, spec, source)
+        request = resolve_request(request, spec, source, loras)
         spec = replace(spec, height=request.height if spec.height is None else spec.height,
                        width=request.width if spec.width is None else spec.width,
                        modes=spec.modes or (request.mode,))

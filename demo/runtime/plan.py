@@ -18,6 +18,7 @@ from demo.runtime.memory import check_memory
 from demo.runtime.spec import PipelineSpec
 from demo.schedulers import check_steps
 from models.base import StageModel
+from models.recommended import Recommended
 from models.source import ModelSource
 
 Log = Callable[[str], None]
@@ -63,12 +64,13 @@ class PipelinePlan:
     def source(self) -> ModelSource:
         return self.base.source
 
-    def checked(self, request: Request) -> Request:
-        """The request resolved for this pipeline (resolve_request) and checked (check): what every face runs. The
-        plan's own request is so already."""
-        if request is self.request:
+    def checked(self, request: Request, loras: list | None = None) -> Request:
+        """The request resolved for this pipeline with `loras` applied (resolve_request; None: the plan's LoRAs) and
+        checked (check): what every face runs. The plan's own request is so already."""
+        loras = self.loras if loras is None else loras
+        if request is self.request and lora_recommendations(loras) == lora_recommendations(self.loras):
             return request
-        request = resolve_request(request, self.spec, self.source)
+        request = resolve_request(request, self.spec, self.source, loras)
         self.check(request)
         return request
 
@@ -103,15 +105,20 @@ class PipelinePlan:
         return Pipeline(self)
 
 
-def resolve_request(request: Request, spec: PipelineSpec, source: ModelSource) -> Request:
+def resolve_request(request: Request, spec: PipelineSpec, source: ModelSource, loras: list = ()) -> Request:
     """The request with what it leaves out filled in, in the one order every face gets: the spec's scheduler and size
-    (for text-to-image: an image request keeps its image's size), else the model's (Request.resolved); a random
-    seed."""
+    (for text-to-image: an image request keeps its image's size), else what the LoRAs (`loras`: (LoraFile, scale)
+    pairs) or the model recommend, else the model's (Request.resolved); a random seed."""
     defaults = {"scheduler": spec.scheduler}
     if request.image is None:
         defaults.update(height=spec.height, width=spec.width)
     left_out = {name: value for name, value in defaults.items() if getattr(request, name) is None}
-    return replace(request, **left_out).resolved(source)
+    return replace(request, **left_out).resolved(source, recommended=lora_recommendations(loras))
+
+
+def lora_recommendations(loras: list) -> tuple[Recommended, ...]:
+    """What LoRAs ((LoraFile, scale) pairs) recommend (models.recommended), those that say anything, in order."""
+    return tuple(lora.recommended for lora, _ in loras if lora.recommended)
 
 
 def check_control_images(request: Request, spec: PipelineSpec) -> None:

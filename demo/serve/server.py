@@ -183,7 +183,7 @@ def prepare_device(spec: PipelineSpec, device: torch.device) -> ServedPipeline:
     requests run alone). Runs in the device's own process (workers.py)."""
     pipeline = load_pipeline(spec, device, progress=progress)
     served = ServedPipeline(pipeline)
-    warm = resolve_request(Request("", denoising_steps=1, seed=0), spec, pipeline.source)
+    warm = resolve_request(Request("", denoising_steps=1, seed=0), spec, pipeline.source, pipeline.loras)
     gray = Image.new("RGB", (warm.width, warm.height), (128, 128, 128))
     warm = replace(warm, control_images=(gray,) * len(spec.controlnets) or None)
     batch = spec.max_batch_size

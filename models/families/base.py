@@ -15,6 +15,7 @@ from typing import Mapping
 
 from core.errors import UsageError
 from models import UNET
+from models.recommended import Recommended
 
 # How a model is guided (Family.guidance):
 CLASSIFIER_FREE = "classifier-free"  # two halves a step, the unconditional and the conditional (the batch doubled)
@@ -55,6 +56,8 @@ class Family:
     lora_components: tuple[str, ...] = ()  # the components a LoRA file may change
     diffusers_options: Mapping[str, object] = field(default_factory=dict)  # what its diffusers pipelines are made with
     refiner_components: tuple[str, ...] = ()  # with REFINER: the components a model must have to refine
+    # model_index.json `_class_name` -> what a model of that pipeline runs best with (diffusers' defaults for it)
+    recommended: Mapping[str, Recommended] = field(default_factory=dict)
 
     # ---- which models are of it -----------------------------------------------------------------------------------
     def runs_pipeline(self, class_name: str) -> bool:

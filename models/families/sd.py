@@ -3,6 +3,10 @@ guidance (or the scale embedded, where the UNet takes it: LCM)."""
 
 from models import CLIP
 from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, INT8, LORA, STEP_CACHE, TEXT_TO_IMAGE, Family
+from models.recommended import Recommended
+
+# diffusers' LatentConsistencyModel pipelines' own defaults (num_inference_steps, guidance_scale)
+LCM_RECOMMENDED = Recommended(denoising_steps=4, guidance_scale=8.5)
 
 SD = Family(
     name="sd",
@@ -21,4 +25,6 @@ SD = Family(
     features=frozenset({STEP_CACHE, CONTROLNET, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
     lora_components=("unet", "text_encoder"),
     diffusers_options={"safety_checker": None, "requires_safety_checker": False},
+    recommended=dict.fromkeys(("LatentConsistencyModelPipeline", "LatentConsistencyModelImg2ImgPipeline"),
+                              LCM_RECOMMENDED),
 )

@@ -32,6 +32,7 @@ from safetensors.torch import save
 
 from core.atomic import atomic_write_bytes
 from models.lora import LoraFusion, read_lora
+from models.recommended import Recommended, metadata_of
 from models.shapes import GUIDANCE_SCALE, MODEL_DIR
 from models.shapes.train import (
     OUTLINE_LAYERS,
@@ -57,6 +58,8 @@ STUDENT_STEPS, TEACHER_STEPS = 4, 30  # what the LoRA is for, and what it is mea
 # The LoRA's readings: at its steps, and at 1, where LCMScheduler without it draws the blurred mean of what a prompt
 # allows (at 4 the sampler alone draws shapes' full prompts as well as the teacher: lcm-training.json, 99.5% exact).
 READ_BACK_STEPS = (1, STUDENT_STEPS)
+# What the LoRA runs best with, in its file's metadata (models.recommended): a request that gives none gets it
+RECOMMENDED = Recommended(denoising_steps=STUDENT_STEPS, guidance_scale=1.0, scheduler="LCM")
 
 
 def lcm_scheduler(pipe):
@@ -212,7 +215,8 @@ def main(argv=None) -> int:
     pipe = teacher_pipeline(device)
     adapters, record["lcm"] = distill(pipe, device, args.steps, args.batch, args.seed, args.scenes, args.lr,
                                       start + 60 * args.minutes)
-    atomic_write_bytes(args.output, save(lora_weights(adapters)))  # as the outline LoRA's file is written
+    # as the outline LoRA's file is written, with what it runs best with in its metadata
+    atomic_write_bytes(args.output, save(lora_weights(adapters), metadata_of(RECOMMENDED)))
     if args.read_back:
         record[f"read_back_teacher_{TEACHER_STEPS}"] = read_back(pipe, args.read_back, 1234, device, GUIDANCE_SCALE,
                                                                  steps=TEACHER_STEPS)
