@@ -21,6 +21,7 @@ from demo.schedulers import (
     SCHEDULERS,
     check_option_values,
     check_options,
+    check_scheduler_family,
     check_steps,
     check_timesteps_in_range,
     default_scheduler_name,
@@ -270,6 +271,7 @@ class Request:
         """A resolved request's values against their limits and the model: a one-line UsageError for the first bad
         one."""
         self.check_inputs()
+        check_scheduler_family(self.scheduler, source)
         check_options(self.scheduler, self)
         scheduler = self.make_scheduler(source)
         if self.timesteps is None:

@@ -18,7 +18,11 @@ SCHEDULERS = {
     "UniPC": "UniPCMultistepScheduler",
     "LCM": "LCMScheduler",
     "TCD": "TCDScheduler",
+    "FlowMatchEuler": "FlowMatchEulerDiscreteScheduler",
 }
+# Those that step a flow (rectified flow: SD3's), not noise or v: each runs the models of a family that predicts a flow
+# (models.families Family.flow_matching), and those alone.
+FLOW_MATCHING = ("FlowMatchEuler",)
 # A request's scheduler options (demo.request.Request's fields of these names): None leaves each to the model's own
 # scheduler config (a timestep spacing, Karras sigmas) or to diffusers' pipelines' default (eta 0, the scheduler's own
 # timesteps for the steps asked).
@@ -38,6 +42,7 @@ TAKES = {
     "UniPC": (TIMESTEP_SPACING, KARRAS_SIGMAS),
     "LCM": (TIMESTEPS,),
     "TCD": (ETA, TIMESTEPS),
+    "FlowMatchEuler": (),  # diffusers' SD3 pipelines set its steps alone, its shift from the model's config
 }
 TAKER_OF = {option: tuple(name for name, takes in TAKES.items() if option in takes) for option in SCHEDULER_OPTIONS}
 # The steps a request that gives none runs, where neither the model nor a LoRA recommends a count: the few-step
@@ -135,6 +140,17 @@ def check_option_values(request) -> None:
     if request.denoising_steps not in (None, len(timesteps)):
         raise UsageError(f"{field('denoising_steps')} {request.denoising_steps} and {field(TIMESTEPS)} "
                          f"({len(timesteps)} of them) disagree: the timesteps set the step count, give one")
+
+
+def check_scheduler_family(name: str, source) -> None:
+    """A UsageError where scheduler `name` (ours) cannot step the model's denoiser: a flow-matching scheduler for a
+    model that predicts noise or v, or the reverse."""
+    family = source.family
+    if (name in FLOW_MATCHING) != family.flow_matching:
+        fits = [other for other in SCHEDULERS if (other in FLOW_MATCHING) == family.flow_matching]
+        predicts = "a flow (rectified flow)" if family.flow_matching else "noise or v"
+        raise UsageError(f"{field('scheduler')} {name}: model '{source.name}' is of the {family.label} family, whose "
+                         f"denoiser predicts {predicts}, which {name} does not step; choose {', '.join(fits)}")
 
 
 def check_options(name: str, request) -> None:

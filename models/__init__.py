@@ -10,8 +10,9 @@ import importlib
 from core.errors import UsageError
 
 # The stages, by name: a model class each (models.stages.STAGE_MODELS), in this order.
-CLIP, CLIP2, UNET, VAE, VAE_ENCODER = "clip", "clip2", "unet", "vae", "vae_encoder"
-STAGE_NAMES = (CLIP, CLIP2, UNET, VAE, VAE_ENCODER)
+CLIP, CLIP2, T5, UNET, TRANSFORMER, VAE, VAE_ENCODER = (
+    "clip", "clip2", "t5", "unet", "transformer", "vae", "vae_encoder")
+STAGE_NAMES = (CLIP, CLIP2, T5, UNET, TRANSFORMER, VAE, VAE_ENCODER)
 UNET_SHALLOW = "unet_shallow"  # the step cache's second UNet stage, made with the UNet's (models.stages.stage_models)
 CONTROLNET = "controlnet"  # ControlNet stages: controlnet0, controlnet1, ... (models.controlnet)
 CONTROL_IMAGE = "_image"  # each one's conditioning image embedding, a stage run once per image: controlnet0_image ...
@@ -50,7 +51,8 @@ _LAZY = {**{name: "models.stages" for name in (
     "STAGE_MODELS", "GUIDED_STAGES", "SINGLE_IMAGE_STAGES",
     "text_to_image_stages", "image_to_image_stages", "stage_batch", "check_model_stages", "stage_models")},
          "StageModel": "models.base", "CLIPModel": "models.clip", "CLIP2Model": "models.clip",
-         "UNetModel": "models.unet", "VAEDecoderModel": "models.vae", "VAEEncoderModel": "models.vae"}
+         "T5Model": "models.t5", "UNetModel": "models.unet", "SD3TransformerModel": "models.transformer",
+         "VAEDecoderModel": "models.vae", "VAEEncoderModel": "models.vae"}
 
 
 def check_stage_names(names) -> None:

@@ -20,7 +20,7 @@ from typing import Callable
 from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
 from core.errors import RunFailure, UsageError
 from models import scenes, shapes
-from models.families import IMAGE_TO_IMAGE, INPAINTING, SD, SDXL, TEXT_TO_IMAGE
+from models.families import IMAGE_TO_IMAGE, INPAINTING, SD, SD3, SDXL, TEXT_TO_IMAGE
 from models.families.base import GUIDANCE_EMBEDDING_KEY
 from models.validate import check_weight_file
 
@@ -222,6 +222,36 @@ BUILTIN_MODELS["tiny-lcm"] = {
                   "_class_name": "LCMScheduler", "original_inference_steps": 50},
     "pipeline": "LatentConsistencyModelPipeline",
 }
+# SD3's scheduler configuration (flow matching, its sigmas shifted by 3: stabilityai/stable-diffusion-3-medium's).
+SD3_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
+# SD3 (MMDiT), seconds on a CPU: two CLIP encoders 32 wide each (their states, 64 wide, padded to T5's 96 before joining
+# it: the padding runs, as in SD3, where the CLIPs' 768 + 1280 meet T5's 4096), their projections joined as the 64-wide
+# pooled projection, a two-layer T5 v1.1 (gated GELU) and a two-layer transformer, a 16-channel VAE with SD3's scaling
+# and shift factors (its latents scaled and shifted, not only scaled), saved by StableDiffusion3Pipeline.
+BUILTIN_MODELS["tiny-sd3"] = {
+    "transformer": {
+        "sample_size": 32,
+        "patch_size": 2,
+        "in_channels": 16,
+        "out_channels": 16,
+        "num_layers": 2,
+        "attention_head_dim": 8,
+        "num_attention_heads": 4,
+        "joint_attention_dim": 96,  # T5's width
+        "caption_projection_dim": 32,  # the transformer's own width (heads x head width), as SD3's
+        "pooled_projection_dim": 64,  # the two CLIP projections side by side
+        "pos_embed_max_size": 32,  # patches a side: up to twice the native size
+    },
+    "vae": {**BUILTIN_MODELS["tiny"]["vae"], "latent_channels": 16, "scaling_factor": 1.5305, "shift_factor": 0.0609,
+            "use_quant_conv": False, "use_post_quant_conv": False},
+    "text_encoder": BUILTIN_MODELS["tiny"]["text_encoder"],
+    "text_encoder_2": BUILTIN_MODELS["tiny-xl"]["text_encoder_2"],
+    "text_encoder_3": {"d_model": 96, "d_kv": 16, "d_ff": 64, "num_layers": 2, "num_heads": 4,
+                       "relative_attention_num_buckets": 8, "feed_forward_proj": "gated-gelu"},
+    "vocab_size": 1000,
+    "scheduler": SD3_SCHEDULER,
+    "family": "sd3",
+}
 # Built-ins trained rather than generated, by name: the package holding each (its diffusers folder MODEL_DIR, and
 # damage(): why its files are not the recorded ones).
 SHIPPED_MODELS = {"shapes": shapes, "scenes": scenes}
@@ -298,12 +328,17 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in codes)))
 
 
+def corpus_words(corpus: str) -> Counter:
+    """Each word (letters, a digit, a run of punctuation) of `corpus`, lowercased, with its count."""
+    return Counter(re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", corpus.lower()))
+
+
 def generate_bpe_vocabulary(vocab_size: int, corpus: str = _CORPUS) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A CLIP BPE vocabulary and merge list learned deterministically from `corpus` (merging stops at `vocab_size`
     entries or once every word of the corpus is one token)."""
     alphabet = list(_bytes_to_unicode().values())
     vocab = alphabet + [c + "</w>" for c in alphabet]
-    words = Counter(re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", corpus.lower()))
+    words = corpus_words(corpus)
     # Each word as a tuple of symbols; the last one carries CLIP's end-of-word marker.
     splits = {w: tuple(w[:-1]) + (w[-1] + "</w>",) for w in words}
     merges: list[tuple[str, str]] = []
@@ -349,6 +384,51 @@ def _tokenizer(spec: dict, pad: str):
     return bpe_tokenizer(spec["vocab_size"], spec["text_encoder"]["max_position_embeddings"], pad)
 
 
+def unigram_t5_tokenizer(corpus: str = _CORPUS):
+    """A T5 tokenizer (transformers' T5TokenizerFast, saved as tokenizer.json) over a Unigram vocabulary made here:
+    T5's own is a 32k-piece sentencepiece model that only a download brings, so the corpus' words (scored by their
+    frequency) and letters (every other word spelt out) stand in; T5's special tokens and ids are its own (pad 0, end
+    1, unknown 2)."""
+    import math
+
+    from transformers import T5TokenizerFast
+
+    words = corpus_words(corpus)
+    total = sum(words.values())
+    letters = sorted({letter for word in words for letter in word})
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]  # U+2581: sentencepiece's word start
+    pieces += [("\u2581" + word, math.log(count / total)) for word, count in sorted(words.items())]
+    pieces += [(letter, math.log(1 / total) - 1) for letter in letters]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0)
+
+
+def build_sd3_model(spec: dict, directory: Path) -> None:
+    """Write an SD3 built-in (its `spec`, as BUILTIN_MODELS' "tiny-sd3") as StableDiffusion3Pipeline saves it."""
+    import diffusers
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tokenizer = _tokenizer(spec, EOS)
+    special = {"bos_token_id": tokenizer.convert_tokens_to_ids(BOS),
+               "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
+    special["pad_token_id"] = special["eos_token_id"]
+    tokenizer_3 = unigram_t5_tokenizer()
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        parts = {name: CLIPTextModelWithProjection(CLIPTextConfig(**spec[name], **special))
+                 for name in ("text_encoder", "text_encoder_2")}
+        parts["text_encoder_3"] = T5EncoderModel(T5Config(**spec["text_encoder_3"], vocab_size=len(tokenizer_3)))
+        parts["transformer"] = diffusers.SD3Transformer2DModel(**spec["transformer"])
+        parts["vae"] = diffusers.AutoencoderKL(**spec["vae"])
+    finally:
+        torch.random.set_rng_state(generator_state)
+    pipe = getattr(diffusers, SD3.diffusers_pipeline(TEXT_TO_IMAGE))(
+        **parts, tokenizer=tokenizer, tokenizer_2=_tokenizer(spec, XL_PAD), tokenizer_3=tokenizer_3,
+        scheduler=scheduler_from(spec["scheduler"]))
+    pipe.save_pretrained(directory)
+
+
 def build_builtin_model(name: str, directory: Path) -> None:
     """Write the built-in model `name` into `directory` in diffusers' save_pretrained layout."""
     import diffusers
@@ -357,6 +437,8 @@ def build_builtin_model(name: str, directory: Path) -> None:
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     spec = BUILTIN_MODELS[name]
+    if spec.get("family") == SD3.name:
+        return build_sd3_model(spec, directory)
     xl = "text_encoder_2" in spec
     first = "text_encoder" in spec
     tokenizer = _tokenizer({**spec, "text_encoder": spec.get("text_encoder", spec.get("text_encoder_2"))}, EOS)

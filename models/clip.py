@@ -1,8 +1,9 @@
-"""CLIP text encoders: token ids -> per-token text embeddings (the UNet's cross-attention context).
+"""CLIP text encoders: token ids -> per-token text embeddings (the denoiser's text context).
 
 Which layer's states are the context is the family's (models.families: SD 1.x/2.x the last layer's of one encoder;
-SDXL the penultimate layer's of two, `clip`: CLIP ViT-L, `clip2`: OpenCLIP bigG, concatenated by the pipeline); the
-second one's pooled, projected output (`text_embeds`) is one of SDXL's added conditions.
+SDXL and SD3 the penultimate layer's of two, `clip`: CLIP ViT-L, `clip2`: OpenCLIP bigG, joined by the pipeline), and
+so is whose pooled, projected output (`text_embeds`) the pipeline reads too (Family.pooled_text: SDXL's second, as one
+of its UNet's added conditions; both of SD3's, its transformer's pooled projections).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 
 from models import CLIP, CLIP2
 from models.base import StageModel
+
+POOLED = "text_embeds"  # the pooled, projected output's name (diffusers' SDXL name for it)
 
 
 class _TextEmbeddings(torch.nn.Module):
@@ -34,11 +37,21 @@ class CLIPModel(StageModel):
     encoder_class = "CLIPTextModel"
     takes_lora = True
 
+    def __init__(self, source):
+        super().__init__(source)
+        if self.name in source.family.pooled_text:  # the projection's output too: the encoder with its projection
+            self.output_names = (*CLIPModel.output_names, POOLED)
+            self.dynamic_axes = {**CLIPModel.dynamic_axes, POOLED: {0: "B"}}
+            self.encoder_class = "CLIPTextModelWithProjection"
+
     def input_shapes(self, batch, height, width):
         return {"input_ids": (batch, self.source.text_length)}
 
     def output_shapes(self, batch, height, width):
-        return {"text_embeddings": (batch, self.source.text_length, self.config["hidden_size"])}
+        shapes = {"text_embeddings": (batch, self.source.text_length, self.config["hidden_size"])}
+        if POOLED in self.output_names:
+            shapes[POOLED] = (batch, self.config["projection_dim"])
+        return shapes
 
     def input_dtypes(self, dtype):
         return {"input_ids": torch.int32}
@@ -72,13 +85,7 @@ class CLIPModel(StageModel):
 
 
 class CLIP2Model(CLIPModel):
-    """SDXL's second text encoder: penultimate states, and the pooled output projected (`text_embeds`)."""
+    """The second text encoder (SDXL's, SD3's: OpenCLIP bigG)."""
 
     name = CLIP2
     component = "text_encoder_2"
-    output_names = ("text_embeddings", "text_embeds")
-    dynamic_axes = {"input_ids": {0: "B"}, "text_embeddings": {0: "B"}, "text_embeds": {0: "B"}}
-    encoder_class = "CLIPTextModelWithProjection"
-
-    def output_shapes(self, batch, height, width):
-        return {**super().output_shapes(batch, height, width), "text_embeds": (batch, self.config["projection_dim"])}

@@ -79,8 +79,8 @@ class ModelSource:
 
     @functools.cached_property
     def denoiser_config(self) -> dict:
-        """The config of the component that denoises (the family's denoiser: a UNet), read once: the size, latent,
-        mode and guidance facts each read it, a request's resolution among them."""
+        """The config of the component that denoises (the family's denoiser: a UNet, SD3's transformer), read once:
+        the size, latent, mode and guidance facts each read it, a request's resolution among them."""
         return self.config(self.family.denoiser)
 
     @property
@@ -112,7 +112,7 @@ class ModelSource:
 
     @property
     def latent_channels(self) -> int:
-        """The channels of the latents the UNet denoises: its output's (an inpainting UNet takes more)."""
+        """The channels of the latents the denoiser denoises: its output's (an inpainting UNet takes more)."""
         return self.denoiser_config["out_channels"]
 
     @property
@@ -129,7 +129,8 @@ class ModelSource:
 
     @property
     def text_width(self) -> int:
-        return self.denoiser_config["cross_attention_dim"]
+        """The width of the text the denoiser attends to (its family says where its config has it)."""
+        return self.denoiser_config[self.family.text_width_key]
 
     @property
     def prediction_type(self) -> str:

@@ -4,6 +4,8 @@ from core.errors import UsageError
 from models import (
     CLIP,
     CLIP2,
+    T5,
+    TRANSFORMER,
     UNET,
     UNET_SHALLOW,
     VAE,
@@ -15,14 +17,17 @@ from models import (
 from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
 from models.controlnet import ControlNetImageModel, ControlNetStageModel, ShallowControlNetStageModel
+from models.t5 import T5Model
+from models.transformer import SD3TransformerModel
 from models.unet import UNetModel, UNetShallowModel
 from models.vae import VAEDecoderModel, VAEEncoderModel
 
 STAGE_MODELS: dict[str, type[StageModel]] = {
-    cls.name: cls for cls in (CLIPModel, CLIP2Model, UNetModel, VAEDecoderModel, VAEEncoderModel)
+    cls.name: cls for cls in (CLIPModel, CLIP2Model, T5Model, UNetModel, SD3TransformerModel, VAEDecoderModel,
+                              VAEEncoderModel)
 }
 # Under classifier-free guidance these run the unconditional and conditional halves in one batch.
-GUIDED_STAGES = (CLIP, CLIP2, UNET, UNET_SHALLOW)
+GUIDED_STAGES = (CLIP, CLIP2, T5, UNET, UNET_SHALLOW, TRANSFORMER)
 # These see one image whatever the batch: the input image (and inpainting's masked one) is encoded once and its
 # latents repeated, as diffusers does with one image for several prompts.
 SINGLE_IMAGE_STAGES = (VAE_ENCODER,)
@@ -30,8 +35,8 @@ SINGLE_IMAGE_STAGES = (VAE_ENCODER,)
 
 def text_to_image_stages(source) -> tuple[str, ...]:
     """The stages text-to-image runs for this model: its family's text encoders (those it has: an SDXL refiner has no
-    first one), the denoiser, the VAE decoder."""
-    stages = (*source.family.text_stages, UNET, VAE)
+    first one, an SD3 model may have no T5), its family's denoiser, the VAE decoder."""
+    stages = (*source.family.text_stages, source.family.denoiser_stage, VAE)
     return tuple(name for name in stages if STAGE_MODELS[name].component in source.components)
 
 

@@ -23,14 +23,17 @@ COMPONENTS = {
     "tokenizer": ("tokenizer_config.json", "tokenizer_class", "transformers"),
     "text_encoder_2": ("config.json", "architectures", "transformers"),
     "tokenizer_2": ("tokenizer_config.json", "tokenizer_class", "transformers"),
+    "text_encoder_3": ("config.json", "architectures", "transformers"),
+    "tokenizer_3": ("tokenizer_config.json", "tokenizer_class", "transformers"),
     "unet": ("config.json", "_class_name", "diffusers"),
+    "transformer": ("config.json", "_class_name", "diffusers"),
     "vae": ("config.json", "_class_name", "diffusers"),
     "scheduler": ("scheduler_config.json", "_class_name", "diffusers"),
     "controlnet": ("config.json", "_class_name", "diffusers"),  # a ControlNet's own folder, not a model's component
 }
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # the UNet attends to their states, concatenated
-WEIGHTED = (*TEXT_ENCODERS, "unet", "vae", "controlnet")
-TOKENIZERS = ("tokenizer", "tokenizer_2")
+WEIGHTED = (*TEXT_ENCODERS, "text_encoder_3", "unet", "transformer", "vae", "controlnet")
+TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 # What a tokenizer folder's vocabulary is read from: transformers' one file, or CLIP's vocabulary and merges.
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
 

@@ -62,7 +62,7 @@ def test_a_pipeline_no_family_runs_is_refused_in_one_line_naming_it(tmp_path):
     (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
     with pytest.raises(UsageError) as raised:
         resolve_model(str(folder))
-    assert "names FluxPipeline, which no family here runs (families: SD 1.x/2.x, SDXL)" in str(raised.value)
+    assert "names FluxPipeline, which no family here runs (families: SD 1.x/2.x, SDXL, SD3)" in str(raised.value)
 
 
 def test_guidance_kinds_follow_the_model_and_the_scale(embedded):

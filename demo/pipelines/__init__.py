@@ -4,6 +4,7 @@ reuses; PIPELINES says which class runs each family's modes.
 
 - text_to_image: Text2ImagePipeline (StableDiffusionPipeline), the steps the others build on;
 - sdxl: SDXLPipeline (StableDiffusionXLPipeline) and ExpertsPipeline (SDXL base, then refiner);
+- sd3: SD3Pipeline (StableDiffusion3Pipeline);
 - image_to_image: image-to-image and inpainting, SD 1.x/2.x and SDXL;
 - controlnet: every mode and family with ControlNets (diffusers' ControlNet pipelines);
 - lora: LoRA files applied to the stages; batch: what one call runs; images, timer: pixels, and stage times.
@@ -30,12 +31,13 @@ from demo.pipelines.image_to_image import (
     SDXLInpaintPipeline,
 )
 from demo.pipelines.images import image_psnr, to_uint8
+from demo.pipelines.sd3 import SD3Pipeline
 from demo.pipelines.sdxl import ExpertsPipeline, SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
 from demo.pipelines.timer import StageTimer
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
 from models import is_controlnet_stage
-from models.families import SD, SDXL
+from models.families import SD, SD3, SDXL
 from models.source import ModelSource
 
 # family name -> mode -> (its pipeline, the same with ControlNets)
@@ -50,11 +52,12 @@ PIPELINES = {
         IMAGE_TO_IMAGE: (SDXLImage2ImagePipeline, SDXLControlNetImage2ImagePipeline),
         INPAINTING: (SDXLInpaintPipeline, SDXLControlNetInpaintPipeline),
     },
+    SD3.name: {TEXT_TO_IMAGE: (SD3Pipeline, None)},  # no ControlNets (Family.features): refused before a pipeline
 }
 
-__all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "Image2ImagePipeline", "InpaintPipeline", "SDXLImage2ImagePipeline",
-           "SDXLInpaintPipeline", "SDXLPipeline", "StageTimer", "Text2ImagePipeline", "image_psnr", "make_pipeline",
-           "to_uint8"]
+__all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "Image2ImagePipeline", "InpaintPipeline", "SD3Pipeline",
+           "SDXLImage2ImagePipeline", "SDXLInpaintPipeline", "SDXLPipeline", "StageTimer", "Text2ImagePipeline",
+           "image_psnr", "make_pipeline", "to_uint8"]
 
 
 def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler, device: torch.device,

@@ -41,10 +41,10 @@ class Image2ImagePipeline(Text2ImagePipeline):
     def encode_image(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The latents of images in [-1, 1] (fp32): the VAE encoder stage's output, in the stage's dtype (fp32 where
         an SDXL config says force_upcast), as latents as diffusers takes them (an AutoencoderKL's Gaussian sampled
-        from `generator`: VAEEncoderModel.latents), times the scaling factor."""
+        from `generator`: VAEEncoderModel.latents), shifted (SD3) and times the scaling factor."""
         encoder = self.stage(VAEEncoderModel)
         encoded = encoder.call(images.to(device=self.device, dtype=encoder.model.stage_dtype(self.dtype)))
-        return encoder.model.latents(encoded, generator) * self.scaling_factor
+        return (encoder.model.latents(encoded, generator) - self.shift_factor) * self.scaling_factor
 
     def prepare_latents(self, batch, generator, timesteps):
         """The input image's latents, repeated for the batch, noised to the first timestep by noise drawn after

@@ -22,7 +22,7 @@ from demo.pipelines.lora import LoraSpec, StageLoras
 from demo.pipelines.timer import StageTimer
 from demo.request import Request
 from demo.schedulers import make_scheduler
-from models import CLIPModel, UNetModel, VAEDecoderModel, stage_batch
+from models import CLIPModel, VAEDecoderModel, stage_batch
 from models.base import StageModel
 from models.source import ModelSource
 from models.unet import LATENT, TIMESTEP_COND, UNetShallowModel
@@ -56,11 +56,19 @@ class Text2ImagePipeline:
                           if "tokenizer" in source.components else None)
         self.device = device
         self.dtype = dtype
-        self.scaling_factor = source.config("vae")["scaling_factor"]
+        vae = source.config("vae")
+        self.scaling_factor = vae["scaling_factor"]
+        # The latents the VAE decodes are scaled and, in families whose pipelines shift them (SD3), shifted too.
+        self.shift_factor = (vae.get("shift_factor") or 0.0) if source.family.shifts_latents else 0.0
         self.loras = StageLoras(stages)
 
     def stage(self, model: type[StageModel]) -> Stage:
         return self.stages[model.name]
+
+    @property
+    def denoiser(self) -> Stage:
+        """The stage that denoises: the family's (a UNet, SD3's transformer)."""
+        return self.stages[self.source.family.denoiser_stage]
 
     def timesteps(self, steps: int, strength: float = 1.0, explicit: Sequence[int] | None = None) -> torch.Tensor:
         """Sets the scheduler's timesteps for `steps` (or the `explicit` ones, as many) and returns those a run
@@ -95,9 +103,11 @@ class Text2ImagePipeline:
             return None
         return self.tokenizer.decode(ids[limit - 1:-1])  # the kept part ends with the end-of-text token
 
-    def _token_ids(self, texts: list[str], tokenizer=None) -> torch.Tensor:
+    def _token_ids(self, texts: list[str], tokenizer=None, length: int | None = None) -> torch.Tensor:
+        """The texts' token ids, each padded or cut to `length` tokens (None: the CLIP encoders' length)."""
         ids = (tokenizer or self.tokenizer)(
-            texts, padding="max_length", max_length=self.source.text_length, truncation=True, return_tensors="pt"
+            texts, padding="max_length", max_length=length or self.source.text_length, truncation=True,
+            return_tensors="pt"
         ).input_ids
         return ids.to(device=self.device, dtype=torch.int32)
 
@@ -151,7 +161,7 @@ class Text2ImagePipeline:
         """The UNet's embedding of the guidance scale, where the model embeds it (models.families EMBEDDED), as
         diffusers' pipelines make it (get_guidance_scale_embedding of the scale less 1, on the CPU in fp32, a row per
         image); {} where it takes none."""
-        width = self.stage(UNetModel).model.guidance_width
+        width = self.source.family.guidance_embedding_width(self.source.denoiser_config)
         if not width:
             return {}
         scale = torch.full((batch.batch_size,), batch.head.guidance_scale - 1.0) * 1000.0
@@ -162,6 +172,11 @@ class Text2ImagePipeline:
         embedding = torch.nn.functional.pad(torch.cat([torch.sin(embedding), torch.cos(embedding)], dim=1),
                                             (0, width % 2))
         return {TIMESTEP_COND: embedding.to(device=self.device, dtype=self.dtype)}
+
+    def scaled_input(self, model_input: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """The denoiser's input at `timestep`: the latents as the scheduler scales them (flow matching's: as they
+        are)."""
+        return self.scheduler.scale_model_input(model_input, timestep)
 
     def unet_sample(self, model_input: torch.Tensor) -> torch.Tensor:
         """The UNet's sample for a scaled model input (an inpainting UNet's has the mask and masked image too)."""
@@ -176,7 +191,7 @@ class Text2ImagePipeline:
                 generator: torch.Generator, timesteps: torch.Tensor, progress=None) -> torch.Tensor:
         """The scheduler's loop over `timesteps`, guided as the request is (classifier-free: both halves in one batch;
         embedded: the scale's embedding beside the text); `conditioning` as encode_prompt gives it."""
-        unet, shallow = self.stage(UNetModel), self.stages.get(UNetShallowModel.name)
+        unet, shallow = self.denoiser, self.stages.get(UNetShallowModel.name)
         step_kwargs = self._step_kwargs(generator, batch.head.eta)
         guidance = self.guidance_embedding(batch)
         features = None
@@ -186,7 +201,7 @@ class Text2ImagePipeline:
         unet_timesteps = timesteps.to(device=self.device, dtype=torch.float32).reshape(-1, 1)
         for i, t in enumerate(timesteps.cpu()):
             model_input = torch.cat([latents] * 2) if batch.head.guided else latents
-            model_input = self.scheduler.scale_model_input(model_input, t)
+            model_input = self.scaled_input(model_input, t)
             timestep = unet_timesteps[i]
             whole = shallow is None or i % self.cache_interval == 0
             extra = self.unet_extra(i, len(timesteps), model_input, timestep, conditioning, batch, whole)
@@ -212,7 +227,7 @@ class Text2ImagePipeline:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images in [-1, 1] from the VAE decoder, in its stage's dtype (fp32 where an SDXL config asks) and device."""
         vae = self.stage(VAEDecoderModel)
-        return vae.call((latents / self.scaling_factor).to(vae.model.stage_dtype(self.dtype)))
+        return vae.call((latents / self.scaling_factor + self.shift_factor).to(vae.model.stage_dtype(self.dtype)))
 
     def __call__(self, requests: Request | Sequence[Request], timer: StageTimer, progress=None,
                  pixels: bool = False) -> np.ndarray:

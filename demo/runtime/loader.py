@@ -31,7 +31,7 @@ from demo.runtime.memory import check_memory
 from demo.runtime.plan import Log, PipelinePlan, StagePlan, resolve_request
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from models.controlnet import resolve_controlnet
-from models.families import CLASSIFIER_FREE, INT8, LORA, REFINER, STEP_CACHE
+from models.families import CLASSIFIER_FREE, CONTROLNET, INT8, LORA, REFINER, STEP_CACHE
 from models.lora import check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
 from models.stages import check_model_stages, image_to_image_stages, stage_models, text_to_image_stages
@@ -132,13 +132,15 @@ def checked_device(device: str | torch.device | None) -> torch.device:
 
 
 def check_family_features(spec: PipelineSpec, source: ModelSource) -> None:
-    """A UsageError naming the family where the spec asks for what the model's family lacks (its ControlNets are
-    checked with each: ControlNetSource.check_for), or a precision it does not run in."""
+    """A UsageError naming the family where the spec asks for what the model's family lacks (before a ControlNet is
+    resolved: a built-in one is made then; each is checked against the model with it: ControlNetSource.check_for), or
+    a precision it does not run in."""
     family = source.family
     if spec.precision != "auto":
         family.check_precision(spec.precision, source.name)
     wanted = ((LORA, "loras", bool(spec.loras)), (REFINER, "refiner", spec.refiner is not None),
-              (INT8, "int8", spec.engine.int8), (STEP_CACHE, "cache_interval", spec.cached_branch is not None))
+              (INT8, "int8", spec.engine.int8), (STEP_CACHE, "cache_interval", spec.cached_branch is not None),
+              (CONTROLNET, "controlnets", bool(spec.controlnets)))
     for feature, name, asked in wanted:
         if asked:
             family.require(feature, source.name, field(name))

@@ -25,13 +25,14 @@ from models.families.base import (
     Family,
 )
 from models.families.sd import SD
+from models.families.sd3 import SD3
 from models.families.sdxl import SDXL
 
-FAMILIES: tuple[Family, ...] = (SD, SDXL)
+FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3)
 
 __all__ = ["CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "FAMILIES", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING",
-           "INT8", "LORA", "MODES", "NO_GUIDANCE", "REFINER", "SD", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE", "Family",
-           "family_named", "family_of", "family_of_denoiser"]
+           "INT8", "LORA", "MODES", "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE",
+           "Family", "family_named", "family_of", "family_of_denoiser"]
 
 
 def family_named(name: str) -> Family:

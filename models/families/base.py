@@ -58,6 +58,15 @@ class Family:
     refiner_components: tuple[str, ...] = ()  # with REFINER: the components a model must have to refine
     # model_index.json `_class_name` -> what a model of that pipeline runs best with (diffusers' defaults for it)
     recommended: Mapping[str, Recommended] = field(default_factory=dict)
+    # diffusers' classes of its denoisers' configs (a ControlNet's among them: family_of_denoiser reads both)
+    denoiser_classes: tuple[str, ...] = ("UNet2DConditionModel", "ControlNetModel")
+    text_width_key: str = "cross_attention_dim"  # the denoiser config's key for the width of the text it attends to
+    pooled_text: tuple[str, ...] = ()  # the text stages whose pooled, projected output the pipeline reads too
+    t5_length: int | None = None  # with a T5 text stage: its token length (diffusers' max_sequence_length default)
+    # Its denoiser predicts a flow (rectified flow: SD3) rather than noise: only flow-matching schedulers step it, and
+    # no other scheduler steps a flow.
+    flow_matching: bool = False
+    shifts_latents: bool = False  # its pipelines shift the latents by the VAE's shift_factor (diffusers' SD ones not)
 
     # ---- which models are of it -----------------------------------------------------------------------------------
     def runs_pipeline(self, class_name: str) -> bool:
@@ -65,6 +74,8 @@ class Family:
 
     def has_denoiser(self, config: dict) -> bool:
         """Whether a denoiser config (a model folder's without model_index.json, a ControlNet's) is of this family."""
+        if config.get("_class_name", self.denoiser_classes[0]) not in self.denoiser_classes:
+            return False
         return (config.get("addition_embed_type") == "text_time") == bool(self.added_conditions)
 
     def foreign_added_embedding(self, config: dict) -> str | None:

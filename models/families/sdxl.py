@@ -31,6 +31,7 @@ SDXL = Family(
     },
     features=frozenset({STEP_CACHE, CONTROLNET, REFINER, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
     penultimate_text=True,
+    pooled_text=(CLIP2,),
     added_conditions=("text_embeds", "time_ids"),
     upcast_vae=True,
     tuned_key="sdxl",

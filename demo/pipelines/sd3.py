@@ -1,0 +1,55 @@
+"""SD3 and SD3.5: StableDiffusion3Pipeline's conditioning and flow-matching loop on text-to-image's steps."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from demo.pipelines.batch import Batch
+from demo.pipelines.text_to_image import Text2ImagePipeline
+from models import CLIP2Model, CLIPModel, T5Model
+from models.source import ModelSource
+
+if TYPE_CHECKING:
+    from demo.backends.base import Stage
+
+
+class SD3Pipeline(Text2ImagePipeline):
+    """diffusers' StableDiffusion3Pipeline on the same steps: the two CLIP encoders' penultimate states side by side,
+    padded to T5's width, then T5's states (zeros without a T5) along the sequence; the CLIPs' pooled projections side
+    by side; latents drawn as they are and handed to the transformer unscaled (flow matching)."""
+
+    def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
+                 device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
+        from transformers import CLIPTokenizer, T5TokenizerFast
+
+        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
+        self.tokenizer_2 = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer_2")
+        self.tokenizer_3 = (T5TokenizerFast.from_pretrained(source.path, subfolder="tokenizer_3")
+                            if T5Model.name in stages else None)
+
+    def t5_states(self, texts: list[str]) -> torch.Tensor:
+        """T5's last states of the texts, or, for a model without T5, zeros as wide as the transformer's text."""
+        length = self.source.family.t5_length
+        if self.tokenizer_3 is None:
+            return torch.zeros((len(texts), length, self.source.text_width), device=self.device)
+        return self.stage(T5Model).call(self._token_ids(texts, self.tokenizer_3, length))
+
+    def encode_prompt(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """The transformer's text (the CLIPs' states, padded, then T5's) and pooled projections, a row per text
+        (the negative prompts' then the prompts' under guidance)."""
+        texts = self._texts(batch)
+        states, pooled = self.stage(CLIPModel).call(self._token_ids(texts))
+        states_2, pooled_2 = self.stage(CLIP2Model).call(self._token_ids(texts, self.tokenizer_2))
+        t5 = self.t5_states(texts)
+        clip = torch.cat([states, states_2], dim=-1).to(t5.dtype)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2).to(self.dtype), torch.cat([pooled, pooled_2], dim=-1).to(self.dtype)
+
+    def prepare_latents(self, batch, generator, timesteps):
+        """Noise as it is: a flow starts from unit noise (the scheduler keeps no initial sigma to scale it by)."""
+        return self.noise(self.source.latent_shape(batch.batch_size, batch.head.height, batch.head.width), generator)
+
+    def scaled_input(self, model_input, timestep):
+        return model_input

@@ -1,0 +1,29 @@
+"""SD3 and SD3.5 (MMDiT): two CLIP text encoders (their penultimate states and pooled projections) and an optional T5
+(its last states; a model without it attends to zeros in their place, as diffusers' pipelines do), a transformer that
+predicts a rectified flow (only flow-matching schedulers step it), classifier-free guidance, a 16-channel VAE whose
+latents are shifted as well as scaled."""
+
+from models import CLIP, CLIP2, T5, TRANSFORMER
+from models.families.base import TEXT_TO_IMAGE, Family
+
+SD3 = Family(
+    name="sd3",
+    label="SD3",
+    pipeline_classes=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
+                      "StableDiffusion3InpaintPipeline"),
+    components=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3",
+                "transformer", "vae", "scheduler"),
+    optional=("text_encoder_3", "tokenizer_3"),  # model_index.json names them null where a model has no T5
+    text_stages=(CLIP, CLIP2, T5),
+    diffusers_pipelines={TEXT_TO_IMAGE: ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline")},
+    features=frozenset(),  # text-to-image alone for now: image-to-image, inpainting, the rest not built yet
+    denoiser="transformer",
+    denoiser_stage=TRANSFORMER,
+    penultimate_text=True,
+    denoiser_classes=("SD3Transformer2DModel",),
+    text_width_key="joint_attention_dim",
+    pooled_text=(CLIP, CLIP2),
+    t5_length=256,
+    flow_matching=True,
+    shifts_latents=True,
+)

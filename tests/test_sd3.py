@@ -1,0 +1,164 @@
+"""SD3 (models.families.sd3): its family chosen from model_index.json, its stages, and same seed, same image as
+diffusers' StableDiffusion3Pipeline on the tiny-sd3 built-in (and on a copy without T5), on the CPU in fp32, guided
+with a negative prompt and unguided; what the family lacks, and a scheduler that does not step a flow, refused in one
+line (exit 2 from demo-diffusion)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from core.errors import UsageError
+from demo.request import Request
+from models import T5, TRANSFORMER
+from models.families import SD3
+from models.source import resolve_model
+from models.stages import STAGE_MODELS, text_to_image_stages
+from tests.parity import check_parity, torch_stages
+
+SIZE = 64  # tiny-sd3's native size (its transformer's 32 latents a side, its VAE's 2x)
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3():
+    return resolve_model("tiny-sd3")
+
+
+@pytest.fixture(scope="module")
+def stages(tiny_sd3):
+    return torch_stages(tiny_sd3)
+
+
+@pytest.fixture(scope="module")
+def without_t5(tiny_sd3, tmp_path_factory):
+    """tiny-sd3 as a model published without T5 is: model_index.json names text_encoder_3 and tokenizer_3 null."""
+    folder = tmp_path_factory.mktemp("no-t5") / "model"
+    shutil.copytree(tiny_sd3.path, folder, ignore=shutil.ignore_patterns("text_encoder_3", "tokenizer_3", "manifest*"))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder_3": [None, None],
+                                                         "tokenizer_3": [None, None]}))
+    return resolve_model(str(folder))
+
+
+def request(source, **given) -> Request:
+    resolved = Request("a photo of a cat on a table", denoising_steps=4, seed=11, height=SIZE, width=SIZE,
+                       **given).resolved(source)
+    resolved.check(source)
+    return resolved
+
+
+def test_an_sd3_folder_is_of_the_sd3_family_with_its_facts_from_its_configs(tiny_sd3, without_t5):
+    assert tiny_sd3.family is SD3 and without_t5.family is SD3
+    assert tiny_sd3.latent_channels == 16 and tiny_sd3.native_image_size == SIZE
+    assert tiny_sd3.text_width == 96 and tiny_sd3.text_length == 77  # T5's width; the CLIPs' tokens
+    assert text_to_image_stages(tiny_sd3) == ("clip", "clip2", T5, TRANSFORMER, "vae")
+    assert T5 not in text_to_image_stages(without_t5)
+    transformer = STAGE_MODELS[TRANSFORMER](tiny_sd3)
+    shapes = transformer.input_shapes(2, SIZE, SIZE)
+    assert shapes["encoder_hidden_states"] == (2, 77 + SD3.t5_length, 96)
+    assert shapes["pooled_projections"] == (2, 64) and shapes["hidden_states"] == (2, 16, 32, 32)
+    assert STAGE_MODELS["clip"](tiny_sd3).output_names == ("text_embeddings", "text_embeds")  # pooled, as clip2's
+    assert request(tiny_sd3).scheduler == "FlowMatchEuler"  # the model's own
+
+
+@pytest.mark.parametrize("given", [
+    {"guidance_scale": 5.0, "negative_prompt": "blurry, low quality"},
+    {"guidance_scale": 4.0},  # an empty negative prompt
+    {"guidance_scale": 1.0},  # no classifier-free guidance: one half
+])
+def test_text_to_image_draws_diffusers_image(tiny_sd3, stages, given):
+    made = request(tiny_sd3, **given)
+    check_parity(tiny_sd3, stages, made.scheduler, made)
+
+
+def test_a_model_without_t5_attends_to_zeros_in_its_place_as_diffusers_does(without_t5):
+    made = request(without_t5, guidance_scale=5.0, negative_prompt="blurry")
+    check_parity(without_t5, torch_stages(without_t5), made.scheduler, made, text_encoder_3=None, tokenizer_3=None)
+
+
+def test_two_prompts_two_images_each(tiny_sd3, stages):
+    made = Request(("a cat", "a dog in the snow"), batch_size=2, denoising_steps=3, seed=5, height=SIZE, width=SIZE,
+                   guidance_scale=6.0).resolved(tiny_sd3)
+    check_parity(tiny_sd3, stages, made.scheduler, made)
+
+
+@pytest.mark.parametrize("scheduler", ["Euler", "DDIM", "DPM++2M"])
+def test_a_scheduler_that_does_not_step_a_flow_is_refused_for_sd3(tiny_sd3, scheduler):
+    with pytest.raises(UsageError) as raised:
+        request(tiny_sd3, scheduler=scheduler)
+    message = str(raised.value)
+    assert f"{scheduler}: model 'tiny-sd3' is of the SD3 family, whose denoiser predicts a flow" in message
+    assert "choose FlowMatchEuler" in message and "\n" not in message
+
+
+def test_the_flow_matching_scheduler_is_refused_for_a_model_that_predicts_noise():
+    with pytest.raises(UsageError, match="predicts noise or v, which FlowMatchEuler does not step; choose DDIM"):
+        request(resolve_model("tiny"), scheduler="FlowMatchEuler")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cache-interval", "2"], "which does not support the step cache"),
+    (["--controlnet", "tiny-controlnet"], "which does not support ControlNets"),
+    (["--lora", "shapes-outline"], "which does not support LoRA"),
+    (["--int8"], "which does not support INT8"),
+    (["--refiner", "tiny-xl-refiner"], "which does not support a refiner"),
+    (["--scheduler", "Euler"], "whose denoiser predicts a flow"),
+    (["--input-image", "IMAGE"], "which does not support image-to-image"),
+])
+def test_what_sd3_lacks_is_refused_in_one_line_exit_2(args, message, tmp_path, capsys):
+    from PIL import Image
+
+    from demo.cli.generate import main
+
+    if "IMAGE" in args:
+        Image.new("RGB", (SIZE, SIZE), "red").save(tmp_path / "in.png")
+        args = ["--input-image", str(tmp_path / "in.png")]
+    out = tmp_path / "out"
+    status = main(["a prompt", "--model", "tiny-sd3", "--output-dir", str(out), "--denoising-steps", "2", *args])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("demo-diffusion: error: "), err
+    assert message in lines[0] and "SD3 family" in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_demo_diffusion_renders_tiny_sd3(tmp_path, capsys):
+    from demo.cli.generate import main
+
+    assert main(["a cat", "--model", "tiny-sd3", "--output-dir", str(tmp_path), "--denoising-steps", "2",
+                 "--seed", "1"]) == 0, capsys.readouterr().err
+    assert list(tmp_path.glob("*.png"))
+
+
+def test_the_transformer_stage_takes_one_timestep_for_the_batch_as_diffusers_takes_it_expanded(tiny_sd3, stages):
+    """The stage's (1,) timestep gives what diffusers' transformer gives for it expanded to the batch."""
+    transformer = stages[TRANSFORMER]
+    inputs = transformer.model.sample_inputs(3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    ours = transformer(inputs)["latent"]
+    module = transformer.module.transformer
+    with torch.inference_mode():
+        theirs = module(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"].expand(3),
+                        encoder_hidden_states=inputs["encoder_hidden_states"],
+                        pooled_projections=inputs["pooled_projections"], return_dict=False)[0]
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+def test_the_text_conditioning_is_diffusers_own(tiny_sd3, stages):
+    """What the transformer attends to, token for token (its attention is blind to the text tokens' order, so the
+    image alone would not tell the CLIPs' and T5's states apart), and the pooled projections, as diffusers' own
+    encode_prompt makes them."""
+    import diffusers
+
+    from demo.pipelines import make_pipeline
+    from demo.pipelines.batch import Batch
+
+    made = request(tiny_sd3, guidance_scale=5.0, negative_prompt="blurry")
+    ours = make_pipeline(tiny_sd3, stages, made.scheduler, torch.device("cpu"), torch.float32).encode_prompt(
+        Batch.of(made))
+    reference = diffusers.StableDiffusion3Pipeline.from_pretrained(tiny_sd3.path)
+    with torch.inference_mode():
+        states, negative, pooled, negative_pooled = reference.encode_prompt(
+            made.prompt, None, None, negative_prompt=made.negative_prompt)
+    assert torch.allclose(ours[0], torch.cat([negative, states]), atol=1e-5)
+    assert torch.allclose(ours[1], torch.cat([negative_pooled, pooled]), atol=1e-5)
