@@ -5,7 +5,7 @@ reuses; PIPELINES says which class runs each family's modes.
 - text_to_image: Text2ImagePipeline (StableDiffusionPipeline), the steps the others build on;
 - sdxl: SDXLPipeline (StableDiffusionXLPipeline) and ExpertsPipeline (SDXL base, then refiner);
 - sd3: SD3Pipeline (StableDiffusion3Pipeline);
-- image_to_image: image-to-image and inpainting, SD 1.x/2.x and SDXL;
+- image_to_image: image-to-image and inpainting, SD 1.x/2.x and SDXL; SD3's image-to-image;
 - controlnet: every mode and family with ControlNets (diffusers' ControlNet pipelines);
 - lora: LoRA files applied to the stages; batch: what one call runs; images, timer: pixels, and stage times.
 """
@@ -27,6 +27,7 @@ from demo.pipelines.controlnet import (
 from demo.pipelines.image_to_image import (
     Image2ImagePipeline,
     InpaintPipeline,
+    SD3Image2ImagePipeline,
     SDXLImage2ImagePipeline,
     SDXLInpaintPipeline,
 )
@@ -52,12 +53,15 @@ PIPELINES = {
         IMAGE_TO_IMAGE: (SDXLImage2ImagePipeline, SDXLControlNetImage2ImagePipeline),
         INPAINTING: (SDXLInpaintPipeline, SDXLControlNetInpaintPipeline),
     },
-    SD3.name: {TEXT_TO_IMAGE: (SD3Pipeline, None)},  # no ControlNets (Family.features): refused before a pipeline
+    SD3.name: {  # no ControlNets (Family.features): refused before a pipeline is made
+        TEXT_TO_IMAGE: (SD3Pipeline, None),
+        IMAGE_TO_IMAGE: (SD3Image2ImagePipeline, None),
+    },
 }
 
-__all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "Image2ImagePipeline", "InpaintPipeline", "SD3Pipeline",
-           "SDXLImage2ImagePipeline", "SDXLInpaintPipeline", "SDXLPipeline", "StageTimer", "Text2ImagePipeline",
-           "image_psnr", "make_pipeline", "to_uint8"]
+__all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "Image2ImagePipeline", "InpaintPipeline", "SD3Image2ImagePipeline",
+           "SD3Pipeline", "SDXLImage2ImagePipeline", "SDXLInpaintPipeline", "SDXLPipeline", "StageTimer",
+           "Text2ImagePipeline", "image_psnr", "make_pipeline", "to_uint8"]
 
 
 def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler, device: torch.device,

@@ -1,5 +1,6 @@
 """Image-to-image and inpainting: the input image through the VAE encoder stage into the latents, as diffusers'
-StableDiffusion(XL)Img2ImgPipeline and StableDiffusion(XL)InpaintPipeline make them, on text-to-image's steps."""
+StableDiffusion(XL)Img2ImgPipeline and StableDiffusion(XL)InpaintPipeline make them (and SD3's image-to-image,
+StableDiffusion3Img2ImgPipeline), on text-to-image's steps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from demo.pipelines.batch import Batch
 from demo.pipelines.images import preprocess
+from demo.pipelines.sd3 import SD3Pipeline
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
 from models.source import ModelSource
@@ -51,7 +53,11 @@ class Image2ImagePipeline(Text2ImagePipeline):
         them."""
         image_latents = self.encode_image(self.preprocess(batch), generator).repeat(batch.batch_size, 1, 1, 1)
         noise = self.noise(image_latents.shape, generator)
-        return self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(batch.batch_size))
+        return self.noised(image_latents, noise, timesteps[:1].repeat(batch.batch_size))
+
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The latents noised to `timesteps` (one per row) by `noise`, as the scheduler noises them."""
+        return self.scheduler.add_noise(latents, noise, timesteps)
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ class InpaintPipeline(Image2ImagePipeline):
             image_latents = self.encode_image(image, generator).repeat(size, 1, 1, 1)
         noise = self.noise(shape, generator)
         latents = (noise * self.scheduler.init_noise_sigma if full
-                   else self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(size)))
+                   else self.noised(image_latents, noise, timesteps[:1].repeat(size)))
         latent_mask = torch.nn.functional.interpolate(mask, size=shape[2:]).repeat(size, 1, 1, 1)
         if inpainting_unet:
             masked = self.encode_image(image * (mask < 0.5), generator).repeat(size, 1, 1, 1)
@@ -116,7 +122,7 @@ class InpaintPipeline(Image2ImagePipeline):
             return latents
         kept = self.masking.image_latents
         if next_timestep is not None:
-            kept = self.scheduler.add_noise(kept, self.masking.noise, next_timestep.reshape(1))
+            kept = self.noised(kept, self.masking.noise, next_timestep.reshape(1))
         return (1 - self.masking.mask) * kept + self.masking.mask * latents
 
 
@@ -126,3 +132,13 @@ class SDXLImage2ImagePipeline(SDXLPipeline, Image2ImagePipeline):
 
 class SDXLInpaintPipeline(SDXLPipeline, InpaintPipeline):
     """diffusers' StableDiffusionXLInpaintPipeline: SDXL's conditioning, inpainting's latents and UNet input."""
+
+
+class SD3Image2ImagePipeline(SD3Pipeline, Image2ImagePipeline):
+    """diffusers' StableDiffusion3Img2ImgPipeline: SD3's conditioning and flow, image-to-image's latents (the input
+    image's, shifted and scaled, moved along the flow to the first timestep)."""
+
+    prepare_latents = Image2ImagePipeline.prepare_latents  # the input image's, not SD3Pipeline's noise alone
+
+    def noised(self, latents, noise, timesteps):
+        return self.scheduler.scale_noise(latents, timesteps, noise)  # a flow's point between them at each sigma

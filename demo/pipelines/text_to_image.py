@@ -78,10 +78,15 @@ class Text2ImagePipeline:
         else:  # as diffusers' retrieve_timesteps
             self.scheduler.set_timesteps(timesteps=list(explicit), device=self.device)
             steps = len(self.scheduler.timesteps)
-        start = (steps - min(int(steps * strength), steps)) * self.scheduler.order
+        start = self.first_step(steps, strength) * self.scheduler.order
         if hasattr(self.scheduler, "set_begin_index"):
             self.scheduler.set_begin_index(start)
         return self.scheduler.timesteps[start:]
+
+    def first_step(self, steps: int, strength: float) -> int:
+        """Of `steps`, the first a run at `strength` denoises, as diffusers' image-to-image pipelines count it (the
+        whole steps that strength leaves)."""
+        return steps - min(int(steps * strength), steps)
 
     def unet_calls(self, steps: int, strength: float = 1.0, explicit: Sequence[int] | None = None) -> int:
         """How many times the UNet runs for `steps` (or the `explicit` timesteps; some schedulers take extra warm-up

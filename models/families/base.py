@@ -42,8 +42,9 @@ class Family:
     pipeline_classes: tuple[str, ...]  # model_index.json `_class_name`s it runs
     components: tuple[str, ...]  # every component a model of it may have (models.validate.COMPONENTS' names)
     text_stages: tuple[str, ...]  # the text encoders' stages, in the order the pipeline runs them
-    # mode -> diffusers' pipelines for it, without and with ControlNets (for parity tests and diffusers' contender)
-    diffusers_pipelines: Mapping[str, tuple[str, str]]
+    # mode -> diffusers' pipelines for it, without and with ControlNets (None: diffusers has none), for parity tests
+    # and diffusers' contender
+    diffusers_pipelines: Mapping[str, tuple[str, str | None]]
     features: frozenset[str]
     denoiser: str = "unet"  # the component that denoises
     denoiser_stage: str = UNET  # and its stage (models.stages.STAGE_MODELS' name)

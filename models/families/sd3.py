@@ -4,7 +4,7 @@ predicts a rectified flow (only flow-matching schedulers step it), classifier-fr
 latents are shifted as well as scaled."""
 
 from models import CLIP, CLIP2, T5, TRANSFORMER
-from models.families.base import TEXT_TO_IMAGE, Family
+from models.families.base import IMAGE_TO_IMAGE, TEXT_TO_IMAGE, Family
 
 SD3 = Family(
     name="sd3",
@@ -15,8 +15,9 @@ SD3 = Family(
                 "transformer", "vae", "scheduler"),
     optional=("text_encoder_3", "tokenizer_3"),  # model_index.json names them null where a model has no T5
     text_stages=(CLIP, CLIP2, T5),
-    diffusers_pipelines={TEXT_TO_IMAGE: ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline")},
-    features=frozenset(),  # text-to-image alone for now: image-to-image, inpainting, the rest not built yet
+    diffusers_pipelines={TEXT_TO_IMAGE: ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline"),
+                         IMAGE_TO_IMAGE: ("StableDiffusion3Img2ImgPipeline", None)},
+    features=frozenset({IMAGE_TO_IMAGE}),  # inpainting and the rest: not built yet
     denoiser="transformer",
     denoiser_stage=TRANSFORMER,
     penultimate_text=True,
