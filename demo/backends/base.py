@@ -98,6 +98,9 @@ class Backend(abc.ABC):
     name: str
     capabilities: Capabilities
     options_type: type
+    # What a model's family must declare (models.families' Family.features) for this backend to run it (None: any
+    # family runs on it): TensorRT's, that the family's engines are built (ENGINES).
+    family_feature: str | None = None
 
     @abc.abstractmethod
     def why_cannot_run(self, cc: tuple[int, int] | None) -> str | None:

@@ -3,12 +3,13 @@ RTX, else torch)."""
 
 from __future__ import annotations
 
-from core.errors import UsageError
+from core.errors import UsageError, field
 from demo.backends import AUTO, BACKENDS, REFERENCE_BACKEND
 from demo.backends.base import Backend
 from demo.backends.tensorrt.backend import TensorRTBackend
 from demo.backends.tensorrt.flavour import FLAVOURS, current_cc
 from demo.backends.torch.backend import TorchBackend
+from models.families import Family
 
 REGISTRY: dict[str, Backend] = {backend.name: backend
                                 for backend in (TorchBackend(), *(TensorRTBackend(name) for name in FLAVOURS))}
@@ -21,12 +22,18 @@ def backend_named(name: str) -> Backend:
     return REGISTRY[name]
 
 
-def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool = True) -> tuple[Backend, str]:
+def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool = True, family: Family | None = None,
+                   model: str | None = None) -> tuple[Backend, str]:
     """(backend, reason) for a spec's backend on a GPU of compute capability `cc` (None: this machine's, or no GPU);
-    with `runs` False, one named only needs to build here, not run."""
+    with `runs` False, one named only needs to build here, not run. With the model's `family` (and the model's name),
+    a backend its family lacks what it needs for (Backend.family_feature: TensorRT's engines) is refused where named,
+    passed over under auto."""
     cc = cc if cc is not None else current_cc()
     if requested != AUTO:
         backend = backend_named(requested)
+        unfit = why_not_for(backend, family, model)
+        if unfit:
+            raise UsageError(f"{field('backend')} {backend.name}: {unfit}; use {field('backend')} {REFERENCE.name}")
         reason = backend.why_cannot_run(cc) if runs else backend.why_cannot_build()
         if reason:
             raise UsageError(reason)
@@ -35,8 +42,17 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
     for backend in REGISTRY.values():
         if backend is REFERENCE:  # the fallback
             continue
-        reason = backend.why_cannot_run(cc)
+        reason = why_not_for(backend, family, model)
+        reason = f"{backend.name}: {reason}" if reason else backend.why_cannot_run(cc)
         if reason is None:
             return backend, f"auto: {backend.name} {backend.version()} runs on this GPU"
         reasons.append(reason)
     return REFERENCE, "auto: " + "; ".join(reasons)
+
+
+def why_not_for(backend: Backend, family: Family | None, model: str | None) -> str | None:
+    """Why `backend` cannot run a model of `family` (None: it can, or no family is given): what the backend needs
+    that the family does not declare (its engines not built yet)."""
+    if family is None or backend.family_feature is None or family.supports(backend.family_feature):
+        return None
+    return f"model '{model}' is of the {family.label} family, whose {backend.family_feature} are not built yet"

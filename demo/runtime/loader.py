@@ -61,12 +61,16 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     log = log or (print if spec.verbose else quiet)
     configure_library_logging(spec.verbose)
     spec.check()
-    backend, reason = select_backend(spec.backend, runs=runs)
+    backend, reason = select_backend(spec.backend, runs=runs)  # one that cannot run here: refused before the model
     if spec.loras:
         backend.check_loras(spec_options(spec, backend))
     loras = [(read_lora(path), scale) for path, scale in spec.loras]
     source = resolve_model(spec.model, vae=spec.vae, config=spec.model_config, prediction_type=spec.prediction_type,
                            vae_precision=spec.vae_precision)
+    chosen = backend  # and one the model's family cannot run on (its engines not built): refused, or passed over
+    backend, reason = select_backend(spec.backend, runs=runs, family=source.family, model=source.name)
+    if spec.loras and backend is not chosen:
+        backend.check_loras(spec_options(spec, backend))
     check_family_features(spec, source)
     if spec.cache_branch != PipelineSpec.cache_branch:  # a branch the UNet lacks is wrong, the cache on or not
         Branches.of(source.denoiser_config).check(spec.cache_branch)

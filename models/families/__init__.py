@@ -12,6 +12,7 @@ from models.families.base import (
     CLASSIFIER_FREE,
     CONTROLNET,
     EMBEDDED,
+    ENGINES,
     GUIDANCE_KINDS,
     IMAGE_TO_IMAGE,
     INPAINTING,
@@ -30,9 +31,9 @@ from models.families.sdxl import SDXL
 
 FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3)
 
-__all__ = ["CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "FAMILIES", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING",
-           "INT8", "LORA", "MODES", "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE",
-           "Family", "family_named", "family_of", "family_of_denoiser"]
+__all__ = ["CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "ENGINES", "FAMILIES", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE",
+           "INPAINTING", "INT8", "LORA", "MODES", "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE",
+           "TEXT_TO_IMAGE", "Family", "family_named", "family_of", "family_of_denoiser"]
 
 
 def family_named(name: str) -> Family:

@@ -2,7 +2,17 @@
 guidance (or the scale embedded, where the UNet takes it: LCM)."""
 
 from models import CLIP
-from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, INT8, LORA, STEP_CACHE, TEXT_TO_IMAGE, Family
+from models.families.base import (
+    CONTROLNET,
+    ENGINES,
+    IMAGE_TO_IMAGE,
+    INPAINTING,
+    INT8,
+    LORA,
+    STEP_CACHE,
+    TEXT_TO_IMAGE,
+    Family,
+)
 from models.recommended import Recommended
 
 # diffusers' LatentConsistencyModel pipelines' own defaults (num_inference_steps, guidance_scale)
@@ -22,7 +32,7 @@ SD = Family(
         IMAGE_TO_IMAGE: ("StableDiffusionImg2ImgPipeline", "StableDiffusionControlNetImg2ImgPipeline"),
         INPAINTING: ("StableDiffusionInpaintPipeline", "StableDiffusionControlNetInpaintPipeline"),
     },
-    features=frozenset({STEP_CACHE, CONTROLNET, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
+    features=frozenset({ENGINES, STEP_CACHE, CONTROLNET, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
     lora_components=("unet", "text_encoder"),
     diffusers_options={"safety_checker": None, "requires_safety_checker": False},
     recommended=dict.fromkeys(("LatentConsistencyModelPipeline", "LatentConsistencyModelImg2ImgPipeline"),

@@ -17,7 +17,7 @@ SD3 = Family(
     text_stages=(CLIP, CLIP2, T5),
     diffusers_pipelines={TEXT_TO_IMAGE: ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline"),
                          IMAGE_TO_IMAGE: ("StableDiffusion3Img2ImgPipeline", None)},
-    features=frozenset({IMAGE_TO_IMAGE}),  # inpainting and the rest: not built yet
+    features=frozenset({IMAGE_TO_IMAGE}),  # TensorRT engines (ENGINES), inpainting and the rest: not built yet
     denoiser="transformer",
     denoiser_stage=TRANSFORMER,
     penultimate_text=True,

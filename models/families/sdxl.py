@@ -5,6 +5,7 @@ fp16."""
 from models import CLIP, CLIP2
 from models.families.base import (
     CONTROLNET,
+    ENGINES,
     IMAGE_TO_IMAGE,
     INPAINTING,
     INT8,
@@ -29,7 +30,7 @@ SDXL = Family(
         IMAGE_TO_IMAGE: ("StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLControlNetImg2ImgPipeline"),
         INPAINTING: ("StableDiffusionXLInpaintPipeline", "StableDiffusionXLControlNetInpaintPipeline"),
     },
-    features=frozenset({STEP_CACHE, CONTROLNET, REFINER, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
+    features=frozenset({ENGINES, STEP_CACHE, CONTROLNET, REFINER, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
     penultimate_text=True,
     pooled_text=(CLIP2,),
     added_conditions=("text_embeds", "time_ids"),
