@@ -155,16 +155,17 @@ class Request:
     def resolved(self, source: ModelSource, draw_seed: Callable[[], int] = random_seed,
                  recommended: Sequence[Recommended] = ()) -> Request:
         """The request with what it leaves to the model filled in: the size (the input image's own, rounded down to a
-        multiple of 8, where it brings one; else the model's native size), the steps, scheduler and guidance scale the
-        first of `recommended` (LoRAs', in order) then the model recommends, else the scheduler's steps and the
-        model's own scheduler and scale, how the model guides it, a seed from `draw_seed`, the mode's strength; a
-        UsageError where the image's own size is one the model cannot take."""
+        multiple of the model's: source.image_size_multiple, where it brings one; else the model's native size), the
+        steps, scheduler and guidance scale the first of `recommended` (LoRAs', in order) then the model recommends,
+        else the scheduler's steps and the model's own scheduler and scale, how the model guides it, a seed from
+        `draw_seed`, the mode's strength; a UsageError where the image's own size is one the model cannot take."""
         said = {name: first_saying((*recommended, source.recommended), name) for name in SETTINGS}
         native = source.native_image_size
         given = self.height, self.width  # None: left to the image or the model (0 is given, and refused)
         height, width = (native if value is None else value for value in given)
         if self.image is not None and None in given:
-            size = (self.image.height - self.image.height % 8, self.image.width - self.image.width % 8)
+            multiple = source.image_size_multiple
+            size = (self.image.height - self.image.height % multiple, self.image.width - self.image.width % multiple)
             low, high = source.image_size_range
             if any(value is None and not low <= own <= high for value, own in zip(given, size)):
                 raise UsageError(f"{field('image')} is {self.image.width}x{self.image.height}; model '{source.name}' "
@@ -285,8 +286,8 @@ class Request:
 def check_image_size(source: ModelSource, height: int, width: int) -> None:
     low, high = source.image_size_range
     for name, value in (("height", height), ("width", width)):
-        if value % 8:
-            raise UsageError(f"{field(name)} must be a multiple of 8, got {value}")
+        if value % source.image_size_multiple:
+            raise UsageError(f"{field(name)} must be a multiple of {source.image_size_multiple_text}, got {value}")
         if not low <= value <= high:
             raise UsageError(f"{field(name)} {value} is outside model '{source.name}' range {low}..{high}")
 

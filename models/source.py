@@ -27,6 +27,7 @@ from models.recommended import Recommended
 from models.single_file import SINGLE_FILE_SUFFIXES, convert_model_file, convert_vae_file
 from models.validate import COMPONENTS, read_config, vae_config_as_loaded, validate_component, validate_model_folder
 
+UNET_SIZE_MULTIPLE = 8  # what a UNet's image height and width must be multiples of (diffusers' SD pipelines' check)
 SINGLE_FILE_DIR = "single-file"  # in the model cache: converted single-file checkpoints
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # The classifier-free guidance scale a request that gives none gets, on every model but those that say otherwise
@@ -104,6 +105,23 @@ class ModelSource:
     @functools.cached_property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.config("vae")["block_out_channels"]) - 1)
+
+    @property
+    def image_size_multiple(self) -> int:
+        """What an image's height and width must be multiples of: the VAE's scale factor times the denoiser's patch
+        size where it cuts the latents into patches (SD3's transformer: 8 x 2, as diffusers' SD3 pipelines check),
+        else 8 (diffusers' UNet pipelines' own multiple, whatever the VAE's scale)."""
+        patch = self.denoiser_config.get("patch_size")
+        return self.vae_scale_factor * patch if patch else UNET_SIZE_MULTIPLE
+
+    @property
+    def image_size_multiple_text(self) -> str:
+        """image_size_multiple as messages give it: with where it comes from, where not the UNets' 8."""
+        multiple, factor = self.image_size_multiple, self.vae_scale_factor
+        if multiple == UNET_SIZE_MULTIPLE:
+            return str(multiple)
+        return (f"{multiple} for model '{self.name}' (its VAE's scale factor {factor} x its {self.family.denoiser}'s "
+                f"patch size {multiple // factor})")
 
     def latent_shape(self, batch: int, height: int, width: int) -> tuple[int, int, int, int]:
         """The latents of `batch` images of height x width pixels (the one place that computes it)."""

@@ -231,3 +231,57 @@ def test_auto_passes_over_tensorrt_for_sd3_and_says_why(tensorrt_here):
                                        " are not built yet" in reason
     assert select_backend("auto", cc=(8, 9), family=SD, model="tiny")[0].name == "tensorrt"  # SD's are built
     assert select_backend("tensorrt-rtx", cc=(8, 9), family=SD, model="tiny")[0].name == "tensorrt-rtx"
+
+
+@pytest.fixture(scope="module")
+def sd3_sized(tiny_sd3, tmp_path_factory):
+    """tiny-sd3 with SD3's own size multiple (its VAE's config 8x, as SD3's: configs only, refused before loading)."""
+    folder = tmp_path_factory.mktemp("sd3-8x") / "model"
+    shutil.copytree(tiny_sd3.path, folder, ignore=shutil.ignore_patterns("manifest*"))
+    config = json.loads((folder / "vae" / "config.json").read_text())
+    channels = config["block_out_channels"]
+    config.update(block_out_channels=[*channels, channels[-1], channels[-1]],
+                  down_block_types=config["down_block_types"] + config["down_block_types"][-1:] * 2,
+                  up_block_types=config["up_block_types"] + config["up_block_types"][-1:] * 2)
+    (folder / "vae" / "config.json").write_text(json.dumps(config))
+    return resolve_model(str(folder))
+
+
+def test_the_image_size_multiple_is_the_vae_scale_times_the_patch_size(tiny_sd3, sd3_sized):
+    """16 for SD3's 8x VAE and patches of 2 (diffusers' SD3 pipelines' check); SD keeps its 8."""
+    from demo.request import check_image_size
+
+    assert (sd3_sized.vae_scale_factor, sd3_sized.image_size_multiple) == (8, 16)
+    assert (tiny_sd3.vae_scale_factor, tiny_sd3.image_size_multiple) == (2, 4)
+    assert resolve_model("tiny").image_size_multiple == 8
+    with pytest.raises(UsageError, match=r"^height must be a multiple of 16 for model '.*' \(its VAE's scale factor 8 "
+                                         r"x its transformer's patch size 2\), got 200$"):
+        check_image_size(sd3_sized, 200, 208)
+    check_image_size(sd3_sized, 208, 208)
+    check_image_size(resolve_model("tiny"), 120, 120)  # a multiple of 8, not of 16: SD takes it
+    with pytest.raises(UsageError, match="must be a multiple of 4 for model 'tiny-sd3'"):
+        check_image_size(tiny_sd3, 64, 62)
+
+
+def test_a_size_of_the_model_multiple_not_of_8_draws_diffusers_image(tiny_sd3, stages):
+    """tiny-sd3's multiple is 4 (its 2x VAE, patches of 2): 36 x 44 runs, as in diffusers' SD3 pipeline."""
+    check_parity(tiny_sd3, stages, "FlowMatchEuler", request(tiny_sd3, height=36, width=44))
+
+
+def test_an_input_image_is_rounded_down_to_the_model_multiple(tiny_sd3):
+    from PIL import Image
+
+    image = Image.new("RGB", (71, 70), "red")
+    assert Request("a cat", image=image).resolved(tiny_sd3).height == 68  # SD's: 64
+    assert Request("a cat", image=image).resolved(resolve_model("tiny")).width == 64
+
+
+def test_demo_diffusion_refuses_a_size_not_of_sd3_multiple_in_one_line(sd3_sized, tmp_path, capsys):
+    from demo.cli.generate import main
+
+    out = tmp_path / "out"
+    assert main(["a cat", "--model", str(sd3_sized.path), "--height", "200", "--width", "208", "--output-dir",
+                 str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--height must be a multiple of 16 for model" in lines[0], lines
+    assert not out.exists()

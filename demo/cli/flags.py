@@ -111,8 +111,10 @@ class RequestFlags:
     negative_prompt: str | None = flag("negative prompt (default: none, which is an empty prompt, or zero "
                                        "embeddings where an SDXL model's config says so)", REQUEST.negative_prompt)
     batch_size: int = flag("images per run (default: %(default)s)", REQUEST.batch_size)
-    height: int | None = flag("image height in pixels, a multiple of 8 (default: model's native)", REQUEST.height)
-    width: int | None = flag("image width in pixels, a multiple of 8 (default: model's native)", REQUEST.width)
+    height: int | None = flag("image height in pixels, a multiple of 8, SD3's 16 (default: model's native)",
+                              REQUEST.height)
+    width: int | None = flag("image width in pixels, a multiple of 8, SD3's 16 (default: model's native)",
+                             REQUEST.width)
     denoising_steps: int | None = flag("scheduler steps (default: what a LoRA or the model recommends, else "
                                        f"{', '.join(f'{count} for {name}' for name, count in FEW_STEPS.items())}, "
                                        f"else {DEFAULT_STEPS})", REQUEST.denoising_steps)
@@ -139,7 +141,7 @@ class RequestFlags:
 @dataclass(frozen=True)
 class ImageFlags:
     input_image: str | None = flag("image-to-image: start from this image, resized to --height/--width where given "
-                                   "(default: its own size, rounded down to a multiple of 8)", metavar="PATH")
+                                   "(default: its own size, rounded down to a multiple of 8, SD3's 16)", metavar="PATH")
     strength: float | None = flag("with --input-image: how much of the schedule re-draws it, above 0 and at most 1 "
                                   f"(default: {', '.join(f'{v} for {mode}' for mode, v in DEFAULT_STRENGTH.items())})",
                                   REQUEST.strength, metavar="F")
