@@ -26,6 +26,7 @@ from demo.schedulers import (
     check_timesteps_in_range,
     default_scheduler_name,
     default_steps,
+    first_step,
     make_scheduler,
     scheduler_named,
 )
@@ -263,10 +264,6 @@ class Request:
         strength = DEFAULT_STRENGTH[self.mode] if self.strength is None else self.strength
         if not 0 < strength <= 1:
             raise UsageError(f"{field('strength')} must be more than 0 and at most 1, got {strength}")
-        if self.denoising_steps is not None and int(self.denoising_steps * strength) < 1:
-            # the steps diffusers runs: int(steps x strength); a request's count is known once resolved
-            raise UsageError(f"{field('strength')} {strength} leaves none of the {self.denoising_steps} denoising "
-                             f"steps to run; raise {field('strength')} or {field('denoising_steps')}")
 
     def check(self, source: ModelSource) -> None:
         """A resolved request's values against their limits and the model: a one-line UsageError for the first bad
@@ -281,6 +278,11 @@ class Request:
             check_timesteps_in_range(scheduler, self.scheduler, self.timesteps)
         check_image_size(source, self.height, self.width)
         check_mode(source, self.mode)
+        strength = DEFAULT_STRENGTH.get(self.mode) if self.strength is None else self.strength
+        steps = self.denoising_steps  # counted as the model's diffusers pipeline counts them (SD3's its own way)
+        if self.image is not None and first_step(steps, strength, source.family.flow_matching) >= steps:
+            raise UsageError(f"{field('strength')} {strength} leaves none of the {self.denoising_steps} denoising "
+                             f"steps to run; raise {field('strength')} or {field('denoising_steps')}")
 
 
 def check_image_size(source: ModelSource, height: int, width: int) -> None:

@@ -72,11 +72,12 @@ def test_text_to_image_draws_diffusers_image(tiny_sd3, stages, given):
     check_parity(tiny_sd3, stages, made.scheduler, made)
 
 
-@pytest.mark.parametrize("strength, steps", [(0.75, 4), (0.7, 5), (1.0, 3)])
+@pytest.mark.parametrize("strength, steps", [(0.75, 4), (0.7, 5), (1.0, 3), (0.2, 4)])
 def test_image_to_image_draws_diffusers_image(tiny_sd3, strength, steps):
     """StableDiffusion3Img2ImgPipeline's latents: the image's, shifted and scaled, moved along the flow to the first
     timestep its strength leaves (counted as diffusers' SD3 pipeline counts it: 5 steps at 0.7 run 4, where SD's run
-    3), guided with a negative prompt."""
+    3; 4 at 0.2 run 1, where SD's run none, and the request is refused for SD: not for SD3), guided with a negative
+    prompt."""
     import numpy as np
     from PIL import Image
 
@@ -285,3 +286,18 @@ def test_demo_diffusion_refuses_a_size_not_of_sd3_multiple_in_one_line(sd3_sized
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--height must be a multiple of 16 for model" in lines[0], lines
     assert not out.exists()
+
+
+def test_the_steps_a_strength_leaves_are_counted_as_the_family_pipeline_counts_them():
+    """demo.schedulers.first_step keyed on the family's flow matching: SD3's count (diffusers' SD3 img2img) runs a
+    step where SD's would run none, and the request check refuses by the model's own count."""
+    from PIL import Image
+
+    from demo.schedulers import first_step
+
+    assert [first_step(steps, strength) for steps, strength in ((5, 0.7), (4, 0.2), (10, 0.75))] == [2, 4, 3]
+    assert [first_step(steps, strength, flow=True) for steps, strength in ((5, 0.7), (4, 0.2), (10, 0.75))] == [1, 3, 2]
+    image = Image.new("RGB", (SIZE, SIZE), "red")
+    with pytest.raises(UsageError, match="^strength 0.2 leaves none of the 4 denoising steps to run"):
+        request(resolve_model("tiny"), image=image, strength=0.2, denoising_steps=4)
+    assert request(resolve_model("tiny-sd3"), image=image, strength=0.2, denoising_steps=4).strength == 0.2

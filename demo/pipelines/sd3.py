@@ -53,8 +53,3 @@ class SD3Pipeline(Text2ImagePipeline):
 
     def scaled_input(self, model_input, timestep):
         return model_input
-
-    def first_step(self, steps, strength):
-        # diffusers' SD3 image-to-image counts the steps a strength leaves unrounded and rounds the first down:
-        # 10 steps at 0.75 run 8 (SD's pipelines run 7).
-        return int(max(steps - min(steps * strength, steps), 0))

@@ -21,7 +21,7 @@ from demo.pipelines.images import device_pixels, postprocess
 from demo.pipelines.lora import LoraSpec, StageLoras
 from demo.pipelines.timer import StageTimer
 from demo.request import Request
-from demo.schedulers import make_scheduler
+from demo.schedulers import first_step, make_scheduler
 from models import CLIPModel, VAEDecoderModel, stage_batch
 from models.base import StageModel
 from models.source import ModelSource
@@ -84,9 +84,9 @@ class Text2ImagePipeline:
         return self.scheduler.timesteps[start:]
 
     def first_step(self, steps: int, strength: float) -> int:
-        """Of `steps`, the first a run at `strength` denoises, as diffusers' image-to-image pipelines count it (the
-        whole steps that strength leaves)."""
-        return steps - min(int(steps * strength), steps)
+        """Of `steps`, the first a run at `strength` denoises, as the model's diffusers image-to-image pipeline counts
+        it (demo.schedulers.first_step: SD3's flow counted its own way)."""
+        return first_step(steps, strength, self.source.family.flow_matching)
 
     def unet_calls(self, steps: int, strength: float = 1.0, explicit: Sequence[int] | None = None) -> int:
         """How many times the UNet runs for `steps` (or the `explicit` timesteps; some schedulers take extra warm-up
