@@ -34,6 +34,7 @@ class StageModel(abc.ABC):
     """
 
     name: ClassVar[str]  # artifact and report name
+    label: ClassVar[str | None] = None  # what the latency table calls it where it names it ("UNet x 4"; None: its name)
     component: ClassVar[str]  # diffusers subfolder holding the weights
     input_names: ClassVar[tuple[str, ...]]
     output_names: ClassVar[tuple[str, ...]]

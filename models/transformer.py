@@ -25,6 +25,7 @@ class _FlowPrediction(torch.nn.Module):
 
 class SD3TransformerModel(StageModel):
     name = TRANSFORMER
+    label = "Transformer"
     component = "transformer"
     input_names = ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")
     output_names = (LATENT,)

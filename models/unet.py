@@ -66,6 +66,7 @@ class _CachingDenoiser(_NamedInputs):
 
 class UNetModel(StageModel):
     name = UNET
+    label = "UNet"
     component = "unet"
     input_names = ("sample", "timestep", "encoder_hidden_states")
     output_names = (LATENT,)

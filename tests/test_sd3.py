@@ -142,9 +142,13 @@ def test_what_sd3_lacks_is_refused_in_one_line_exit_2(args, message, tmp_path, c
 def test_demo_diffusion_renders_tiny_sd3(tmp_path, capsys):
     from demo.cli.generate import main
 
-    assert main(["a cat", "--model", "tiny-sd3", "--output-dir", str(tmp_path), "--denoising-steps", "2",
+    assert main(["a cat", "--model", "tiny-sd3", "--output-dir", str(tmp_path), "--denoising-steps", "12",
                  "--seed", "1"]) == 0, capsys.readouterr().err
     assert list(tmp_path.glob("*.png"))
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert any("Transformer x 12" in line for line in table) and not any("UNet" in line for line in table), table
+    assert len({len(line) for line in table}) == 1, table  # the column as wide as its widest name
+    assert json.loads(next(tmp_path.glob("*.json")).read_text())["denoiser"] == "Transformer"
 
 
 def test_the_transformer_stage_takes_one_timestep_for_the_batch_as_diffusers_takes_it_expanded(tiny_sd3, stages):

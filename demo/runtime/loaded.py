@@ -252,7 +252,7 @@ class Pipeline:
             high_noise_frac=None if plan.refiner is None else plan.spec.high_noise_frac,
             refiner_unet_calls=None if plan.refiner is None else self.refiner_unet_calls(request),
             loras=[{"path": lora.path, "scale": scale} for lora, scale in self.loras],
-            lora_refit_ms=self.lora_refit_ms)
+            lora_refit_ms=self.lora_refit_ms, denoiser=plan.base.denoiser.label or plan.base.denoiser.name)
 
     # ---- its end -------------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -23,7 +23,7 @@ class LatencyReport:
     precision: str
     scheduler: str
     steps: int
-    unet_calls: int
+    unet_calls: int  # the denoiser's calls (a UNet's, SD3's transformer's)
     guidance_scale: float
     seed: int
     batch_size: int
@@ -51,6 +51,7 @@ class LatencyReport:
     lora_refit_ms: float | None = None  # engines: how long refitting them for the LoRAs took (None: no refit)
     images: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
+    denoiser: str = "UNet"  # what the table calls the denoiser (its stage's label: SD3's "Transformer")
 
     @property
     def throughput(self) -> float:
@@ -64,14 +65,16 @@ class LatencyReport:
             rows.append(("Refiner CLIP", refiner[REFINER_CLIP]))
         if "vae_encoder" in ms:  # image-to-image and inpainting
             rows.append(("VAE-Enc", ms["vae_encoder"]))
-        rows.append((f"UNet x {self.unet_calls - (self.refiner_unet_calls or 0)}", ms["unet"] - refiner[REFINER_UNET]))
+        rows.append((f"{self.denoiser} x {self.unet_calls - (self.refiner_unet_calls or 0)}",
+                     ms["unet"] - refiner[REFINER_UNET]))
         if REFINER_UNET in ms:
             rows.append((f"Refiner x {self.refiner_unet_calls}", refiner[REFINER_UNET]))
         rows.append(("VAE-Dec", ms["vae"]))
-        line = "|-----------------|--------------|"
-        out = [line, "|     Module      |   Latency    |", line]
-        out += [f"| {name:^15} | {ms:9.2f} ms |" for name, ms in rows]
-        out += [line, f"| {'Pipeline':^15} | {self.latency_ms['pipeline']:9.2f} ms |", line]
+        width = max(15, *(len(name) for name, _ in rows))  # wider only for a name that needs it
+        line = f"|{'-' * (width + 2)}|--------------|"
+        out = [line, f"| {'Module':^{width}} |   Latency    |", line]
+        out += [f"| {name:^{width}} | {ms:9.2f} ms |" for name, ms in rows]
+        out += [line, f"| {'Pipeline':^{width}} | {self.latency_ms['pipeline']:9.2f} ms |", line]
         out.append(f"Throughput: {self.throughput:.2f} image/s")
         ran = " ".join(filter(None, (self.backend, self.versions.get(self.backend))))
         plugins = f", plugins {','.join(self.plugins)}" if self.plugins else ""
