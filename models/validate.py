@@ -1,6 +1,7 @@
 """A model folder checked before anything heavy loads from it: every component's config parses and names a
 class this toolkit can load, the scheduler config builds with a prediction type diffusers' schedulers know, the VAE's
-scaling factor is a number, the UNet attends to text as wide as its text encoders make it, each tokenizer has its
+scaling factor is a number, the denoiser attends to text as wide as its text encoders make it (SD3's transformer: T5's
+width, its pooled text the CLIPs' projections), each tokenizer has its
 vocabulary, and every weight file is whole (safetensors: header and size; PyTorch pickles: a readable zip). A
 ControlNet's folder likewise, its weights checked against its config too. What fails is one UsageError naming the
 component and the file, not a traceback from deep inside diffusers minutes later (or, for a tensor a file lacks, a
@@ -15,7 +16,8 @@ import zipfile
 from pathlib import Path
 
 from core.errors import UsageError, is_finite_number
-from models.families import family_of
+from models import T5
+from models.families import Family, family_of
 
 # component -> (the config file in its folder, the key naming its class, where that class lives)
 COMPONENTS = {
@@ -32,6 +34,7 @@ COMPONENTS = {
     "controlnet": ("config.json", "_class_name", "diffusers"),  # a ControlNet's own folder, not a model's component
 }
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # the UNet attends to their states, concatenated
+T5_ENCODER = "text_encoder_3"  # a T5 stage's encoder (SD3's): the transformer attends to its states' width
 WEIGHTED = (*TEXT_ENCODERS, "text_encoder_3", "unet", "transformer", "vae", "controlnet")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 # What a tokenizer folder's vocabulary is read from: transformers' one file, or CLIP's vocabulary and merges.
@@ -139,7 +142,7 @@ def validate_model_folder(path: Path, name: str) -> None:
         configs[component] = validate_component(path / component, component, index.get(component, [None, None])[1:])
         if component == "scheduler":
             _check_scheduler(configs[component], path / component / file_name)
-    _check_text_width(path, configs, family.denoiser)
+    _check_text_width(path, configs, family)
 
 
 def validate_component(folder: Path, component: str, index_class: list | None = None,
@@ -201,18 +204,40 @@ def _check_tokenizer_files(folder: Path, component: str, subject: str) -> None:
             read_config(folder / name, component, subject)
 
 
-def _check_text_width(path: Path, configs: dict[str, dict], denoiser: str) -> None:
-    """The denoiser attends to text as wide as its text encoders' states, concatenated (a model without text encoders
-    is not checked)."""
+def _check_text_width(path: Path, configs: dict[str, dict], family: Family) -> None:
+    """The denoiser attends to text as wide as its text encoders make it (a model without text encoders, or a width
+    its configs leave out, is not checked): a UNet to the CLIPs' states side by side; a denoiser of a family with a T5
+    stage (SD3's transformer, `joint_attention_dim`) to the T5's states (`d_model`), the CLIPs' side by side padded to
+    that width (so no wider), and the CLIPs' pooled projections side by side (`projection_dim`) as the pooled text it
+    takes (the family's pooled_width_key: `pooled_projection_dim`)."""
+    denoiser, key = family.denoiser, family.text_width_key
+    file = path / denoiser / COMPONENTS[denoiser][0]
     widths = {name: configs[name].get("hidden_size") for name in TEXT_ENCODERS if name in configs}
-    attends = configs[denoiser].get("cross_attention_dim")
+    attends = configs[denoiser].get(key)
     if not widths or not all(isinstance(width, int) for width in (*widths.values(), attends)):
         return  # a width left out (the library's default then) or not a number: not for this check
-    if attends != sum(widths.values()):
-        made = " + ".join(f"{width} ({name})" for name, width in widths.items())
-        raise UsageError(f"component '{denoiser}': {path / denoiser / COMPONENTS[denoiser][0]} attends to text "
-                         f"{attends} wide (cross_attention_dim), but its text encoders' states are {made} wide "
-                         "(hidden_size)")
+    made = " + ".join(f"{width} ({name})" for name, width in widths.items())
+    if T5 not in family.text_stages:
+        if attends != sum(widths.values()):
+            raise UsageError(f"component '{denoiser}': {file} attends to text {attends} wide ({key}), but its text "
+                             f"encoders' states are {made} wide (hidden_size)")
+        return
+    t5 = configs.get(T5_ENCODER, {}).get("d_model")
+    if isinstance(t5, int) and attends != t5:
+        raise UsageError(f"component '{denoiser}': {file} attends to text {attends} wide ({key}), but its T5's "
+                         f"states are {t5} wide ({T5_ENCODER} d_model)")
+    if sum(widths.values()) > attends:
+        raise UsageError(f"component '{denoiser}': {file} attends to text {attends} wide ({key}), but its CLIP text "
+                         f"encoders' states, side by side, are {made} wide (hidden_size): wider than the text they "
+                         "are padded to")
+    pooled = configs[denoiser].get(family.pooled_width_key) if family.pooled_width_key else None
+    projections = {name: configs[name].get("projection_dim") for name in widths}
+    if isinstance(pooled, int) and all(isinstance(width, int) for width in projections.values()) and \
+            pooled != sum(projections.values()):
+        given = " + ".join(f"{width} ({name})" for name, width in projections.items())
+        raise UsageError(f"component '{denoiser}': {file} takes pooled text {pooled} wide "
+                         f"({family.pooled_width_key}), but its text encoders' pooled projections are {given} wide "
+                         "(projection_dim)")
 
 
 def validate_controlnet_folder(folder: Path, subject: str) -> dict:

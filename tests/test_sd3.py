@@ -305,3 +305,45 @@ def test_the_steps_a_strength_leaves_are_counted_as_the_family_pipeline_counts_t
     with pytest.raises(UsageError, match="^strength 0.2 leaves none of the 4 denoising steps to run"):
         request(resolve_model("tiny"), image=image, strength=0.2, denoising_steps=4)
     assert request(resolve_model("tiny-sd3"), image=image, strength=0.2, denoising_steps=4).strength == 0.2
+
+
+def sd3_folder_with(source, tmp_path, drop_t5: bool = False, **transformer):
+    """A copy of `source`'s folder with its transformer config changed (configs only: refused before loading)."""
+    folder = tmp_path / "model"
+    shutil.copytree(source.path, folder, ignore=shutil.ignore_patterns("manifest*"))
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, **transformer}))
+    if drop_t5:
+        shutil.rmtree(folder / "text_encoder_3")
+        shutil.rmtree(folder / "tokenizer_3")
+        index = json.loads((folder / "model_index.json").read_text())
+        (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder_3": [None, None],
+                                                             "tokenizer_3": [None, None]}))
+    return folder
+
+
+@pytest.mark.parametrize("transformer, drop_t5, message", [
+    ({"joint_attention_dim": 128}, False,
+     r"attends to text 128 wide \(joint_attention_dim\), but its T5's states are 96 wide \(text_encoder_3 d_model\)$"),
+    ({"joint_attention_dim": 48}, True,
+     r"attends to text 48 wide \(joint_attention_dim\), but its CLIP text encoders' states, side by side, are 32 "
+     r"\(text_encoder\) \+ 32 \(text_encoder_2\) wide \(hidden_size\): wider than the text they are padded to$"),
+    ({"pooled_projection_dim": 48}, False,
+     r"takes pooled text 48 wide \(pooled_projection_dim\), but its text encoders' pooled projections are 32 "
+     r"\(text_encoder\) \+ 32 \(text_encoder_2\) wide \(projection_dim\)$"),
+])
+def test_an_sd3_folder_whose_transformer_misfits_its_text_encoders_is_refused_at_load(tiny_sd3, tmp_path, transformer,
+                                                                                     drop_t5, message):
+    folder = sd3_folder_with(tiny_sd3, tmp_path, drop_t5, **transformer)
+    with pytest.raises(UsageError, match=r"^component 'transformer': .*transformer/config.json " + message):
+        resolve_model(str(folder))
+
+
+def test_demo_diffusion_refuses_an_sd3_folder_of_the_wrong_text_width_in_one_line(tiny_sd3, tmp_path, capsys):
+    from demo.cli.generate import main
+
+    folder = sd3_folder_with(tiny_sd3, tmp_path, joint_attention_dim=128)
+    resolve_model(str(sd3_folder_with(tiny_sd3, tmp_path / "fits")))  # the same copy, unchanged, is fine
+    assert main(["a cat", "--model", str(folder), "--output-dir", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "attends to text 128 wide (joint_attention_dim)" in lines[0], lines

@@ -66,6 +66,9 @@ class Family:
     denoiser_classes: tuple[str, ...] = ("UNet2DConditionModel", "ControlNetModel")
     text_width_key: str = "cross_attention_dim"  # the denoiser config's key for the width of the text it attends to
     pooled_text: tuple[str, ...] = ()  # the text stages whose pooled, projected output the pipeline reads too
+    # the denoiser config's key for the width of those pooled outputs side by side, where it takes them alone (SD3's;
+    # None: not checked, SDXL's UNet taking them among its added conditions)
+    pooled_width_key: str | None = None
     t5_length: int | None = None  # with a T5 text stage: its token length (diffusers' max_sequence_length default)
     # Its denoiser predicts a flow (rectified flow: SD3) rather than noise: only flow-matching schedulers step it, and
     # no other scheduler steps a flow.

@@ -24,6 +24,7 @@ SD3 = Family(
     denoiser_classes=("SD3Transformer2DModel",),
     text_width_key="joint_attention_dim",
     pooled_text=(CLIP, CLIP2),
+    pooled_width_key="pooled_projection_dim",
     t5_length=256,
     flow_matching=True,
     shifts_latents=True,
