@@ -1,11 +1,11 @@
 """A model folder checked before anything heavy loads from it: every component's config parses and names a
 class this toolkit can load, the scheduler config builds with a prediction type diffusers' schedulers know, the VAE's
 scaling factor is a number, the denoiser attends to text as wide as its text encoders make it (SD3's transformer: T5's
-width, its pooled text the CLIPs' projections), each tokenizer has its
-vocabulary, and every weight file is whole (safetensors: header and size; PyTorch pickles: a readable zip). A
-ControlNet's folder likewise, its weights checked against its config too. What fails is one UsageError naming the
-component and the file, not a traceback from deep inside diffusers minutes later (or, for a tensor a file lacks, a
-module that diffusers loads half-initialised without a word)."""
+width, its pooled text the CLIPs' projections), each tokenizer has its vocabulary, and every weight file is whole
+(safetensors: header and size; PyTorch pickles: a readable zip). A ControlNet's folder likewise, its weights checked
+against its config too. What fails is one UsageError naming the component and the file, not a traceback from deep
+inside diffusers minutes later (or, for a tensor a file lacks, a module that diffusers loads half-initialised without
+a word)."""
 
 from __future__ import annotations
 
