@@ -347,3 +347,17 @@ def test_demo_diffusion_refuses_an_sd3_folder_of_the_wrong_text_width_in_one_lin
     assert main(["a cat", "--model", str(folder), "--output-dir", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "attends to text 128 wide (joint_attention_dim)" in lines[0], lines
+
+
+def test_a_request_left_to_the_model_gets_diffusers_sd3_defaults(tiny_sd3, tmp_path):
+    """diffusers' StableDiffusion3Pipeline runs 28 steps at guidance 7.0 and its image-to-image pipeline 50 at 7.0:
+    a request that gives neither gets them from the folder's class (models.recommended); a given one keeps its own."""
+    resolved = Request("a cat", seed=0).resolved(tiny_sd3)
+    assert (resolved.denoising_steps, resolved.guidance_scale, resolved.scheduler) == (28, 7.0, "FlowMatchEuler")
+    assert Request("a cat", seed=0, denoising_steps=3, guidance_scale=2.0).resolved(tiny_sd3).denoising_steps == 3
+    folder = tmp_path / "img2img"
+    shutil.copytree(tiny_sd3.path, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusion3Img2ImgPipeline"}))
+    resolved = Request("a cat", seed=0).resolved(resolve_model(str(folder)))
+    assert (resolved.denoising_steps, resolved.guidance_scale) == (50, 7.0)

@@ -5,6 +5,11 @@ latents are shifted as well as scaled."""
 
 from models import CLIP, CLIP2, T5, TRANSFORMER
 from models.families.base import IMAGE_TO_IMAGE, TEXT_TO_IMAGE, Family
+from models.recommended import Recommended
+
+# diffusers' SD3 pipelines' own defaults (num_inference_steps, guidance_scale): a model folder of each class gets them
+TEXT_TO_IMAGE_RECOMMENDED = Recommended(denoising_steps=28, guidance_scale=7.0)
+IMAGE_RECOMMENDED = Recommended(denoising_steps=50, guidance_scale=7.0)
 
 SD3 = Family(
     name="sd3",
@@ -28,4 +33,7 @@ SD3 = Family(
     t5_length=256,
     flow_matching=True,
     shifts_latents=True,
+    recommended={"StableDiffusion3Pipeline": TEXT_TO_IMAGE_RECOMMENDED,
+                 "StableDiffusion3Img2ImgPipeline": IMAGE_RECOMMENDED,
+                 "StableDiffusion3InpaintPipeline": IMAGE_RECOMMENDED},
 )
