@@ -337,7 +337,7 @@ def recommended_scheduler(recommended: Recommended) -> str:
     try:
         return scheduler_named(recommended.scheduler)
     except UsageError:
-        raise UsageError(f"{' and '.join(recommended.by)} recommends scheduler '{recommended.scheduler}', which this "
+        raise UsageError(f"{recommended.by} recommends scheduler '{recommended.scheduler}', which this "
                          f"toolkit does not offer; choose one with {field('scheduler')} "
                          f"({', '.join(SCHEDULERS)})") from None
 
@@ -345,7 +345,7 @@ def recommended_scheduler(recommended: Recommended) -> str:
 def recommendation_note(given: Request, resolved: Request, recommendations: Sequence[Recommended]) -> str | None:
     """What `resolved` took from `recommendations` (the first that says each, as Request.resolved takes them) where
     `given` left it out, naming the fields and who recommends each; None where it took nothing."""
-    by: dict[tuple[str, ...], list[str]] = {}
+    by: dict[str, list[str]] = {}
     for name in SETTINGS:
         if getattr(given, name) is not None or (name == "denoising_steps" and given.timesteps is not None):
             continue
@@ -355,7 +355,7 @@ def recommendation_note(given: Request, resolved: Request, recommendations: Sequ
         value = recommended_scheduler(said) if name == "scheduler" else getattr(said, name)
         if getattr(resolved, name) == value:  # not where the spec set it first
             by.setdefault(said.by, []).append(f"{field(name)} {getattr(resolved, name)}")
-    return "; ".join(f"{', '.join(taken)}: as {' and '.join(who)} recommends" for who, taken in by.items()) or None
+    return "; ".join(f"{', '.join(taken)}: as {who} recommends" for who, taken in by.items()) or None
 
 
 def request_fields(given: dict) -> dict:

@@ -34,7 +34,7 @@ class Recommended:
     denoising_steps: int | None = None
     guidance_scale: float | None = None
     scheduler: str | None = None  # a scheduler name (demo.schedulers.scheduler_named takes it)
-    by: tuple[str, ...] = ()
+    by: str = ""
 
     def __bool__(self) -> bool:
         return any(getattr(self, name) is not None for name in SETTINGS)
@@ -52,7 +52,7 @@ def in_lora_file(path: Path, metadata: Mapping[str, str], name: str) -> Recommen
     """What a LoRA file (called `name` in notes) recommends: its metadata's settings, else the step count its file
     name (or, for a folder's pytorch_lora_weights.safetensors, its folder's name) gives; a UsageError where the
     metadata holds something else than the settings, in their types and ranges."""
-    said = Recommended(by=(f"LoRA {name}",))
+    said = Recommended(by=f"LoRA {name}")
     if RECOMMENDED_METADATA in metadata:
         said = replace(said, **_settings(path, metadata[RECOMMENDED_METADATA]))
     named = STEPS_IN_NAME.search(path.stem) or STEPS_IN_NAME.search(path.parent.name)

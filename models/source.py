@@ -172,7 +172,7 @@ class ModelSource:
         class (LCM's 4 steps at 8.5)."""
         class_name = self.index.get("_class_name")
         said = self.family.recommended.get(class_name)
-        return replace(said, by=(f"model {self.name} ({class_name})",)) if said else Recommended()
+        return replace(said, by=f"model {self.name} ({class_name})") if said else Recommended()
 
     @property
     def default_guidance_scale(self) -> float:

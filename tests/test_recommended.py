@@ -50,8 +50,8 @@ def test_the_trainer_writes_what_the_lora_reads():
     from models.shapes.train_lcm import RECOMMENDED
 
     assert read_lora(LCM_LORA).recommended == Recommended(**{name: getattr(RECOMMENDED, name) for name in SETTINGS},
-                                                          by=("LoRA " + str(LCM_LORA),))
-    assert read_lora("shapes-lcm").recommended.by == ("LoRA shapes-lcm",)
+                                                          by=f"LoRA {LCM_LORA}")
+    assert read_lora("shapes-lcm").recommended.by == "LoRA shapes-lcm"
     assert not read_lora(OUTLINE_LORA).recommended
 
 
