@@ -252,6 +252,38 @@ BUILTIN_MODELS["tiny-sd3"] = {
     "scheduler": SD3_SCHEDULER,
     "family": "sd3",
 }
+# The exact SD3.5 Medium architecture, written from stabilityai/stable-diffusion-3.5-medium's published configs
+# (transformer 2.24B parameters and its 226M positional-embedding table, 2.47B in its file; CLIP ViT-L 124M and
+# OpenCLIP bigG 695M text encoders with projections; T5-XXL's encoder 4.76B; a 16-channel VAE 84M), saved in fp16. Its
+# tokenizers are the offline ones tiny-sd3's are (CLIP's BPE made from the corpus, T5's Unigram vocabulary): their ids
+# fit the published vocabularies (49408 and 32128), which the embeddings keep.
+BUILTIN_MODELS["sd3.5-medium-arch"] = {
+    "transformer": {
+        "sample_size": 128,
+        "patch_size": 2,
+        "in_channels": 16,
+        "out_channels": 16,
+        "num_layers": 24,
+        "attention_head_dim": 64,
+        "num_attention_heads": 24,
+        "joint_attention_dim": 4096,
+        "caption_projection_dim": 1536,
+        "pooled_projection_dim": 2048,
+        "pos_embed_max_size": 384,
+        "qk_norm": "rms_norm",
+        "dual_attention_layers": list(range(13)),  # MMDiT-X: the first 13 blocks attend over the image tokens twice
+    },
+    "vae": {**BUILTIN_MODELS["sdxl-arch"]["vae"], "latent_channels": 16, "scaling_factor": 1.5305,
+            "shift_factor": 0.0609, "use_quant_conv": False, "use_post_quant_conv": False},
+    "text_encoder": BUILTIN_MODELS["sdxl-arch"]["text_encoder"],
+    "text_encoder_2": BUILTIN_MODELS["sdxl-arch"]["text_encoder_2"],
+    "text_encoder_3": {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+                       "relative_attention_num_buckets": 32, "feed_forward_proj": "gated-gelu", "vocab_size": 32128},
+    "vocab_size": 4096,
+    "scheduler": SD3_SCHEDULER,
+    "family": "sd3",
+    "dtype": "float16",
+}
 # Built-ins trained rather than generated, by name: the package holding each (its diffusers folder MODEL_DIR, and
 # damage(): why its files are not the recorded ones).
 SHIPPED_MODELS = {"shapes": shapes, "scenes": scenes}
@@ -413,14 +445,17 @@ def build_sd3_model(spec: dict, directory: Path) -> None:
                "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
     special["pad_token_id"] = special["eos_token_id"]
     tokenizer_3 = unigram_t5_tokenizer()
+    t5 = {"vocab_size": len(tokenizer_3), **spec["text_encoder_3"]}  # a published vocabulary's size where given
+    # Each part in the saved dtype as soon as it is drawn: T5-XXL alone is 19 GB in fp32.
+    dtype = getattr(torch, spec.get("dtype", "float32"))
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
-        parts = {name: CLIPTextModelWithProjection(CLIPTextConfig(**spec[name], **special))
+        parts = {name: CLIPTextModelWithProjection(CLIPTextConfig(**spec[name], **special)).to(dtype)
                  for name in ("text_encoder", "text_encoder_2")}
-        parts["text_encoder_3"] = T5EncoderModel(T5Config(**spec["text_encoder_3"], vocab_size=len(tokenizer_3)))
-        parts["transformer"] = diffusers.SD3Transformer2DModel(**spec["transformer"])
-        parts["vae"] = diffusers.AutoencoderKL(**spec["vae"])
+        parts["text_encoder_3"] = T5EncoderModel(T5Config(**t5)).to(dtype)
+        parts["transformer"] = diffusers.SD3Transformer2DModel(**spec["transformer"]).to(dtype)
+        parts["vae"] = diffusers.AutoencoderKL(**spec["vae"]).to(dtype)
     finally:
         torch.random.set_rng_state(generator_state)
     pipe = getattr(diffusers, SD3.diffusers_pipeline(TEXT_TO_IMAGE))(

@@ -1,9 +1,9 @@
-"""Built-in models: exact SD 1.5 architecture sizes, deterministic weights and tokenizer."""
+"""Built-in models: exact SD 1.5, SDXL and SD3.5 Medium architecture sizes, deterministic weights and tokenizer."""
 
 import pytest
 import torch
 
-from models.builtin import BUILTIN_MODELS, build_builtin_model, generate_bpe_vocabulary
+from models.builtin import BUILTIN_MODELS, build_builtin_model, generate_bpe_vocabulary, unigram_t5_tokenizer
 
 
 def _parameters(module):
@@ -40,6 +40,42 @@ def test_sdxl_arch_parameter_counts():
     assert _parameters(clip) == 123_060_480
     assert _parameters(clip2) == 694_659_840
     assert spec["dtype"] == "float16" and spec["scheduler"]["_class_name"] == "EulerDiscreteScheduler"
+
+
+def test_sd35_medium_arch_is_the_published_architecture():
+    """SD3.5 Medium: the counts stabilityai/stable-diffusion-3.5-medium's files hold (transformer 2.47B with its
+    positional-embedding table, T5-XXL's encoder 4.76B, CLIP ViT-L 124M, OpenCLIP bigG 695M, the VAE 84M), within 1%;
+    on the meta device, from the configs alone."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    spec = BUILTIN_MODELS["sd3.5-medium-arch"]
+    with torch.device("meta"):
+        transformer = SD3Transformer2DModel.from_config(spec["transformer"])
+        t5 = T5EncoderModel(T5Config(**spec["text_encoder_3"]))
+        clips = [CLIPTextModelWithProjection(CLIPTextConfig(**spec[name]))
+                 for name in ("text_encoder", "text_encoder_2")]
+        vae = AutoencoderKL.from_config(spec["vae"])
+    stored = _parameters(transformer) + sum(buffer.numel() for buffer in transformer.buffers())
+    published = {"transformer": 2.47e9, "t5": 4.76e9, "clip": 123.7e6, "clip2": 694.7e6, "vae": 83.8e6}
+    counted = {"transformer": stored, "t5": _parameters(t5), "clip": _parameters(clips[0]),
+               "clip2": _parameters(clips[1]), "vae": _parameters(vae)}
+    assert counted == pytest.approx(published, rel=0.01)
+    config = transformer.config
+    assert len(transformer.transformer_blocks) == 24 and config.num_attention_heads * config.attention_head_dim == 1536
+    assert sum(block.attn2 is not None for block in transformer.transformer_blocks) == 13  # MMDiT-X's dual attention
+    assert transformer.transformer_blocks[0].attn.norm_q is not None  # RMS-normed queries and keys
+    assert transformer.pos_embed.pos_embed.shape == (1, 384 * 384, 1536)
+    assert (t5.config.d_model, t5.config.d_ff, t5.config.num_heads, t5.config.is_gated_act) == (4096, 10240, 64, True)
+    assert config.joint_attention_dim == t5.config.d_model
+    assert config.pooled_projection_dim == sum(clip.config.projection_dim for clip in clips)
+    assert [clip.config.hidden_act for clip in clips] == ["quick_gelu", "gelu"]
+    assert vae.config.latent_channels == 16 and (vae.config.scaling_factor, vae.config.shift_factor) == (1.5305, 0.0609)
+    assert spec["scheduler"] == {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000,
+                                 "shift": 3.0}
+    # the offline tokenizers' ids fit the published vocabularies the embeddings keep
+    assert len(unigram_t5_tokenizer()) <= t5.config.vocab_size == 32128
+    assert spec["vocab_size"] <= clips[0].config.vocab_size == clips[1].config.vocab_size == 49408
 
 
 def test_tokenizer_is_deterministic_and_tokenizes_words():
