@@ -1,14 +1,15 @@
 """The floor under a benchmark row: the denoiser's FLOPs per step (the UNet's calls and each ControlNet's, full or
-shallow under the step cache) over the GPU's dense fp16 tensor-core peak. FLOPs are counted by torch's
-FlopCounterMode (matrix products and convolutions) on the stages' own modules on the meta device: no weight is read
-and nothing runs, so the count is the same on any machine."""
+shallow under the step cache; or SD3's transformer's: attention over the text and image tokens, the MLPs, the
+modulations' projections) over the GPU's dense fp16 tensor-core peak. FLOPs are counted by torch's FlopCounterMode
+(matrix products, convolutions and attention) on the stages' own modules on the meta device: no weight is read and
+nothing runs, so the count is the same on any machine."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import UNET, UNET_SHALLOW, is_controlnet_stage, is_shallow_controlnet_stage
+from models import TRANSFORMER, UNET, UNET_SHALLOW, is_controlnet_stage, is_shallow_controlnet_stage
 from models.base import StageModel
 from models.unet_cache import whole_calls
 
@@ -32,18 +33,20 @@ def call_gflop(model: StageModel, batch: int, height: int, width: int) -> float:
 
 def denoiser_floor(models: dict[str, StageModel], calls: int, interval: int, batch: int, height: int, width: int,
                    gpu: str, controlnet_batch: int | None = None) -> dict:
-    """A row's floor fields: the denoiser's GFLOP per step, averaged over a run's `calls` UNet calls with the step
-    cache every `interval` (1: none), and the ms per step it takes at `gpu`'s peak (None where the peak is unknown).
-    `models`: the pipeline's stage models by stage name; `batch`: the UNet's batch (twice the images under guidance),
-    `controlnet_batch` the ControlNets' where it differs (guess mode: the prompts' half alone)."""
+    """A row's floor fields: the denoiser's GFLOP per step, averaged over a run's `calls` denoiser calls with the
+    step cache every `interval` (1: none), and the ms per step it takes at `gpu`'s peak (None where the peak is
+    unknown). `models`: the pipeline's stage models by stage name; `batch`: the denoiser's batch (twice the images
+    under guidance), `controlnet_batch` the ControlNets' where it differs (guess mode: the prompts' half alone)."""
     whole = whole_calls(calls, interval)
     total = 0.0
     for name, model in models.items():
         if is_controlnet_stage(name) or is_shallow_controlnet_stage(name):
             count = whole if is_controlnet_stage(name) else calls - whole
             total += count * call_gflop(model, controlnet_batch or batch, height, width)
-        elif name in (UNET, UNET_SHALLOW):
-            total += (whole if name == UNET else calls - whole) * call_gflop(model, batch, height, width)
+        elif name in (UNET, TRANSFORMER):
+            total += whole * call_gflop(model, batch, height, width)
+        elif name == UNET_SHALLOW:
+            total += (calls - whole) * call_gflop(model, batch, height, width)
     peak = PEAK_FP16_TFLOPS.get(gpu)
     per_step = total / calls
     return {"denoiser_gflop_per_step": round(per_step, 1), "peak_fp16_tflops": peak,

@@ -28,8 +28,8 @@ def benchmark_table(results: dict) -> str:
              f"{results['warmup_runs']} warm-up run(s); ms. PSNR and max Δ (0-255) against {EAGER}'s image; ready s: "
              "compiling (compile s), capturing (capture s) and engine builds (build s) before any run; peak: "
              "torch.cuda.max_memory_allocated; in use: device memory held at the end, engines' own included; "
-             "floor: the denoiser's FLOPs per step (the UNet's, any ControlNet's) at the GPU's dense fp16 peak "
-             "(bench/floor.py)."]
+             "floor: the denoiser's FLOPs per step (the UNet's or transformer's, any ControlNet's) at the GPU's dense "
+             "fp16 peak (bench/floor.py)."]
     workloads = {}
     for row in results.get("rows", []):  # by workload: a model with ControlNets is a workload of its own
         title = row.get("workload") or workload_title(row["model"], row["height"], row["width"], row["batch_size"],

@@ -60,3 +60,9 @@ class SD3TransformerModel(StageModel):
         from diffusers import SD3Transformer2DModel
 
         return _FlowPrediction(SD3Transformer2DModel.from_pretrained(self.source.component_dir(self.component)))
+
+    def meta_module(self):
+        from diffusers import SD3Transformer2DModel
+
+        with torch.device("meta"):
+            return _FlowPrediction(SD3Transformer2DModel.from_config(self.config))

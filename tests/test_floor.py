@@ -54,3 +54,46 @@ def test_a_steps_count_follows_the_cache_and_the_controlnets(tiny):
     guessing = denoiser_floor({"unet": UNetModel(tiny, controlled=True), "controlnet0": controlnet}, 10, 1, 2, SIZE,
                               SIZE, "NVIDIA H200", controlnet_batch=1)  # guess mode: the prompts' half alone
     assert guessing["denoiser_gflop_per_step"] == round(plain + call_gflop(controlnet, 1, SIZE, SIZE), 1)
+
+
+def sd3_hand_gflop(config: dict, batch: int, text_tokens: int, latent_height: int, latent_width: int) -> float:
+    """SD3's transformer (no dual attention) counted by hand, 2 FLOPs a multiply-add: the patch embedding, the
+    timestep's (one for the batch) and pooled text's embeddings, the text's projection, per block the modulations'
+    projections, Q/K/V and the output projections of both streams, attention over text and image tokens together and
+    the 4x MLPs (the last block's text stream stops after its keys and values), the output's modulation and
+    projection."""
+    patch, width = config["patch_size"], config["num_attention_heads"] * config["attention_head_dim"]
+    image = latent_height * latent_width // patch ** 2
+    tokens = image + text_tokens  # the two streams side by side, attending as one
+
+    def linear(rows, fan_in, fan_out):
+        return 2 * rows * fan_in * fan_out
+
+    flops = linear(batch * image, config["in_channels"] * patch ** 2, width)  # the patch embedding's convolution
+    flops += linear(1, 256, width) + linear(1, width, width)  # the timestep's sinusoid through its MLP
+    flops += linear(batch, config["pooled_projection_dim"], width) + linear(batch, width, width)
+    flops += linear(batch * text_tokens, config["joint_attention_dim"], width)
+    for block in range(config["num_layers"]):
+        last = block == config["num_layers"] - 1
+        flops += linear(batch, width, 6 * width) + linear(batch, width, (2 if last else 6) * width)  # modulations
+        flops += 3 * linear(batch * tokens, width, width)  # Q, K, V of the image's and the text's tokens
+        flops += 2 * 2 * batch * tokens ** 2 * width  # Q K^T and the weights times V
+        flops += linear(batch * (image if last else tokens), width, width)  # output projections
+        flops += 2 * linear(batch * (image if last else tokens), width, 4 * width)  # the MLPs
+    flops += linear(batch, width, 2 * width) + linear(batch * image, width, patch ** 2 * config["out_channels"])
+    return flops / 1e9
+
+
+def test_the_transformers_count_is_the_hand_count():
+    from models.transformer import SD3TransformerModel
+
+    sd3 = resolve_model("tiny-sd3")
+    transformer = SD3TransformerModel(sd3)
+    height, width = 64, 48
+    latent = (height // sd3.vae_scale_factor, width // sd3.vae_scale_factor)
+    counted = call_gflop(transformer, 2, height, width)
+    assert counted == pytest.approx(sd3_hand_gflop(transformer.config, 2, transformer.text_length, *latent), rel=1e-12)
+    floor = denoiser_floor({"clip": None, "t5": None, "transformer": transformer, "vae": None}, 28, 1, 2, height,
+                           width, "NVIDIA H200")
+    assert floor["denoiser_gflop_per_step"] == round(counted, 1)
+    assert floor["floor_ms_per_step"] == pytest.approx(counted / PEAK_FP16_TFLOPS["NVIDIA H200"])
