@@ -38,6 +38,7 @@ class Contender:
     cache_interval: int | None = None
     vae: str | None = None  # @vae:<V>: another VAE (None: the command's --vae)
     vae_precision: str | None = None  # @vae:<precision>: what its VAE runs in (None: the command's --vae-precision)
+    ablates: tuple[str, ...] = ()  # the plugin families this one goes without, beside ours (ours-no-<family>)
 
     def spec_fields(self) -> dict:
         """What the contender sets in a pipeline spec (demo.runtime.spec.PipelineSpec) besides the engines' folders:
@@ -80,12 +81,12 @@ def contenders() -> dict[str, Contender]:
                   settings=TorchSettings(channels_last=True, compile="reduce-overhead")),
         Contender("diffusers-pipeline", "diffusers' own pipeline and loop, its modules as they are", DIFFUSERS,
                   settings=TorchSettings()),
-        Contender("diffusers-pipeline-compile", "diffusers' own pipeline and loop, UNet, ControlNets and VAE "
+        Contender("diffusers-pipeline-compile", "diffusers' own pipeline and loop, denoiser, ControlNets and VAE "
                   "channels-last + torch.compile(mode=\"reduce-overhead\")", DIFFUSERS,
                   settings=TorchSettings(channels_last=True, compile="reduce-overhead"),
                   reference="diffusers-pipeline"),
         Contender("ours", "torch backend: all plugins, channels-last, CUDA graphs, compile default", settings=ours),
-        Contender("ours-no-plugins", "ours without plugins", settings=replace(ours, plugins=())),
+        Contender("ours-no-plugins", "ours without plugins", settings=replace(ours, plugins=()), ablates=every),
         Contender("ours-no-channels-last", "ours without channels-last", settings=replace(ours, channels_last=False)),
         Contender("ours-no-cuda-graph", "ours without CUDA graphs", settings=replace(ours, cuda_graph=False)),
         Contender("ours-no-compile", "ours without torch.compile", settings=replace(ours, compile="none")),
@@ -97,7 +98,7 @@ def contenders() -> dict[str, Contender]:
                 **{key.lower(): (key,) for key in PLUGIN_KEYS if key not in ATTENTION_KEYS}}
     for family, keys in families.items():
         named.append(Contender(f"ours-no-{family}", f"ours without {'/'.join(keys)}",
-                               settings=replace(ours, plugins=tuple(k for k in every if k not in keys))))
+                               settings=replace(ours, plugins=tuple(k for k in every if k not in keys)), ablates=keys))
     named += [Contender("tensorrt", "TensorRT engines, CUDA graphs", "tensorrt"),
               Contender(TRT_AUTO, "TensorRT engines with the plugins --plugins auto picks here, CUDA graphs",
                         "tensorrt"),

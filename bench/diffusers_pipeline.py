@@ -1,6 +1,7 @@
-"""diffusers' own pipeline as a benchmark contender: StableDiffusion(XL)Pipeline, or its ControlNet twin with the run's
-ControlNets, loaded from the model's folder as a diffusers user loads it; UNet, ControlNets and VAE in channels-last
-memory and compiled with torch.compile(mode="reduce-overhead"), as diffusers' guides make it fast. The other
+"""diffusers' own pipeline as a benchmark contender: the family's text-to-image pipeline (StableDiffusion(XL)Pipeline,
+StableDiffusion3Pipeline), or its ControlNet twin with the run's ControlNets, loaded from the model's folder as a
+diffusers user loads it; the denoiser (UNet or SD3's transformer), ControlNets and VAE in channels-last memory and
+compiled with torch.compile(mode="reduce-overhead"), as diffusers' guides make it fast. The other
 contenders run diffusers' modules inside our pipeline's loop; this one runs diffusers' loop too. Timed in the regions
 our pipeline reports (demo.pipelines.StageTimer): the text encoders, the denoising loop (from the initial latents to
 the last scheduler step), the VAE decode, and the whole call up to the images on the host."""
@@ -41,9 +42,10 @@ class DiffusersPipeline:
         # SDXL's pipelines cast a VAE whose config forces fp32 to it at every call: that one stays eager.
         vae_compiled = not (dtype == torch.float16 and family.fp16_runs_fp32("vae", pipe.vae.config))
         if compile_mode is not None:
-            for module in (pipe.unet, *nets, *([pipe.vae] if vae_compiled else [])):
+            denoiser = getattr(pipe, family.denoiser)  # the UNet, or SD3's transformer
+            for module in (denoiser, *nets, *([pipe.vae] if vae_compiled else [])):
                 module.to(memory_format=torch.channels_last)
-            pipe.unet = torch.compile(pipe.unet, mode=compile_mode)
+            setattr(pipe, family.denoiser, torch.compile(denoiser, mode=compile_mode))
             if len(nets) == 1:
                 pipe.controlnet = torch.compile(pipe.controlnet, mode=compile_mode)
             elif nets:  # diffusers' MultiControlNetModel calls each of its nets
@@ -102,5 +104,5 @@ class DiffusersPipeline:
         return images.permute(0, 2, 3, 1).numpy()
 
     def unet_calls(self) -> int:
-        """How many times the last call ran the UNet."""
+        """How many times the last call ran the denoiser."""
         return self.pipe.num_timesteps

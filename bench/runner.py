@@ -8,6 +8,7 @@ import hashlib
 import io
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,7 @@ from bench.jobs import BuildPlan, Job
 from core.artifacts import ArtifactError
 from core.atomic import atomic_write_bytes
 from core.errors import UsageError
+from demo.backends.registry import backend_named, why_not_for
 from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.tensorrt.runtime import GENERATED, plugin_counts, time_by_kind
 from demo.cli.command import flag_name
@@ -37,7 +39,7 @@ from demo.runtime.spec import PipelineSpec
 from models import UNET
 from models.plugin_passes import read_pass_report
 from models.quantize import read_int8_report
-from models.stages import stage_batch
+from models.stages import stage_batch, stage_models, text_to_image_stages
 from plugins.contract import OURS, PLUGIN_KEYS
 
 PROFILED_UNET_CALLS = 20  # UNet calls under TensorRT's per-layer profiler, per engine set
@@ -156,6 +158,12 @@ def why_skip(setup: Setup, contender: Contender, workload: Workload, first: Work
     """Why a contender cannot run here (None: it can), decided before anything is loaded."""
     if contender.skip:
         return contender.skip
+    unfit = why_not_for(backend_named(contender.spec_fields()["backend"]), setup.source.family, setup.source.name)
+    if unfit:  # the family's reason first: it holds on any machine, whatever is installed here
+        return unfit
+    if contender.ablates and not any(plugin_matches(setup.source)[key] for key in contender.ablates):
+        return (f"{'/'.join(contender.ablates)}: nothing in {setup.source.name}'s stages for their kernels, so it "
+                "would run as ours does")
     interval = contender.cache_interval or setup.spec.cache_interval
     if contender.backend == DIFFUSERS and interval > 1:
         return "diffusers' pipeline has no step cache"
@@ -170,6 +178,18 @@ def why_skip(setup: Setup, contender: Contender, workload: Workload, first: Work
     except UsageError as exc:
         return exc.render(flag_name)
     return None
+
+
+def plugin_matches(source) -> Counter:
+    """How many modules each plugin family's kernel stands in for in the model's text-to-image stages (our kernels
+    substituted into their meta modules, channels-first): whether a family has anything to do in this model at all."""
+    from demo.backends.torch.settings import computed_part
+    from plugins.diffusers_modules import substitute
+
+    replaced = Counter()
+    for model in stage_models(source, text_to_image_stages(source)):
+        replaced += substitute(computed_part(model.name, model.meta_module()), PLUGIN_KEYS).replaced
+    return replaced
 
 
 def int8_layers(unet, onnx_dir: Path) -> dict:

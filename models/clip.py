@@ -64,8 +64,18 @@ class CLIPModel(StageModel):
 
         encoder = getattr(transformers, self.encoder_class).from_pretrained(
             self.source.component_dir(self.component), attn_implementation=attn_implementation)
+        return self._embeddings(encoder)
+
+    def _embeddings(self, encoder) -> torch.nn.Module:
         return _TextEmbeddings(encoder, penultimate=self.source.family.penultimate_text,
                                pooled=len(self.output_names) > 1)
+
+    def meta_module(self):
+        import transformers
+
+        with torch.device("meta"):
+            return self._embeddings(getattr(transformers, self.encoder_class)(
+                transformers.CLIPTextConfig.from_dict(self.config)))
 
     def component_module(self, module):
         return module.text_encoder

@@ -47,3 +47,9 @@ class T5Model(StageModel):
         from transformers import T5EncoderModel
 
         return _LastStates(T5EncoderModel.from_pretrained(self.source.component_dir(self.component)))
+
+    def meta_module(self):
+        from transformers import T5Config, T5EncoderModel
+
+        with torch.device("meta"):
+            return _LastStates(T5EncoderModel(T5Config.from_dict(self.config)))

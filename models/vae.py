@@ -69,6 +69,12 @@ class VAEDecoderModel(_VAEStage):
     def load_module(self):
         return _Decoder(_load_vae(self.source, self.component))
 
+    def meta_module(self):
+        import diffusers
+
+        with torch.device("meta"):
+            return _Decoder(getattr(diffusers, self.source.vae_class).from_config(self.config))
+
 
 class VAEEncoderModel(_VAEStage):
     """Image-to-image and inpainting: images in [-1, 1] to their latents' Gaussian (an AutoencoderKL's) or their latents

@@ -342,3 +342,44 @@ def test_cached_contenders_run_beside_their_uncached_selves(tmp_path):
     flops = {label: row["denoiser_gflop_per_step"] for label, row in rows.items()}
     assert flops["diffusers-eager"] > flops["ours-defaults@cache2"] > flops["diffusers-eager@cache3"] > 0
     assert plain["floor_ms_per_step"] is None  # no GPU peak here
+
+
+SD3_WORKLOAD = "tiny-sd3, 48x64, batch 1, 2 steps"
+
+
+def test_sd3_runs_against_diffusers_own_sd3_pipeline(tmp_path):
+    """tiny-sd3: our pipeline's modules and diffusers' StableDiffusion3Pipeline on the same request (FlowMatchEuler,
+    SD3's guidance), the floor counting its transformer; TensorRT refused for the family and the ablations of plugins
+    that find nothing in its stages skipped, each in one line."""
+    from bench.floor import call_gflop
+    from models.source import resolve_model
+    from models.transformer import SD3TransformerModel
+
+    common = ["--model", "tiny-sd3", *COMMON[2:-2]]  # its own scheduler
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "diffusers-pipeline,diffusers-pipeline-compile,ours,"
+                          "tensorrt,ours-no-splitgelu,ours-no-seq2spatial,ours-no-attention,diffusers-eager",
+                          common=common)
+    assert status == 0 and data["scheduler"] == "FlowMatchEuler" and data["guidance_scale"] == 7.0
+    assert [row["label"] for row in data["rows"]] == [EAGER, "diffusers-pipeline"] and not data["failed"]
+    transformer = call_gflop(SD3TransformerModel(resolve_model("tiny-sd3")), 2, 64, 48)  # guided: batch 2
+    for row in data["rows"]:
+        assert row["workload"] == SD3_WORKLOAD and row["unet_calls"] == 2
+        assert row["denoiser_gflop_per_step"] == round(transformer, 1) > 0
+    assert data["rows"][1]["max_pixel_diff_vs_eager"] <= 1  # diffusers' own loop draws our image
+    skipped = {entry["label"]: entry["reason"] for entry in data["skipped"]}
+    # the family's reason, not what this machine lacks (TensorRT)
+    assert skipped["tensorrt"] == "model 'tiny-sd3' is of the SD3 family, whose TensorRT engines are not built yet"
+    for ablation, keys in (("ours-no-splitgelu", "SplitGeLU"), ("ours-no-seq2spatial", "Seq2Spatial")):
+        assert skipped[ablation] == (f"{keys}: nothing in tiny-sd3's stages for their kernels, so it would run as ours "
+                                     "does")
+    assert "need a CUDA GPU" in skipped["ours-no-attention"]  # its VAE's attention takes our fMHA
+    assert "need a CUDA GPU" in skipped["ours"] and "needs a CUDA GPU" in skipped["diffusers-pipeline-compile"]
+
+
+def test_diffusers_sd3_pipeline_compiles_its_transformer():
+    from bench.diffusers_pipeline import DiffusersPipeline
+    from models.source import resolve_model
+
+    pipeline = DiffusersPipeline(resolve_model("tiny-sd3"), (), torch.device("cpu"), torch.float32, "reduce-overhead")
+    assert isinstance(pipeline.pipe.transformer, torch._dynamo.eval_frame.OptimizedModule)  # compiled at its first call
+    assert pipeline.pipe.transformer.pos_embed.proj.weight.is_contiguous(memory_format=torch.channels_last)
