@@ -159,7 +159,12 @@ class Request:
         multiple of the model's: source.image_size_multiple, where it brings one; else the model's native size), the
         steps, scheduler and guidance scale the first of `recommended` (LoRAs', in order) then the model recommends,
         else the scheduler's steps and the model's own scheduler and scale, how the model guides it, a seed from
-        `draw_seed`, the mode's strength; a UsageError where the image's own size is one the model cannot take."""
+        `draw_seed`, the mode's strength; a UsageError where the image's own size is one the model cannot take, or
+        where it gives a guidance scale to a model guided by none (FLUX.1 [schnell])."""
+        if self.guidance_scale is not None and source.guidance == NO_GUIDANCE:  # diffusers would ignore it unsaid
+            raise UsageError(f"{field('guidance_scale')} {self.guidance_scale:g}: model '{source.name}' takes no "
+                             f"guidance scale (its {source.family.denoiser} embeds none and the {source.family.label} "
+                             "family runs no classifier-free guidance); leave it out")
         said = {name: first_saying((*recommended, source.recommended), name) for name in SETTINGS}
         native = source.native_image_size
         given = self.height, self.width  # None: left to the image or the model (0 is given, and refused)
@@ -300,7 +305,7 @@ def check_mode(source: ModelSource, mode: str) -> None:
     latents)."""
     if mode != TEXT_TO_IMAGE:
         source.family.require(mode, source.name, field("mask" if mode == INPAINTING else "image"))
-    channels = source.denoiser_config["in_channels"]
+    channels = source.input_channels
     if source.inpainting and mode != INPAINTING:
         raise UsageError(f"model '{source.name}' is an inpainting model (its UNet takes {channels} channels: latents, "
                          f"mask, masked image): it only inpaints, with {field('image')} and {field('mask')}")

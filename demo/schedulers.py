@@ -20,8 +20,8 @@ SCHEDULERS = {
     "TCD": "TCDScheduler",
     "FlowMatchEuler": "FlowMatchEulerDiscreteScheduler",
 }
-# Those that step a flow (rectified flow: SD3's), not noise or v: each runs the models of a family that predicts a flow
-# (models.families Family.flow_matching), and those alone.
+# Those that step a flow (rectified flow: SD3's, Flux's), not noise or v: each runs the models of a family that
+# predicts a flow (models.families Family.flow_matching), and those alone.
 FLOW_MATCHING = ("FlowMatchEuler",)
 # A request's scheduler options (demo.request.Request's fields of these names): None leaves each to the model's own
 # scheduler config (a timestep spacing, Karras sigmas) or to diffusers' pipelines' default (eta 0, the scheduler's own
@@ -94,10 +94,25 @@ def config_overrides(timestep_spacing: str | None, karras_sigmas: bool | None) -
                                           ("use_karras_sigmas", karras_sigmas)) if value is not None}
 
 
+def dynamic_shift(scheduler, image_tokens: int | None = None) -> dict:
+    """set_timesteps' `mu` where the scheduler's config shifts its sigmas by the image's size (use_dynamic_shifting:
+    Flux's), as diffusers' pipelines compute it (calculate_shift: linear in the image's tokens between the config's
+    base and max sequence lengths) for an image of `image_tokens` tokens (None: the base length's, for a check of the
+    steps alone, whose count the shift does not change); {} where it does not."""
+    config = scheduler.config
+    if not config.get("use_dynamic_shifting"):
+        return {}
+    base, most = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    low, high = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    slope = (high - low) / (most - base)
+    offset = low - slope * base  # in calculate_shift's order: the same float
+    return {"mu": (base if image_tokens is None else image_tokens) * slope + offset}
+
+
 def _distinct_timesteps(scheduler, steps: int) -> int:
     """How many different timesteps the scheduler runs for `steps` (0 where it refuses them)."""
     try:
-        scheduler.set_timesteps(steps)
+        scheduler.set_timesteps(steps, **dynamic_shift(scheduler))
     except ValueError:  # e.g. DDIM above its training timesteps
         return 0
     return len(set(scheduler.timesteps.tolist()))

@@ -10,9 +10,9 @@ import importlib
 from core.errors import UsageError
 
 # The stages, by name: a model class each (models.stages.STAGE_MODELS), in this order.
-CLIP, CLIP2, T5, UNET, TRANSFORMER, VAE, VAE_ENCODER = (
-    "clip", "clip2", "t5", "unet", "transformer", "vae", "vae_encoder")
-STAGE_NAMES = (CLIP, CLIP2, T5, UNET, TRANSFORMER, VAE, VAE_ENCODER)
+CLIP, CLIP2, T5, UNET, TRANSFORMER, FLUX_TRANSFORMER, VAE, VAE_ENCODER = (
+    "clip", "clip2", "t5", "unet", "transformer", "flux_transformer", "vae", "vae_encoder")
+STAGE_NAMES = (CLIP, CLIP2, T5, UNET, TRANSFORMER, FLUX_TRANSFORMER, VAE, VAE_ENCODER)
 UNET_SHALLOW = "unet_shallow"  # the step cache's second UNet stage, made with the UNet's (models.stages.stage_models)
 CONTROLNET = "controlnet"  # ControlNet stages: controlnet0, controlnet1, ... (models.controlnet)
 CONTROL_IMAGE = "_image"  # each one's conditioning image embedding, a stage run once per image: controlnet0_image ...
@@ -52,6 +52,7 @@ _LAZY = {**{name: "models.stages" for name in (
     "text_to_image_stages", "image_to_image_stages", "stage_batch", "check_model_stages", "stage_models")},
          "StageModel": "models.base", "CLIPModel": "models.clip", "CLIP2Model": "models.clip",
          "T5Model": "models.t5", "UNetModel": "models.unet", "SD3TransformerModel": "models.transformer",
+         "FluxTransformerModel": "models.transformer",
          "VAEDecoderModel": "models.vae", "VAEEncoderModel": "models.vae"}
 
 

@@ -55,6 +55,7 @@ class StageModel(abc.ABC):
 
     def __init__(self, source: ModelSource):
         self.source = source
+        self.component = source.family.stage_component(self.name, self.component)  # Flux's T5: text_encoder_2
         self.config = source.config(self.component)
 
     @property

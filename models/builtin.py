@@ -20,7 +20,7 @@ from typing import Callable
 from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
 from core.errors import RunFailure, UsageError
 from models import scenes, shapes
-from models.families import IMAGE_TO_IMAGE, INPAINTING, SD, SD3, SDXL, TEXT_TO_IMAGE
+from models.families import FLUX, IMAGE_TO_IMAGE, INPAINTING, SD, SD3, SDXL, TEXT_TO_IMAGE
 from models.families.base import GUIDANCE_EMBEDDING_KEY
 from models.validate import check_weight_file
 
@@ -284,6 +284,33 @@ BUILTIN_MODELS["sd3.5-medium-arch"] = {
     "family": "sd3",
     "dtype": "float16",
 }
+# FLUX.1's scheduler configuration (flow matching, its sigmas shifted by the image's token count: dynamic shifting
+# between 0.5 at 256 tokens and 1.15 at 4096, black-forest-labs/FLUX.1-dev's).
+FLUX_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0,
+                  "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
+                  "max_image_seq_len": 4096}
+# FLUX.1 [dev], seconds on a CPU: a CLIP 32 wide (its pooled output the transformer's pooled projections), a one-layer
+# T5 v1.1 32 wide (gated GELU), a transformer of one double-stream and one single-stream block (two heads of 8, their
+# rotary axes 2 + 2 + 4) on 2x2-packed latents (64 channels for 16) that embeds the guidance scale, a 16-channel VAE
+# with FLUX.1's scaling and shift factors; saved by FluxPipeline. Its native size is diffusers' FluxPipeline's 128
+# latents a side (the transformer's config has none): 256 pixels with this 2x VAE.
+BUILTIN_MODELS["tiny-flux"] = {
+    "transformer": {"patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 1,
+                    "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 32,
+                    "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": [2, 2, 4]},
+    "vae": {**BUILTIN_MODELS["tiny-sd3"]["vae"], "scaling_factor": 0.3611, "shift_factor": 0.1159},
+    "text_encoder": BUILTIN_MODELS["tiny"]["text_encoder"],
+    "text_encoder_2": {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 1, "num_heads": 4,
+                       "relative_attention_num_buckets": 8, "feed_forward_proj": "gated-gelu"},
+    "vocab_size": 1000,
+    "scheduler": FLUX_SCHEDULER,
+    "family": "flux",
+}
+# FLUX.1 [schnell]: the same, its transformer embedding no guidance scale (timestep-distilled: no guidance at all).
+BUILTIN_MODELS["tiny-flux-schnell"] = {
+    **BUILTIN_MODELS["tiny-flux"],
+    "transformer": {**BUILTIN_MODELS["tiny-flux"]["transformer"], "guidance_embeds": False},
+}
 # Built-ins trained rather than generated, by name: the package holding each (its diffusers folder MODEL_DIR, and
 # damage(): why its files are not the recorded ones).
 SHIPPED_MODELS = {"shapes": shapes, "scenes": scenes}
@@ -464,6 +491,31 @@ def build_sd3_model(spec: dict, directory: Path) -> None:
     pipe.save_pretrained(directory)
 
 
+def build_flux_model(spec: dict, directory: Path) -> None:
+    """Write a Flux built-in (its `spec`, as BUILTIN_MODELS' "tiny-flux") as FluxPipeline saves it."""
+    import diffusers
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = _tokenizer(spec, EOS)
+    special = {"bos_token_id": tokenizer.convert_tokens_to_ids(BOS),
+               "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
+    special["pad_token_id"] = special["eos_token_id"]
+    tokenizer_2 = unigram_t5_tokenizer()
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        parts = {"text_encoder": CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)),
+                 "text_encoder_2": T5EncoderModel(T5Config(**spec["text_encoder_2"], vocab_size=len(tokenizer_2))),
+                 "transformer": diffusers.FluxTransformer2DModel(**spec["transformer"]),
+                 "vae": diffusers.AutoencoderKL(**spec["vae"])}
+    finally:
+        torch.random.set_rng_state(generator_state)
+    pipe = getattr(diffusers, FLUX.diffusers_pipeline(TEXT_TO_IMAGE))(
+        **parts, tokenizer=tokenizer, tokenizer_2=tokenizer_2, scheduler=scheduler_from(spec["scheduler"]))
+    pipe.save_pretrained(directory)
+
+
 def build_builtin_model(name: str, directory: Path) -> None:
     """Write the built-in model `name` into `directory` in diffusers' save_pretrained layout."""
     import diffusers
@@ -474,6 +526,8 @@ def build_builtin_model(name: str, directory: Path) -> None:
     spec = BUILTIN_MODELS[name]
     if spec.get("family") == SD3.name:
         return build_sd3_model(spec, directory)
+    if spec.get("family") == FLUX.name:
+        return build_flux_model(spec, directory)
     xl = "text_encoder_2" in spec
     first = "text_encoder" in spec
     tokenizer = _tokenizer({**spec, "text_encoder": spec.get("text_encoder", spec.get("text_encoder_2"))}, EOS)

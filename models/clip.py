@@ -3,7 +3,8 @@
 Which layer's states are the context is the family's (models.families: SD 1.x/2.x the last layer's of one encoder;
 SDXL and SD3 the penultimate layer's of two, `clip`: CLIP ViT-L, `clip2`: OpenCLIP bigG, joined by the pipeline), and
 so is whose pooled, projected output (`text_embeds`) the pipeline reads too (Family.pooled_text: SDXL's second, as one
-of its UNet's added conditions; both of SD3's, its transformer's pooled projections).
+of its UNet's added conditions; both of SD3's, its transformer's pooled projections; Flux's one CLIP's unprojected
+pooled output alone, Family.projected_pooled).
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ POOLED = "text_embeds"  # the pooled, projected output's name (diffusers' SDXL n
 
 
 class _TextEmbeddings(torch.nn.Module):
-    def __init__(self, text_encoder, penultimate: bool, pooled: bool):
+    def __init__(self, text_encoder, penultimate: bool, pooled: bool, projected: bool = True):
         super().__init__()
-        self.text_encoder, self.penultimate, self.pooled = text_encoder, penultimate, pooled
+        self.text_encoder, self.penultimate, self.pooled, self.projected = text_encoder, penultimate, pooled, projected
 
     def forward(self, input_ids):
         # int32 ids keep TensorRT bindings simple; the embedding gather wants int64.
         outputs = self.text_encoder(input_ids.long(), output_hidden_states=self.penultimate, return_dict=True)
         states = outputs.hidden_states[-2] if self.penultimate else outputs[0]
-        return (states, outputs.text_embeds) if self.pooled else states
+        if not self.pooled:
+            return states
+        return states, outputs.text_embeds if self.projected else outputs.pooler_output
 
 
 class CLIPModel(StageModel):
@@ -39,10 +42,11 @@ class CLIPModel(StageModel):
 
     def __init__(self, source):
         super().__init__(source)
-        if self.name in source.family.pooled_text:  # the projection's output too: the encoder with its projection
+        if self.name in source.family.pooled_text:  # the pooled output too: projected, by the encoder's projection
             self.output_names = (*CLIPModel.output_names, POOLED)
             self.dynamic_axes = {**CLIPModel.dynamic_axes, POOLED: {0: "B"}}
-            self.encoder_class = "CLIPTextModelWithProjection"
+            if source.family.projected_pooled:
+                self.encoder_class = "CLIPTextModelWithProjection"
 
     def input_shapes(self, batch, height, width):
         return {"input_ids": (batch, self.source.text_length)}
@@ -50,7 +54,8 @@ class CLIPModel(StageModel):
     def output_shapes(self, batch, height, width):
         shapes = {"text_embeddings": (batch, self.source.text_length, self.config["hidden_size"])}
         if POOLED in self.output_names:
-            shapes[POOLED] = (batch, self.config["projection_dim"])
+            width = "projection_dim" if self.source.family.projected_pooled else "hidden_size"
+            shapes[POOLED] = (batch, self.config[width])
         return shapes
 
     def input_dtypes(self, dtype):
@@ -67,8 +72,9 @@ class CLIPModel(StageModel):
         return self._embeddings(encoder)
 
     def _embeddings(self, encoder) -> torch.nn.Module:
-        return _TextEmbeddings(encoder, penultimate=self.source.family.penultimate_text,
-                               pooled=len(self.output_names) > 1)
+        family = self.source.family
+        return _TextEmbeddings(encoder, penultimate=family.penultimate_text, pooled=len(self.output_names) > 1,
+                               projected=family.projected_pooled)
 
     def meta_module(self):
         import transformers

@@ -109,9 +109,9 @@ class ModelSource:
     @property
     def image_size_multiple(self) -> int:
         """What an image's height and width must be multiples of: the VAE's scale factor times the denoiser's patch
-        size where it cuts the latents into patches (SD3's transformer: 8 x 2, as diffusers' SD3 pipelines check),
-        else 8 (diffusers' UNet pipelines' own multiple, whatever the VAE's scale)."""
-        patch = self.denoiser_config.get("patch_size")
+        size where it cuts the latents into patches (SD3's transformer: 8 x 2, as diffusers' SD3 pipelines check;
+        Flux's, its 2x2 packing), else 8 (diffusers' UNet pipelines' own multiple, whatever the VAE's scale)."""
+        patch = self.latent_patch
         return self.vae_scale_factor * patch if patch else UNET_SIZE_MULTIPLE
 
     @property
@@ -123,6 +123,18 @@ class ModelSource:
         return (f"{multiple} for model '{self.name}' (its VAE's scale factor {factor} x its {self.family.denoiser}'s "
                 f"patch size {multiple // factor})")
 
+    @property
+    def latent_patch(self) -> int | None:
+        """How many latents a side the denoiser takes as one token: its family's packing (Flux's 2, its config's
+        patch_size the packed tokens' 1), else its config's patch size (SD3's 2); None: a UNet, which takes them
+        whole."""
+        return self.family.packed_latents or self.denoiser_config.get("patch_size")
+
+    @property
+    def packed_channels(self) -> int:
+        """How many of the denoiser config's channels one latent channel is (Flux's 2x2 packing: 4; else 1)."""
+        return (self.family.packed_latents or 1) ** 2
+
     def latent_shape(self, batch: int, height: int, width: int) -> tuple[int, int, int, int]:
         """The latents of `batch` images of height x width pixels (the one place that computes it)."""
         factor = self.vae_scale_factor
@@ -131,13 +143,19 @@ class ModelSource:
     @property
     def latent_channels(self) -> int:
         """The channels of the latents the denoiser denoises: its output's (an inpainting UNet takes more)."""
-        return self.denoiser_config["out_channels"]
+        config = self.denoiser_config
+        return (config.get("out_channels") or config["in_channels"]) // self.packed_channels  # Flux's: None, as in
+
+    @property
+    def input_channels(self) -> int:
+        """The channels of the latents the denoiser takes (an inpainting UNet's: the mask's and masked image's too)."""
+        return self.denoiser_config["in_channels"] // self.packed_channels
 
     @property
     def inpainting(self) -> bool:
         """An inpainting model: its UNet takes the mask and the masked image's latents beside the latents (9 input
         channels for 4)."""
-        return self.denoiser_config["in_channels"] == 2 * self.latent_channels + 1
+        return self.input_channels == 2 * self.latent_channels + 1
 
     @property
     def text_length(self) -> int:
@@ -156,7 +174,7 @@ class ModelSource:
 
     @property
     def native_image_size(self) -> int:
-        sample_size = self.denoiser_config["sample_size"]
+        sample_size = self.denoiser_config.get("sample_size") or self.family.default_sample_size
         if isinstance(sample_size, (list, tuple)):
             sample_size = sample_size[0]
         return sample_size * self.vae_scale_factor
@@ -169,9 +187,9 @@ class ModelSource:
     @functools.cached_property
     def recommended(self) -> Recommended:
         """What the model says it runs best with (models.recommended): what its family recommends for its pipeline
-        class (LCM's 4 steps at 8.5)."""
+        class (LCM's 4 steps at 8.5) and guidance (FLUX.1 [schnell]'s 4 steps)."""
         class_name = self.index.get("_class_name")
-        said = self.family.recommended.get(class_name)
+        said = self.family.recommendation(class_name, self.guidance)
         return replace(said, by=f"model {self.name} ({class_name})") if said else Recommended()
 
     @property

@@ -18,13 +18,13 @@ from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
 from models.controlnet import ControlNetImageModel, ControlNetStageModel, ShallowControlNetStageModel
 from models.t5 import T5Model
-from models.transformer import SD3TransformerModel
+from models.transformer import FluxTransformerModel, SD3TransformerModel
 from models.unet import UNetModel, UNetShallowModel
 from models.vae import VAEDecoderModel, VAEEncoderModel
 
 STAGE_MODELS: dict[str, type[StageModel]] = {
-    cls.name: cls for cls in (CLIPModel, CLIP2Model, T5Model, UNetModel, SD3TransformerModel, VAEDecoderModel,
-                              VAEEncoderModel)
+    cls.name: cls for cls in (CLIPModel, CLIP2Model, T5Model, UNetModel, SD3TransformerModel, FluxTransformerModel,
+                              VAEDecoderModel, VAEEncoderModel)
 }
 # Under classifier-free guidance these run the unconditional and conditional halves in one batch.
 GUIDED_STAGES = (CLIP, CLIP2, T5, UNET, UNET_SHALLOW, TRANSFORMER)
@@ -33,11 +33,16 @@ GUIDED_STAGES = (CLIP, CLIP2, T5, UNET, UNET_SHALLOW, TRANSFORMER)
 SINGLE_IMAGE_STAGES = (VAE_ENCODER,)
 
 
+def stage_component(source, name: str) -> str:
+    """The component stage `name` reads in this model (its family may say another than its stage model's)."""
+    return source.family.stage_component(name, STAGE_MODELS[name].component)
+
+
 def text_to_image_stages(source) -> tuple[str, ...]:
     """The stages text-to-image runs for this model: its family's text encoders (those it has: an SDXL refiner has no
     first one, an SD3 model may have no T5), its family's denoiser, the VAE decoder."""
     stages = (*source.family.text_stages, source.family.denoiser_stage, VAE)
-    return tuple(name for name in stages if STAGE_MODELS[name].component in source.components)
+    return tuple(name for name in stages if stage_component(source, name) in source.components)
 
 
 def image_to_image_stages(source) -> tuple[str, ...]:
@@ -78,6 +83,6 @@ def stage_batch(stage: str, images: int, guided: bool) -> int:
 def check_model_stages(source, names) -> None:
     """A UsageError for a stage whose component the model has not."""
     for name in names:
-        component = STAGE_MODELS[name].component
+        component = stage_component(source, name)
         if component not in source.components:
             raise UsageError(f"stage {name} needs component '{component}', which model '{source.name}' does not have")

@@ -5,6 +5,8 @@ processors' (check_input_images), with the request's scheduler options (spacing,
 diffusers as its pipelines take them; and diffusers' UNet with the step cache written from its own modules alone
 (reference_unet), for diffusers' pipelines to run cached."""
 
+import inspect
+
 import diffusers
 import numpy as np
 import torch
@@ -63,8 +65,9 @@ def diffusers_images(source, scheduler: str, request: Request, **components) -> 
         inputs["eta"] = request.eta
     if request.timesteps is not None:
         inputs["timesteps"] = list(request.timesteps)
-    if request.mode == IMAGE_TO_IMAGE:  # diffusers' image-to-image takes its size from the image
-        del inputs["height"], inputs["width"]
+    if request.mode == IMAGE_TO_IMAGE:
+        if "height" not in inspect.signature(ref.__call__).parameters:  # its size the image's (SD's, SDXL's)
+            del inputs["height"], inputs["width"]
         inputs.update(image=request.image, strength=request.strength)
     elif request.mode == INPAINTING:
         inputs.update(image=request.image, mask_image=request.mask, strength=request.strength)

@@ -4,8 +4,9 @@ reuses; PIPELINES says which class runs each family's modes.
 
 - text_to_image: Text2ImagePipeline (StableDiffusionPipeline), the steps the others build on;
 - sdxl: SDXLPipeline (StableDiffusionXLPipeline) and ExpertsPipeline (SDXL base, then refiner);
-- sd3: SD3Pipeline (StableDiffusion3Pipeline);
-- image_to_image: image-to-image and inpainting, SD 1.x/2.x and SDXL; SD3's image-to-image;
+- sd3: SD3Pipeline (StableDiffusion3Pipeline), and FlowPipeline, the steps of every family that predicts a flow;
+- flux: FluxPipeline (FluxPipeline);
+- image_to_image: image-to-image and inpainting, SD 1.x/2.x and SDXL; SD3's and Flux's image-to-image;
 - controlnet: every mode and family with ControlNets (diffusers' ControlNet pipelines);
 - lora: LoRA files applied to the stages; batch: what one call runs; images, timer: pixels, and stage times.
 """
@@ -24,7 +25,9 @@ from demo.pipelines.controlnet import (
     SDXLControlNetInpaintPipeline,
     SDXLControlNetPipeline,
 )
+from demo.pipelines.flux import FluxPipeline
 from demo.pipelines.image_to_image import (
+    FluxImage2ImagePipeline,
     Image2ImagePipeline,
     InpaintPipeline,
     SD3Image2ImagePipeline,
@@ -38,7 +41,7 @@ from demo.pipelines.text_to_image import Text2ImagePipeline
 from demo.pipelines.timer import StageTimer
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
 from models import is_controlnet_stage
-from models.families import SD, SD3, SDXL
+from models.families import FLUX, SD, SD3, SDXL
 from models.source import ModelSource
 
 # family name -> mode -> (its pipeline, the same with ControlNets)
@@ -57,11 +60,15 @@ PIPELINES = {
         TEXT_TO_IMAGE: (SD3Pipeline, None),
         IMAGE_TO_IMAGE: (SD3Image2ImagePipeline, None),
     },
+    FLUX.name: {  # likewise
+        TEXT_TO_IMAGE: (FluxPipeline, None),
+        IMAGE_TO_IMAGE: (FluxImage2ImagePipeline, None),
+    },
 }
 
-__all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "Image2ImagePipeline", "InpaintPipeline", "SD3Image2ImagePipeline",
-           "SD3Pipeline", "SDXLImage2ImagePipeline", "SDXLInpaintPipeline", "SDXLPipeline", "StageTimer",
-           "Text2ImagePipeline", "image_psnr", "make_pipeline", "to_uint8"]
+__all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "FluxImage2ImagePipeline", "FluxPipeline", "Image2ImagePipeline",
+           "InpaintPipeline", "SD3Image2ImagePipeline", "SD3Pipeline", "SDXLImage2ImagePipeline", "SDXLInpaintPipeline",
+           "SDXLPipeline", "StageTimer", "Text2ImagePipeline", "image_psnr", "make_pipeline", "to_uint8"]
 
 
 def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler, device: torch.device,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from demo.pipelines.batch import Batch
+from demo.pipelines.flux import FluxPipeline
 from demo.pipelines.images import preprocess
 from demo.pipelines.sd3 import SD3Pipeline
 from demo.pipelines.sdxl import SDXLPipeline
@@ -134,11 +135,18 @@ class SDXLInpaintPipeline(SDXLPipeline, InpaintPipeline):
     """diffusers' StableDiffusionXLInpaintPipeline: SDXL's conditioning, inpainting's latents and UNet input."""
 
 
-class SD3Image2ImagePipeline(SD3Pipeline, Image2ImagePipeline):
-    """diffusers' StableDiffusion3Img2ImgPipeline: SD3's conditioning and flow, image-to-image's latents (the input
-    image's, shifted and scaled, moved along the flow to the first timestep)."""
-
-    prepare_latents = Image2ImagePipeline.prepare_latents  # the input image's, not SD3Pipeline's noise alone
+class FlowImage2ImagePipeline(Image2ImagePipeline):
+    """Image-to-image's latents for a family that predicts a flow (first among a pipeline's bases, so that its latents
+    are the input image's, not FlowPipeline's noise alone): the image's, shifted and scaled, moved along the flow to
+    the first timestep."""
 
     def noised(self, latents, noise, timesteps):
         return self.scheduler.scale_noise(latents, timesteps, noise)  # a flow's point between them at each sigma
+
+
+class SD3Image2ImagePipeline(FlowImage2ImagePipeline, SD3Pipeline):
+    """diffusers' StableDiffusion3Img2ImgPipeline: SD3's conditioning and flow, a flow's image-to-image latents."""
+
+
+class FluxImage2ImagePipeline(FlowImage2ImagePipeline, FluxPipeline):
+    """diffusers' FluxImg2ImgPipeline: Flux's conditioning, guidance and schedule, a flow's image-to-image latents."""

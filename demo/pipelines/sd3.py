@@ -15,10 +15,22 @@ if TYPE_CHECKING:
     from demo.backends.base import Stage
 
 
-class SD3Pipeline(Text2ImagePipeline):
+class FlowPipeline(Text2ImagePipeline):
+    """The steps of a family whose denoiser predicts a flow (Family.flow_matching: SD3's, Flux's): the latents drawn as
+    they are and handed to the denoiser unscaled."""
+
+    def prepare_latents(self, batch, generator, timesteps):
+        """Noise as it is: a flow starts from unit noise (the scheduler keeps no initial sigma to scale it by)."""
+        return self.noise(self.source.latent_shape(batch.batch_size, batch.head.height, batch.head.width), generator)
+
+    def scaled_input(self, model_input, timestep):
+        return model_input
+
+
+class SD3Pipeline(FlowPipeline):
     """diffusers' StableDiffusion3Pipeline on the same steps: the two CLIP encoders' penultimate states side by side,
     padded to T5's width, then T5's states (zeros without a T5) along the sequence; the CLIPs' pooled projections side
-    by side; latents drawn as they are and handed to the transformer unscaled (flow matching)."""
+    by side; the flow's latents (FlowPipeline)."""
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
                  device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
@@ -46,10 +58,3 @@ class SD3Pipeline(Text2ImagePipeline):
         clip = torch.cat([states, states_2], dim=-1).to(t5.dtype)
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return torch.cat([clip, t5], dim=-2).to(self.dtype), torch.cat([pooled, pooled_2], dim=-1).to(self.dtype)
-
-    def prepare_latents(self, batch, generator, timesteps):
-        """Noise as it is: a flow starts from unit noise (the scheduler keeps no initial sigma to scale it by)."""
-        return self.noise(self.source.latent_shape(batch.batch_size, batch.head.height, batch.head.width), generator)
-
-    def scaled_input(self, model_input, timestep):
-        return model_input

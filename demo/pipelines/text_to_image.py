@@ -70,11 +70,13 @@ class Text2ImagePipeline:
         """The stage that denoises: the family's (a UNet, SD3's transformer)."""
         return self.stages[self.source.family.denoiser_stage]
 
-    def timesteps(self, steps: int, strength: float = 1.0, explicit: Sequence[int] | None = None) -> torch.Tensor:
-        """Sets the scheduler's timesteps for `steps` (or the `explicit` ones, as many) and returns those a run
-        denoises: the last `strength` of them (text-to-image: all), as diffusers' image-to-image pipelines pick them."""
+    def timesteps(self, steps: int, strength: float = 1.0, explicit: Sequence[int] | None = None,
+                  size: tuple[int, int] | None = None) -> torch.Tensor:
+        """Sets the scheduler's timesteps for `steps` (or the `explicit` ones, as many) for images of `size` (height,
+        width; None: the model's native size) and returns those a run denoises: the last `strength` of them
+        (text-to-image: all), as diffusers' image-to-image pipelines pick them."""
         if explicit is None:
-            self.scheduler.set_timesteps(steps, device=self.device)
+            self.set_timesteps(steps, size or (self.source.native_image_size,) * 2)
         else:  # as diffusers' retrieve_timesteps
             self.scheduler.set_timesteps(timesteps=list(explicit), device=self.device)
             steps = len(self.scheduler.timesteps)
@@ -82,6 +84,11 @@ class Text2ImagePipeline:
         if hasattr(self.scheduler, "set_begin_index"):
             self.scheduler.set_begin_index(start)
         return self.scheduler.timesteps[start:]
+
+    def set_timesteps(self, steps: int, size: tuple[int, int]) -> None:
+        """The scheduler's timesteps for `steps`, as the model's diffusers pipeline sets them for images of `size`
+        (height, width): here by the count alone."""
+        self.scheduler.set_timesteps(steps, device=self.device)
 
     def first_step(self, steps: int, strength: float) -> int:
         """Of `steps`, the first a run at `strength` denoises, as the model's diffusers image-to-image pipeline counts
@@ -245,7 +252,8 @@ class Text2ImagePipeline:
             with timer.measure("clip"):
                 conditioning = self.encode_prompt(batch)
             generator = batch.generator()
-            timesteps = self.timesteps(batch.head.denoising_steps, batch.strength, batch.head.timesteps)
+            timesteps = self.timesteps(batch.head.denoising_steps, batch.strength, batch.head.timesteps,
+                                       (batch.head.height, batch.head.width))
             with timer.measure("vae_encoder") if self.encodes_image else contextlib.nullcontext():
                 latents = self.prepare_latents(batch, generator, timesteps)
             with timer.measure("unet"):

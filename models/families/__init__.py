@@ -25,15 +25,16 @@ from models.families.base import (
     TEXT_TO_IMAGE,
     Family,
 )
+from models.families.flux import FLUX
 from models.families.sd import SD
 from models.families.sd3 import SD3
 from models.families.sdxl import SDXL
 
-FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3)
+FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX)
 
-__all__ = ["CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "ENGINES", "FAMILIES", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE",
-           "INPAINTING", "INT8", "LORA", "MODES", "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE",
-           "TEXT_TO_IMAGE", "Family", "family_named", "family_of", "family_of_denoiser"]
+__all__ = ["CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "ENGINES", "FAMILIES", "FLUX", "GUIDANCE_KINDS",
+           "IMAGE_TO_IMAGE", "INPAINTING", "INT8", "LORA", "MODES", "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL",
+           "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named", "family_of", "family_of_denoiser"]
 
 
 def family_named(name: str) -> Family:

@@ -60,8 +60,9 @@ class Family:
     lora_components: tuple[str, ...] = ()  # the components a LoRA file may change
     diffusers_options: Mapping[str, object] = field(default_factory=dict)  # what its diffusers pipelines are made with
     refiner_components: tuple[str, ...] = ()  # with REFINER: the components a model must have to refine
-    # model_index.json `_class_name` -> what a model of that pipeline runs best with (diffusers' defaults for it)
-    recommended: Mapping[str, Recommended] = field(default_factory=dict)
+    # model_index.json `_class_name` -> what a model of that pipeline runs best with (diffusers' defaults for it); a
+    # (class name, guidance kind) key first, where a model's guidance changes them (FLUX.1 [schnell]'s 4 steps)
+    recommended: Mapping[str | tuple[str, str], Recommended] = field(default_factory=dict)
     # diffusers' classes of its denoisers' configs (a ControlNet's among them: family_of_denoiser reads both)
     denoiser_classes: tuple[str, ...] = ("UNet2DConditionModel", "ControlNetModel")
     text_width_key: str = "cross_attention_dim"  # the denoiser config's key for the width of the text it attends to
@@ -74,6 +75,21 @@ class Family:
     # no other scheduler steps a flow.
     flow_matching: bool = False
     shifts_latents: bool = False  # its pipelines shift the latents by the VAE's shift_factor (diffusers' SD ones not)
+    # the denoiser config's key saying that it embeds the guidance scale (LCM's UNets: its width; Flux's: a flag)
+    guidance_key: str = GUIDANCE_EMBEDDING_KEY
+    # how a model of it is guided where its denoiser embeds no scale (FLUX.1 [schnell], distilled to need none: none)
+    unembedded_guidance: str = CLASSIFIER_FREE
+    # its pooled text is the CLIPs' projections (CLIPTextModelWithProjection's text_embeds); False: CLIPTextModel's own
+    # pooled output, unprojected (Flux's)
+    projected_pooled: bool = True
+    # stage name -> its component, where another than its model's own (Flux's T5 is its text_encoder_2)
+    stage_components: Mapping[str, str] = field(default_factory=dict)
+    # its denoiser takes the latents packed into tokens of this many latents a side (Flux's 2x2: four times the
+    # channels, its config's patch_size the packed tokens' own 1); None: as they are
+    packed_latents: int | None = None
+    # latents a side of its native size where the denoiser's config has no sample_size (Flux's transformer:
+    # diffusers' FluxPipeline's default_sample_size)
+    default_sample_size: int | None = None
 
     # ---- which models are of it -----------------------------------------------------------------------------------
     def runs_pipeline(self, class_name: str) -> bool:
@@ -100,8 +116,16 @@ class Family:
     # ---- how its models run ---------------------------------------------------------------------------------------
     def guidance(self, denoiser_config: dict) -> str:
         """The model's guidance kind (GUIDANCE_KINDS): embedded where its denoiser embeds the scale (diffusers'
-        pipelines then skip the unconditional half), else classifier-free."""
-        return EMBEDDED if denoiser_config.get(GUIDANCE_EMBEDDING_KEY) else CLASSIFIER_FREE
+        pipelines then skip the unconditional half), else the family's unembedded kind (classifier-free, or none)."""
+        return EMBEDDED if denoiser_config.get(self.guidance_key) else self.unembedded_guidance
+
+    def recommendation(self, class_name: str | None, guidance: str) -> Recommended | None:
+        """What a model of pipeline `class_name` guided as `guidance` runs best with (None: the family says nothing)."""
+        return self.recommended.get((class_name, guidance)) or self.recommended.get(class_name)
+
+    def stage_component(self, stage: str, default: str) -> str:
+        """The component stage `stage` reads in a model of this family (`default`: its stage model's own)."""
+        return self.stage_components.get(stage, default)
 
     def guidance_embedding_width(self, denoiser_config: dict) -> int | None:
         """The width of the guidance scale's embedding the denoiser takes (`timestep_cond`; None: it takes none)."""
