@@ -56,13 +56,14 @@ def test_each_model_s_family_comes_from_its_own_config(tmp_path):
 
 
 def test_a_pipeline_no_family_runs_is_refused_in_one_line_naming_it(tmp_path):
-    folder = tmp_path / "flux"
+    folder = tmp_path / "pixart"
     shutil.copytree(resolve_model("tiny").path, folder)
     index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "PixArtAlphaPipeline"}))
     with pytest.raises(UsageError) as raised:
         resolve_model(str(folder))
-    assert "names FluxPipeline, which no family here runs (families: SD 1.x/2.x, SDXL, SD3)" in str(raised.value)
+    assert "names PixArtAlphaPipeline, which no family here runs (families: SD 1.x/2.x, SDXL, SD3, Flux.1)" in \
+        str(raised.value)
 
 
 def test_guidance_kinds_follow_the_model_and_the_scale(embedded):

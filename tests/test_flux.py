@@ -151,12 +151,15 @@ def test_a_scheduler_that_does_not_step_a_flow_is_refused_for_flux(dev, schedule
     ("tiny-flux", ["--cache-interval", "2"], "which does not support the step cache"),
     ("tiny-flux", ["--controlnet", "tiny-controlnet"], "which does not support ControlNets"),
     ("tiny-flux", ["--lora", "shapes-outline"], "which does not support LoRA"),
+    ("tiny-flux", ["--int8"], "which does not support INT8"),
+    ("tiny-flux", ["--refiner", "tiny-xl-refiner"], "which does not support a refiner"),
     ("tiny-flux", ["--scheduler", "Euler"], "whose denoiser predicts a flow"),
     ("tiny-flux", ["--input-image", "IMAGE", "--mask-image", "IMAGE"], "which does not support inpainting"),
     ("tiny-flux", ["--backend", "tensorrt"], "whose TensorRT engines are not built yet"),
     ("tiny-flux-schnell", ["--guidance-scale", "3.5"], "takes no guidance scale"),
 ])
-def test_what_flux_lacks_is_refused_in_one_line_exit_2(model, args, message, tmp_path, capsys, monkeypatch):
+def test_what_flux_lacks_is_refused_in_one_line_exit_2(dev, schnell, model, args, message, tmp_path, capsys,
+                                                      monkeypatch):  # the built-ins made first: no note of it
     from PIL import Image
 
     from demo.backends.registry import REGISTRY
