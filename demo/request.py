@@ -283,11 +283,29 @@ class Request:
             check_timesteps_in_range(scheduler, self.scheduler, self.timesteps)
         check_image_size(source, self.height, self.width)
         check_mode(source, self.mode)
+        check_t5_length(source, self)
         strength = DEFAULT_STRENGTH.get(self.mode) if self.strength is None else self.strength
         steps = self.denoising_steps  # counted as the model's diffusers pipeline counts them (SD3's its own way)
         if self.image is not None and first_step(steps, strength, source.family.flow_matching) >= steps:
             raise UsageError(f"{field('strength')} {strength} leaves none of the {self.denoising_steps} denoising "
                              f"steps to run; raise {field('strength')} or {field('denoising_steps')}")
+
+
+def check_t5_length(source: ModelSource, request: Request) -> None:
+    """A UsageError where a text the model's T5 reads (the prompts; the negative ones under classifier-free guidance)
+    is longer than its family's T5 length: diffusers' pipelines cut the rest with a warning, which loses the prompt's
+    end unsaid in a server's log. CLIP's 77 tokens stay a warning (demo-diffusion's), as A1111 users expect."""
+    tokenizer = source.t5_tokenizer
+    if tokenizer is None:
+        return
+    limit = source.family.t5_length
+    for name, texts in (("prompt", request.prompts),
+                        ("negative_prompt", request.negative_prompts if request.guided else None)):
+        for text in dict.fromkeys(texts or ()):
+            count = len(tokenizer(text).input_ids)  # its end-of-text token among them, as the encoder reads it
+            if count > limit:
+                raise UsageError(f"{field(name)} is {count} T5 tokens; model '{source.name}' reads {limit}: shorten it "
+                                 "(diffusers' pipeline would cut the rest)")
 
 
 def check_image_size(source: ModelSource, height: int, width: int) -> None:

@@ -79,6 +79,22 @@ class ModelSource:
         return self.family.model_components(self.index)
 
     @functools.cached_property
+    def t5_tokenizer(self):
+        """The tokenizer of the model's T5 text encoder (None: its family reads no T5, or it has none), named as
+        diffusers names a pipeline's tokenizers, after their encoders (text_encoder_3: tokenizer_3)."""
+        from models import T5
+        from models.t5 import T5Model
+
+        if not self.family.t5_length:
+            return None
+        name = self.family.stage_component(T5, T5Model.component).replace("text_encoder", "tokenizer")
+        if name not in self.components:
+            return None
+        from transformers import T5TokenizerFast
+
+        return T5TokenizerFast.from_pretrained(self.path, subfolder=name)
+
+    @functools.cached_property
     def denoiser_config(self) -> dict:
         """The config of the component that denoises (the family's denoiser: a UNet, SD3's transformer), read once:
         the size, latent, mode and guidance facts each read it, a request's resolution among them."""

@@ -12,7 +12,7 @@ import torch
 from core.errors import UsageError
 from demo.request import Request
 from models import T5, TRANSFORMER
-from models.families import SD3
+from models.families import CLASSIFIER_FREE, SD3
 from models.source import resolve_model
 from models.stages import STAGE_MODELS, text_to_image_stages
 from tests.parity import check_parity, torch_stages
@@ -361,3 +361,21 @@ def test_a_request_left_to_the_model_gets_diffusers_sd3_defaults(tiny_sd3, tmp_p
     (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusion3Img2ImgPipeline"}))
     resolved = Request("a cat", seed=0).resolved(resolve_model(str(folder)))
     assert (resolved.denoising_steps, resolved.guidance_scale) == (50, 7.0)
+
+
+@pytest.mark.parametrize("model, limit", [("tiny-sd3", 256), ("tiny-flux", 512)])
+def test_a_prompt_longer_than_t5_reads_is_one_line(model, limit):
+    """SD3 reads 256 T5 tokens, Flux 512: a longer prompt is refused naming it (diffusers would cut it unsaid);
+    one that fits, and a long negative prompt where no guidance reads it, pass."""
+    source = resolve_model(model)
+    words = "a red circle on a blue background "
+    long = words * (limit // 4)
+    assert len(source.t5_tokenizer(long).input_ids) > limit
+    with pytest.raises(UsageError, match=f"prompt.* is \\d+ T5 tokens; model '{model}' reads {limit}") as error:
+        Request(long, seed=0).resolved(source).check(source)
+    assert "\n" not in str(error.value)
+    Request(words, seed=0).resolved(source).check(source)
+    Request(words, negative_prompt=long, seed=0, guidance_scale=1.0).resolved(source).check(source)
+    if source.guidance == CLASSIFIER_FREE:  # SD3's negative prompt is read at a scale above 1
+        with pytest.raises(UsageError, match="negative_prompt"):
+            Request(words, negative_prompt=long, seed=0, guidance_scale=7.0).resolved(source).check(source)
