@@ -80,15 +80,9 @@ class ModelSource:
 
     @functools.cached_property
     def t5_tokenizer(self):
-        """The tokenizer of the model's T5 text encoder (None: its family reads no T5, or it has none), named as
-        diffusers names a pipeline's tokenizers, after their encoders (text_encoder_3: tokenizer_3)."""
-        from models import T5
-        from models.t5 import T5Model
-
-        if not self.family.t5_length:
-            return None
-        name = self.family.stage_component(T5, T5Model.component).replace("text_encoder", "tokenizer")
-        if name not in self.components:
+        """The tokenizer of the model's T5 text encoder (None: its family reads no T5, or the model has none)."""
+        name = self.family.t5_tokenizer
+        if name is None or name not in self.components:
             return None
         from transformers import T5TokenizerFast
 

@@ -23,8 +23,9 @@ class _FlowPrediction(torch.nn.Module):
                                 return_dict=False)[0]
 
 
-class SD3TransformerModel(StageModel):
-    name = TRANSFORMER
+class _FlowTransformerModel(StageModel):
+    """What SD3's and Flux's transformer stages share: their inputs and output, and a timestep of sigmas x 1000."""
+
     label = "Transformer"
     component = "transformer"
     input_names = ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")
@@ -32,6 +33,15 @@ class SD3TransformerModel(StageModel):
     dynamic_axes = {"hidden_states": {0: "B", 2: "latent_height", 3: "latent_width"},
                     "encoder_hidden_states": {0: "B"}, "pooled_projections": {0: "B"},
                     LATENT: {0: "B", 2: "latent_height", 3: "latent_width"}}
+
+    def sample_inputs(self, batch, height, width, device="cpu", dtype=torch.float32, generator=None):
+        inputs = super().sample_inputs(batch, height, width, device, dtype, generator)
+        inputs["timestep"] = (torch.rand((1,), generator=generator) * 1000).to(device)
+        return inputs
+
+
+class SD3TransformerModel(_FlowTransformerModel):
+    name = TRANSFORMER
 
     @property
     def text_length(self) -> int:
@@ -50,11 +60,6 @@ class SD3TransformerModel(StageModel):
     def input_dtypes(self, dtype):
         # Timesteps are sigmas times 1000, fractional: kept in float32.
         return {**{name: dtype for name in self.input_names}, "timestep": torch.float32}
-
-    def sample_inputs(self, batch, height, width, device="cpu", dtype=torch.float32, generator=None):
-        inputs = super().sample_inputs(batch, height, width, device, dtype, generator)
-        inputs["timestep"] = (torch.rand((1,), generator=generator) * 1000).to(device)
-        return inputs
 
     def load_module(self):
         from diffusers import SD3Transformer2DModel
@@ -99,15 +104,8 @@ class _PackedFlowPrediction(torch.nn.Module):
         return flow.reshape(batch, channels, height, width)
 
 
-class FluxTransformerModel(StageModel):
+class FluxTransformerModel(_FlowTransformerModel):
     name = FLUX_TRANSFORMER
-    label = "Transformer"
-    component = "transformer"
-    input_names = ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")
-    output_names = (LATENT,)
-    dynamic_axes = {"hidden_states": {0: "B", 2: "latent_height", 3: "latent_width"},
-                    "encoder_hidden_states": {0: "B"}, "pooled_projections": {0: "B"},
-                    LATENT: {0: "B", 2: "latent_height", 3: "latent_width"}}
 
     def __init__(self, source):
         super().__init__(source)
@@ -130,7 +128,6 @@ class FluxTransformerModel(StageModel):
 
     def sample_inputs(self, batch, height, width, device="cpu", dtype=torch.float32, generator=None):
         inputs = super().sample_inputs(batch, height, width, device, dtype, generator)
-        inputs["timestep"] = (torch.rand((1,), generator=generator) * 1000).to(device)
         if GUIDANCE in inputs:
             inputs[GUIDANCE] = torch.full((1,), 3.5, device=device)
         return inputs

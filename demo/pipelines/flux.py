@@ -26,10 +26,8 @@ class FluxPipeline(FlowPipeline):
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
                  device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
-        from transformers import T5TokenizerFast
-
         super().__init__(source, stages, scheduler, device, dtype, cache_interval)
-        self.tokenizer_2 = T5TokenizerFast.from_pretrained(source.path, subfolder="tokenizer_2")
+        self.tokenizer_2 = source.t5_tokenizer
 
     def encode_prompt(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """The transformer's text (T5's last states) and pooled projections (the CLIP's pooled output), a row per

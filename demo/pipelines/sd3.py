@@ -34,12 +34,11 @@ class SD3Pipeline(FlowPipeline):
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
                  device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
-        from transformers import CLIPTokenizer, T5TokenizerFast
+        from transformers import CLIPTokenizer
 
         super().__init__(source, stages, scheduler, device, dtype, cache_interval)
         self.tokenizer_2 = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer_2")
-        self.tokenizer_3 = (T5TokenizerFast.from_pretrained(source.path, subfolder="tokenizer_3")
-                            if T5Model.name in stages else None)
+        self.tokenizer_3 = source.t5_tokenizer if T5Model.name in stages else None
 
     def t5_states(self, texts: list[str]) -> torch.Tensor:
         """T5's last states of the texts, or, for a model without T5, zeros as wide as the transformer's text."""

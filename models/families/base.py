@@ -71,6 +71,7 @@ class Family:
     # None: not checked, SDXL's UNet taking them among its added conditions)
     pooled_width_key: str | None = None
     t5_length: int | None = None  # with a T5 text stage: its token length (diffusers' max_sequence_length default)
+    t5_tokenizer: str | None = None  # and the component of its tokenizer
     # Its denoiser predicts a flow (rectified flow: SD3) rather than noise: only flow-matching schedulers step it, and
     # no other scheduler steps a flow.
     flow_matching: bool = False

@@ -31,6 +31,7 @@ FLUX = Family(
     pooled_text=(CLIP,),
     pooled_width_key="pooled_projection_dim",
     t5_length=512,
+    t5_tokenizer="tokenizer_2",
     flow_matching=True,
     shifts_latents=True,
     guidance_key="guidance_embeds",

@@ -31,6 +31,7 @@ SD3 = Family(
     pooled_text=(CLIP, CLIP2),
     pooled_width_key="pooled_projection_dim",
     t5_length=256,
+    t5_tokenizer="tokenizer_3",
     flow_matching=True,
     shifts_latents=True,
     recommended={"StableDiffusion3Pipeline": TEXT_TO_IMAGE_RECOMMENDED,
