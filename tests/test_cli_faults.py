@@ -313,14 +313,14 @@ def test_sd_benchmark_notes_what_the_request_does_not_use(tmp_path, monkeypatch,
     ("tensorrt", {"cache_interval": 2}, "step cache"),
     ("tensorrt@cache2", {}, "step cache"),
 ])
-def test_sd_ablations_engines_are_not_run_for_what_they_lack(label, fields, lacking, tmp_path):
+def test_sd_ablations_engines_are_not_run_for_what_they_lack(label, fields, lacking, tmp_path, tiny):
     """--engines-from-ablation runs the ablation's plain engines: a TensorRT contender that asks for more is
     skipped, saying so, never run on them as if it had it."""
     from bench.contenders import select_contenders
     from bench.runner import Setup, why_skip
     from demo.runtime.spec import PipelineSpec
 
-    setup = Setup(PipelineSpec(model="tiny", **fields), None, None, None, None, None, 1, 0,
+    setup = Setup(PipelineSpec(model="tiny", **fields), tiny, None, None, None, None, 1, 0,
                   engines_from_ablation=str(tmp_path))
     [contender] = select_contenders(label)
     assert why_skip(setup, contender, None, None) == (f"sd-ablation builds no {lacking} engines "
