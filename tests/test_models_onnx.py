@@ -24,7 +24,7 @@ def _run_onnx(path, inputs):
 
 EXPORTS = [("tiny", stage) for stage in ("clip", "unet", "vae", "vae_encoder")] + \
     [("tiny-xl", stage) for stage in ("clip", "clip2", "unet", "vae")] + \
-    [("tiny-sd3", stage) for stage in ("t5", "transformer")]  # Flux's transformer: aten::rms_norm has no opset-17 export
+    [("tiny-sd3", stage) for stage in ("t5", "transformer")]  # Flux's transformer: no opset-17 aten::rms_norm
 
 
 @pytest.mark.parametrize("builtin, stage", EXPORTS)
