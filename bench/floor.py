@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import TRANSFORMER, UNET, UNET_SHALLOW, is_controlnet_stage, is_shallow_controlnet_stage
+from models import UNET_SHALLOW, is_controlnet_stage, is_shallow_controlnet_stage
 from models.base import StageModel
 from models.unet_cache import whole_calls
 
@@ -43,7 +43,7 @@ def denoiser_floor(models: dict[str, StageModel], calls: int, interval: int, bat
         if is_controlnet_stage(name) or is_shallow_controlnet_stage(name):
             count = whole if is_controlnet_stage(name) else calls - whole
             total += count * call_gflop(model, controlnet_batch or batch, height, width)
-        elif name in (UNET, TRANSFORMER):
+        elif name == model.source.family.denoiser_stage:  # a UNet, or SD3's or Flux's transformer
             total += whole * call_gflop(model, batch, height, width)
         elif name == UNET_SHALLOW:
             total += (calls - whole) * call_gflop(model, batch, height, width)

@@ -154,7 +154,8 @@ class ModelSource:
     def latent_channels(self) -> int:
         """The channels of the latents the denoiser denoises: its output's (an inpainting UNet takes more)."""
         config = self.denoiser_config
-        return (config.get("out_channels") or config["in_channels"]) // self.packed_channels  # Flux's: None, as in
+        # Flux's transformer config gives no out_channels: it gives out what it takes in
+        return (config.get("out_channels") or config["in_channels"]) // self.packed_channels
 
     @property
     def input_channels(self) -> int:

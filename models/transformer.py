@@ -137,3 +137,10 @@ class FluxTransformerModel(_FlowTransformerModel):
 
         transformer = FluxTransformer2DModel.from_pretrained(self.source.component_dir(self.component))
         return _PackedFlowPrediction(transformer, self.source.family.packed_latents)
+
+    def meta_module(self):
+        from diffusers import FluxTransformer2DModel
+
+        with torch.device("meta"):
+            return _PackedFlowPrediction(FluxTransformer2DModel.from_config(self.config),
+                                         self.source.family.packed_latents)

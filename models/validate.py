@@ -35,7 +35,7 @@ COMPONENTS = {
 }
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # the UNet attends to their states, concatenated
 T5_ENCODER = "text_encoder_3"  # a T5 stage's encoder (SD3's): the transformer attends to its states' width
-WEIGHTED = (*TEXT_ENCODERS, "text_encoder_3", "unet", "transformer", "vae", "controlnet")
+WEIGHTED = (*TEXT_ENCODERS, T5_ENCODER, "unet", "transformer", "vae", "controlnet")
 TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 # What a tokenizer folder's vocabulary is read from: transformers' one file, or CLIP's vocabulary and merges.
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.floor import PEAK_FP16_TFLOPS, call_gflop, denoiser_floor
 from models.controlnet import ControlNetStageModel, resolve_controlnet
 from models.source import resolve_model
+from models.stages import STAGE_MODELS
 from models.unet import UNetModel, UNetShallowModel
 
 SIZE = 64
@@ -46,7 +47,8 @@ def test_a_steps_count_follows_the_cache_and_the_controlnets(tiny):
     assert cached["denoiser_gflop_per_step"] == round((4 * full + 6 * shallow) / 10, 1)  # calls 0, 3, 6, 9 whole
     assert cached["floor_ms_per_step"] == pytest.approx((4 * full + 6 * shallow) / 10 / PEAK_FP16_TFLOPS["NVIDIA H200"])
     controlnet = ControlNetStageModel(tiny, resolve_controlnet("tiny-controlnet"), 0)
-    steered = denoiser_floor({"unet": UNetModel(tiny, controlled=True), "controlnet0": controlnet, "clip": None}, 10,
+    steered = denoiser_floor({"unet": UNetModel(tiny, controlled=True), "controlnet0": controlnet,
+                              "clip": STAGE_MODELS["clip"](tiny)}, 10,
                              1, 2, SIZE, SIZE, "a GPU of unknown peak")
     plain = call_gflop(UNetModel(tiny), 2, SIZE, SIZE)
     assert steered["denoiser_gflop_per_step"] == round(plain + call_gflop(controlnet, 2, SIZE, SIZE), 1)
@@ -93,7 +95,20 @@ def test_the_transformers_count_is_the_hand_count():
     latent = (height // sd3.vae_scale_factor, width // sd3.vae_scale_factor)
     counted = call_gflop(transformer, 2, height, width)
     assert counted == pytest.approx(sd3_hand_gflop(transformer.config, 2, transformer.text_length, *latent), rel=1e-12)
-    floor = denoiser_floor({"clip": None, "t5": None, "transformer": transformer, "vae": None}, 28, 1, 2, height,
-                           width, "NVIDIA H200")
+    others = {name: STAGE_MODELS[name](sd3) for name in ("clip", "clip2", "t5", "vae")}  # not the denoiser: uncounted
+    floor = denoiser_floor({**others, "transformer": transformer}, 28, 1, 2, height, width, "NVIDIA H200")
     assert floor["denoiser_gflop_per_step"] == round(counted, 1)
     assert floor["floor_ms_per_step"] == pytest.approx(counted / PEAK_FP16_TFLOPS["NVIDIA H200"])
+
+
+def test_flux_transformer_is_its_denoiser_and_counted():
+    """The floor counts whatever stage the model's family denoises with (Flux's, packed 2x2, its own stage name)."""
+    from models.transformer import FluxTransformerModel
+
+    flux = resolve_model("tiny-flux")
+    transformer = FluxTransformerModel(flux)
+    counted = call_gflop(transformer, 1, 64, 64)
+    assert counted > 0
+    floor = denoiser_floor({"clip": STAGE_MODELS["clip"](flux), "flux_transformer": transformer}, 4, 1, 1, 64, 64,
+                           "NVIDIA H200")
+    assert floor["denoiser_gflop_per_step"] == round(counted, 1)
