@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.cli.flags import ModelFlags, Parser, RequestFlags, add_flags, flag
+from demo.cli.flags import ModelFlags, Parser, PrecisionFlags, RequestFlags, add_flags, flag
 from plugins.contract import ATTENTION_KEYS
 from plugins.tuned import TUNED_DEFAULTS_FILE
 
@@ -39,6 +39,7 @@ def measuring_parser(prog: str, description: str, own: type):
     own flags (`own`, a flags dataclass) and where it writes."""
     parser = Parser(prog=prog, description=description)
     add_flags(parser, ModelFlags, model="sd1.5-arch")
+    add_flags(parser, PrecisionFlags)
     add_flags(parser, RequestFlags)
     add_flags(parser, own)
     add_flags(parser, ResultsFlags)

@@ -135,7 +135,7 @@ def export_and_probe(plan: BuildPlan, source, conventions: list[str], say: Calla
     """Export each stage's raw ONNX once, and run every pass on the text encoder and the VAE in each of
     `conventions` to learn which families they contain. Returns {(stage, convention): families}."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = backend_named("tensorrt").default_dtype(device)
+    dtype = backend_named("tensorrt").default_dtype(device, source.family)
     for stage in BUILT_STAGES:
         say(f"exporting {stage} ONNX ...")
         model = STAGE_MODELS[stage](source)

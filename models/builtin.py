@@ -311,6 +311,30 @@ BUILTIN_MODELS["tiny-flux-schnell"] = {
     **BUILTIN_MODELS["tiny-flux"],
     "transformer": {**BUILTIN_MODELS["tiny-flux"]["transformer"], "guidance_embeds": False},
 }
+# FLUX.1 [schnell]'s scheduler configuration (black-forest-labs/FLUX.1-schnell's): flow matching, no shift at all.
+FLUX_SCHNELL_SCHEDULER = {**FLUX_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
+# The exact FLUX.1 [dev] architecture, written from black-forest-labs/FLUX.1-dev's published configs (transformer
+# 11.9B parameters: 19 double-stream and 38 single-stream blocks of 24 heads x 128; CLIP ViT-L 123M, read for its
+# pooled output; T5-XXL's encoder 4.76B; a 16-channel VAE 84M), saved in bf16 as those files are; its tokenizers are
+# sd3.5-medium-arch's.
+BUILTIN_MODELS["flux-dev-arch"] = {
+    "transformer": {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+                    "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                    "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
+    "vae": {**BUILTIN_MODELS["sd3.5-medium-arch"]["vae"], "scaling_factor": 0.3611, "shift_factor": 0.1159},
+    "text_encoder": BUILTIN_MODELS["sd1.5-arch"]["text_encoder"],
+    "text_encoder_2": BUILTIN_MODELS["sd3.5-medium-arch"]["text_encoder_3"],
+    "vocab_size": 4096,
+    "scheduler": FLUX_SCHEDULER,
+    "family": "flux",
+    "dtype": "bfloat16",
+}
+# FLUX.1 [schnell]: [dev]'s architecture without the guidance embedding, its own scheduler (4 steps, no guidance).
+BUILTIN_MODELS["flux-schnell-arch"] = {
+    **BUILTIN_MODELS["flux-dev-arch"],
+    "transformer": {**BUILTIN_MODELS["flux-dev-arch"]["transformer"], "guidance_embeds": False},
+    "scheduler": FLUX_SCHNELL_SCHEDULER,
+}
 # Built-ins trained rather than generated, by name: the package holding each (its diffusers folder MODEL_DIR, and
 # damage(): why its files are not the recorded ones).
 SHIPPED_MODELS = {"shapes": shapes, "scenes": scenes}
@@ -502,15 +526,19 @@ def build_flux_model(spec: dict, directory: Path) -> None:
                "eos_token_id": tokenizer.convert_tokens_to_ids(EOS)}
     special["pad_token_id"] = special["eos_token_id"]
     tokenizer_2 = unigram_t5_tokenizer()
-    generator_state = torch.random.get_rng_state()
+    t5 = {"vocab_size": len(tokenizer_2), **spec["text_encoder_2"]}  # a published vocabulary's size where given
+    generator_state, default_dtype = torch.random.get_rng_state(), torch.get_default_dtype()
     torch.manual_seed(0)
+    # Drawn in the saved dtype: FLUX.1's 17B parameters would take 68 GB and minutes more in fp32.
+    torch.set_default_dtype(getattr(torch, spec.get("dtype", "float32")))
     try:
         parts = {"text_encoder": CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)),
-                 "text_encoder_2": T5EncoderModel(T5Config(**spec["text_encoder_2"], vocab_size=len(tokenizer_2))),
+                 "text_encoder_2": T5EncoderModel(T5Config(**t5)),
                  "transformer": diffusers.FluxTransformer2DModel(**spec["transformer"]),
                  "vae": diffusers.AutoencoderKL(**spec["vae"])}
     finally:
         torch.random.set_rng_state(generator_state)
+        torch.set_default_dtype(default_dtype)
     pipe = getattr(diffusers, FLUX.diffusers_pipeline(TEXT_TO_IMAGE))(
         **parts, tokenizer=tokenizer, tokenizer_2=tokenizer_2, scheduler=scheduler_from(spec["scheduler"]))
     pipe.save_pretrained(directory)

@@ -78,6 +78,29 @@ def test_sd35_medium_arch_is_the_published_architecture():
     assert spec["vocab_size"] <= clips[0].config.vocab_size == clips[1].config.vocab_size == 49408
 
 
+@pytest.mark.parametrize("name", ["flux-dev-arch", "flux-schnell-arch"])
+def test_flux_arch_is_the_published_architecture(name):
+    """FLUX.1 [dev] and [schnell]: the counts black-forest-labs' files hold (transformer 11.9B, [schnell]'s without the
+    guidance embedding; T5-XXL's encoder 4.76B; CLIP ViT-L 123M; the VAE 84M), on the meta device from the configs."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    spec = BUILTIN_MODELS[name]
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel.from_config(spec["transformer"])
+        t5 = T5EncoderModel(T5Config(**spec["text_encoder_2"]))
+        clip = CLIPTextModel(CLIPTextConfig(**spec["text_encoder"]))
+        vae = AutoencoderKL.from_config(spec["vae"])
+    dev = name == "flux-dev-arch"
+    assert _parameters(transformer) == (11_901_408_320 if dev else 11_891_178_560)
+    assert (_parameters(t5), _parameters(clip), _parameters(vae)) == (4_762_310_656, 123_060_480, 83_819_683)
+    assert (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)) == (19, 38)
+    assert transformer.config.guidance_embeds is dev and spec["dtype"] == "bfloat16"
+    assert (vae.config.latent_channels, vae.config.scaling_factor, vae.config.shift_factor) == (16, 0.3611, 0.1159)
+    assert spec["scheduler"]["use_dynamic_shifting"] is dev and spec["scheduler"]["shift"] == (3.0 if dev else 1.0)
+    assert len(unigram_t5_tokenizer()) <= t5.config.vocab_size == 32128
+
+
 def test_tokenizer_is_deterministic_and_tokenizes_words():
     vocab_a, merges_a = generate_bpe_vocabulary(1000)
     vocab_b, merges_b = generate_bpe_vocabulary(1000)

@@ -15,6 +15,7 @@ from models.base import StageModel
 
 if TYPE_CHECKING:
     from demo.request import Request
+    from models.families import Family
     from models.lora import LoraFile
     from models.source import ModelSource
 
@@ -115,8 +116,8 @@ class Backend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def default_dtype(self, device: torch.device) -> torch.dtype:
-        """The precision its stages run in on `device` unless a spec says otherwise."""
+    def default_dtype(self, device: torch.device, family: Family) -> torch.dtype:
+        """The precision a model of `family` runs in on `device` unless a spec says otherwise."""
 
     @abc.abstractmethod
     def settings(self, source: ModelSource, options, plugins: str, use_cuda_graph: bool | None, workload: Workload,

@@ -27,7 +27,7 @@ from demo.backends import BACKENDS
 from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.options import COMPILE_MODES, TorchOptions
 from demo.request import DEFAULT_PROMPT, DEFAULT_STRENGTH, Request
-from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
+from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PRECISIONS, PipelineSpec
 from demo.schedulers import (
     DEFAULT_STEPS,
     ETA,
@@ -100,6 +100,13 @@ class ModelFlags:
     vae_precision: str | None = flag("what the VAE runs in (default: the pipeline's precision; fp32 where an SDXL "
                                      "VAE overflows in fp16)", SPEC.vae_precision, choices=tuple(VAE_PRECISIONS))
     verbose: bool = flag("show library logs and build details", SPEC.verbose)
+
+
+@dataclass(frozen=True)
+class PrecisionFlags:
+    precision: str = flag("what the pipeline runs in (default auto: the backend's choice for the model's family: on a "
+                          "GPU bf16 for SD3 and Flux where it has bf16, else fp16; fp32 on a CPU; TensorRT fp16)",
+                          SPEC.precision, choices=PRECISIONS)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from demo.cli.flags import (
     LoraFlags,
     ModelFlags,
     Parser,
+    PrecisionFlags,
     RefinerFlags,
     RequestFlags,
     add_flags,
@@ -44,6 +45,7 @@ def build_parser() -> Parser:
     add_flags(p, RequestFlags, required=("prompt",))
     add_flags(p, ImageFlags, "image-to-image and inpainting")
     add_flags(p, DemoFlags)
+    add_flags(p, PrecisionFlags)
     add_flags(p, LoraFlags, "LoRA")
     add_flags(p, RefinerFlags)
     add_flags(p, ControlNetFlags, "ControlNet")

@@ -20,6 +20,7 @@ from demo.cli.flags import (
     ImageFlags,
     LoraFlags,
     ModelFlags,
+    PrecisionFlags,
     RefinerFlags,
     RequestFlags,
     TorchFlags,
@@ -68,6 +69,8 @@ def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
                       vae=model.vae, vae_precision=model.vae_precision, verbose=model.verbose)
     if DemoFlags in flags:
         values["backend"] = flags[DemoFlags].backend
+    if PrecisionFlags in flags:
+        values["precision"] = flags[PrecisionFlags].precision
     if EngineFlags in flags:
         engine = flags[EngineFlags]
         values.update(plugins=engine.plugins, use_cuda_graph=engine.use_cuda_graph,

@@ -29,6 +29,7 @@ from demo.runtime.loaded import Pipeline
 from demo.runtime.logs import configure_library_logging
 from demo.runtime.memory import check_memory
 from demo.runtime.plan import Log, PipelinePlan, StagePlan, resolve_request
+from demo.runtime.report import DTYPES
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from models.controlnet import resolve_controlnet
 from models.families import CLASSIFIER_FREE, CONTROLNET, INT8, LORA, REFINER, STEP_CACHE
@@ -39,7 +40,6 @@ from models.unet_cache import Branches
 
 __all__ = ["PipelinePlan", "StagePlan", "load_pipeline", "plan_pipeline", "quiet", "to_stderr"]
 REFINER_DIR = "refiner"  # the refiner's ONNX and engines, inside the base's folders (stage names are the same)
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def to_stderr(message: str) -> None:
@@ -80,7 +80,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     if controlnets and (spec.refiner is not None or spec.engine.int8):
         raise UsageError(f"{field('controlnets')} run without {field('refiner' if spec.refiner else 'int8')} for now")
     device = checked_device(device)
-    dtype = backend.default_dtype(device) if spec.precision == "auto" else DTYPES[spec.precision]
+    dtype = backend.default_dtype(device, source.family) if spec.precision == "auto" else DTYPES[spec.precision]
     if request is not None:
         request = resolve_request(request, spec, source, loras)
         spec = replace(spec, height=request.height if spec.height is None else spec.height,

@@ -111,8 +111,12 @@ def library_versions(backend: Backend | None = None) -> dict[str, str]:
     return versions
 
 
+# A spec's precisions (demo.runtime.spec.PRECISIONS but auto) and the dtypes they run in
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def precision_name(dtype: torch.dtype) -> str:
-    return "fp16" if dtype == torch.float16 else "fp32"
+    return next(name for name, known in DTYPES.items() if known == dtype)
 
 
 def device_name(device: torch.device) -> str:

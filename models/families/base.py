@@ -55,6 +55,9 @@ class Family:
     penultimate_text: bool = False  # the text encoders' penultimate layer's states are the context (SDXL)
     added_conditions: tuple[str, ...] = ()  # the denoiser's inputs beside sample, timestep and text (SDXL's)
     precisions: tuple[str, ...] = ("fp16", "fp32")  # what its pipelines may run in (demo.runtime.spec.PRECISIONS')
+    # what they run in on a GPU where a spec leaves it to the backend (the torch backend's; a GPU without bf16 kernels,
+    # before Ampere, runs fp16): the precision its published weights are in, which diffusers' guides run it in
+    gpu_precision: str = "fp16"
     upcast_vae: bool = False  # the VAE overflows in fp16: fp32 there where its config says force_upcast
     tuned_key: str | None = None  # its entries in plugins/tuned_defaults.json (None: the plain compute capability's)
     lora_components: tuple[str, ...] = ()  # the components a LoRA file may change

@@ -39,7 +39,7 @@ class TensorRTBackend(Backend):
     def version(self):
         return version(self.name)
 
-    def default_dtype(self, device):
+    def default_dtype(self, device, family):
         # fp16 even where engines are built on a CPU: engines built there for a GPU are the ones that GPU looks for
         return torch.float16
 

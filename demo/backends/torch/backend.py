@@ -22,11 +22,15 @@ def accel_options(settings: TorchSettings) -> tuple[str, ...]:
     return tuple(options + ([f"compile {settings.compile}"] if settings.compile != "none" else []))
 
 
+# GPUs from this compute capability on (Ampere) have bf16 kernels, as torch.cuda.is_bf16_supported(including_emulation=
+# False) tells for the current device alone
+BF16_CAPABILITY = (8, 0)
+
+
 def check_bf16_gpu(device: torch.device) -> None:
-    """A UsageError where the GPU has no bf16 kernels (before Ampere, compute capability 8.0, as
-    torch.cuda.is_bf16_supported(including_emulation=False) tells it) for a VAE asked to run in bf16."""
+    """A UsageError where the GPU has no bf16 kernels for a VAE asked to run in bf16."""
     capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 0):
+    if capability < BF16_CAPABILITY:
         raise UsageError(f"{field('vae_precision')} bf16: this GPU (compute capability "
                          f"{capability[0]}.{capability[1]}) has no bf16 kernels (Ampere and newer have); use "
                          f"{field('vae_precision')} fp32")
@@ -40,8 +44,12 @@ class TorchBackend(Backend):
     def why_cannot_run(self, cc):
         return None
 
-    def default_dtype(self, device):
-        return torch.float16 if device.type == "cuda" else torch.float32  # CPU kernels are slow or missing in fp16
+    def default_dtype(self, device, family):
+        if device.type != "cuda":
+            return torch.float32  # CPU kernels are slow or missing in fp16 and bf16
+        if family.gpu_precision == "bf16" and torch.cuda.get_device_capability(device) >= BF16_CAPABILITY:
+            return torch.bfloat16
+        return torch.float16
 
     def settings(self, source, options: TorchOptions, plugins, use_cuda_graph, workload, device, dtype,
                  record_activations=None):
@@ -56,9 +64,10 @@ class TorchBackend(Backend):
         for model in models:
             settings = settings_of(model)
             upcast = model.stage_dtype(dtype)
-            if settings.plugins and upcast != dtype:  # SDXL's VAE in fp32: our kernels take the pipeline's fp16
+            # SDXL's VAE in fp32 in an fp16 pipeline, an SD3 model in bf16: our kernels take fp16
+            if settings.plugins and (upcast != dtype or upcast == torch.bfloat16):
                 progress(f"[plugins] {model.name}: none (it runs in {str(upcast).removeprefix('torch.')}, our kernels "
-                         f"in {str(dtype).removeprefix('torch.')})")
+                         "in float16)")
                 settings = replace(settings, plugins=())
             whole = stages[model.part_of] if model.part_of else None
             stage = stages[model.name] = TorchStage(model, device, upcast, settings, whole)
