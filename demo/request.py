@@ -318,18 +318,18 @@ def check_image_size(source: ModelSource, height: int, width: int) -> None:
 
 
 def check_mode(source: ModelSource, mode: str) -> None:
-    """A UsageError where the model cannot run `mode`: its family lacks the mode, or its UNet cannot (an inpainting
-    UNet, taking the mask and masked image beside the latents, only inpaints; other UNets must take just the
+    """A UsageError where the model cannot run `mode`: its family lacks the mode, or its denoiser cannot (an
+    inpainting one, taking the mask and masked image beside the latents, only inpaints; others must take just the
     latents)."""
     if mode != TEXT_TO_IMAGE:
         source.family.require(mode, source.name, field("mask" if mode == INPAINTING else "image"))
-    channels = source.input_channels
+    channels, denoiser = source.input_channels, source.family.denoiser
     if source.inpainting and mode != INPAINTING:
-        raise UsageError(f"model '{source.name}' is an inpainting model (its UNet takes {channels} channels: latents, "
-                         f"mask, masked image): it only inpaints, with {field('image')} and {field('mask')}")
+        raise UsageError(f"model '{source.name}' is an inpainting model (its {denoiser} takes {channels} channels: "
+                         f"latents, mask, masked image): it only inpaints, with {field('image')} and {field('mask')}")
     if not source.inpainting and channels != source.latent_channels:
-        raise UsageError(f"model '{source.name}': its UNet takes {channels} channels for {source.latent_channels} "
-                         "latent ones, neither an ordinary nor an inpainting UNet")
+        raise UsageError(f"model '{source.name}': its {denoiser} takes {channels} channels for "
+                         f"{source.latent_channels} latent ones, neither an ordinary nor an inpainting {denoiser}")
 
 
 def modes_of(source: ModelSource) -> tuple[str, ...]:

@@ -164,9 +164,9 @@ class ModelSource:
 
     @property
     def inpainting(self) -> bool:
-        """An inpainting model: its UNet takes the mask and the masked image's latents beside the latents (9 input
-        channels for 4)."""
-        return self.input_channels == 2 * self.latent_channels + 1
+        """An inpainting model: its denoiser takes the mask and the masked image's latents beside the latents (9 input
+        channels for 4; SD3's 33 for 16), where its family has such denoisers (Family.inpainting_denoisers)."""
+        return self.family.inpainting_denoisers and self.input_channels == 2 * self.latent_channels + 1
 
     @property
     def text_length(self) -> int:

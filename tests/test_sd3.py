@@ -120,9 +120,9 @@ def test_the_flow_matching_scheduler_is_refused_for_a_model_that_predicts_noise(
     (["--int8"], "which does not support INT8"),
     (["--refiner", "tiny-xl-refiner"], "which does not support a refiner"),
     (["--scheduler", "Euler"], "whose denoiser predicts a flow"),
-    (["--input-image", "IMAGE", "--mask-image", "IMAGE"], "which does not support inpainting"),
+    (["--input-image", "IMAGE", "--mask-image", "IMAGE", "--cache-interval", "2"], "does not support the step cache"),
 ])
-def test_what_sd3_lacks_is_refused_in_one_line_exit_2(args, message, tmp_path, capsys):
+def test_what_sd3_lacks_is_refused_in_one_line_exit_2(tiny_sd3, args, message, tmp_path, capsys):  # made first
     from PIL import Image
 
     from demo.cli.generate import main

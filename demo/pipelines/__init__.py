@@ -6,7 +6,7 @@ reuses; PIPELINES says which class runs each family's modes.
 - sdxl: SDXLPipeline (StableDiffusionXLPipeline) and ExpertsPipeline (SDXL base, then refiner);
 - sd3: SD3Pipeline (StableDiffusion3Pipeline), and FlowPipeline, the steps of every family that predicts a flow;
 - flux: FluxPipeline (FluxPipeline);
-- image_to_image: image-to-image and inpainting, SD 1.x/2.x and SDXL; SD3's and Flux's image-to-image;
+- image_to_image: image-to-image and inpainting, SD 1.x/2.x, SDXL, SD3 and Flux;
 - controlnet: every mode and family with ControlNets (diffusers' ControlNet pipelines);
 - lora: LoRA files applied to the stages; batch: what one call runs; images, timer: pixels, and stage times.
 """
@@ -28,9 +28,11 @@ from demo.pipelines.controlnet import (
 from demo.pipelines.flux import FluxPipeline
 from demo.pipelines.image_to_image import (
     FluxImage2ImagePipeline,
+    FluxInpaintPipeline,
     Image2ImagePipeline,
     InpaintPipeline,
     SD3Image2ImagePipeline,
+    SD3InpaintPipeline,
     SDXLImage2ImagePipeline,
     SDXLInpaintPipeline,
 )
@@ -59,16 +61,19 @@ PIPELINES = {
     SD3.name: {  # no ControlNets (Family.features): refused before a pipeline is made
         TEXT_TO_IMAGE: (SD3Pipeline, None),
         IMAGE_TO_IMAGE: (SD3Image2ImagePipeline, None),
+        INPAINTING: (SD3InpaintPipeline, None),
     },
     FLUX.name: {  # likewise
         TEXT_TO_IMAGE: (FluxPipeline, None),
         IMAGE_TO_IMAGE: (FluxImage2ImagePipeline, None),
+        INPAINTING: (FluxInpaintPipeline, None),
     },
 }
 
-__all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "FluxImage2ImagePipeline", "FluxPipeline", "Image2ImagePipeline",
-           "InpaintPipeline", "SD3Image2ImagePipeline", "SD3Pipeline", "SDXLImage2ImagePipeline", "SDXLInpaintPipeline",
-           "SDXLPipeline", "StageTimer", "Text2ImagePipeline", "image_psnr", "make_pipeline", "to_uint8"]
+__all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "FluxImage2ImagePipeline", "FluxInpaintPipeline", "FluxPipeline",
+           "Image2ImagePipeline", "InpaintPipeline", "SD3Image2ImagePipeline", "SD3InpaintPipeline", "SD3Pipeline",
+           "SDXLImage2ImagePipeline", "SDXLInpaintPipeline", "SDXLPipeline", "StageTimer", "Text2ImagePipeline",
+           "image_psnr", "make_pipeline", "to_uint8"]
 
 
 def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler, device: torch.device,

@@ -1,6 +1,7 @@
 """Image-to-image and inpainting: the input image through the VAE encoder stage into the latents, as diffusers'
-StableDiffusion(XL)Img2ImgPipeline and StableDiffusion(XL)InpaintPipeline make them (and SD3's image-to-image,
-StableDiffusion3Img2ImgPipeline), on text-to-image's steps."""
+StableDiffusion(XL)Img2ImgPipeline and StableDiffusion(XL)InpaintPipeline make them (and the flow families' own:
+StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, FluxImg2ImgPipeline, FluxInpaintPipeline), on
+text-to-image's steps."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class InpaintPipeline(Image2ImagePipeline):
         if not (inpainting_unet and full):  # for the noised start, or the blend
             image_latents = self.encode_image(image, generator).repeat(size, 1, 1, 1)
         noise = self.noise(shape, generator)
-        latents = (noise * self.scheduler.init_noise_sigma if full
+        latents = (self.initial_noise(noise) if full
                    else self.noised(image_latents, noise, timesteps[:1].repeat(size)))
         latent_mask = torch.nn.functional.interpolate(mask, size=shape[2:]).repeat(size, 1, 1, 1)
         if inpainting_unet:
@@ -150,3 +151,23 @@ class SD3Image2ImagePipeline(FlowImage2ImagePipeline, SD3Pipeline):
 
 class FluxImage2ImagePipeline(FlowImage2ImagePipeline, FluxPipeline):
     """diffusers' FluxImg2ImgPipeline: Flux's conditioning, guidance and schedule, a flow's image-to-image latents."""
+
+
+class FlowInpaintPipeline(FlowImage2ImagePipeline, InpaintPipeline):
+    """Inpainting's latents and loop for a family that predicts a flow: the start from unit noise, or the image's
+    latents moved along the flow to the first timestep, and with an ordinary denoiser the kept part moved along it to
+    each next one (scale_noise); a denoiser that takes the mask and masked image (SD3's 33-channel transformer) gets
+    them beside the latents at every step, as an inpainting UNet does."""
+
+
+class SD3InpaintPipeline(FlowInpaintPipeline, SD3Pipeline):
+    """diffusers' StableDiffusion3InpaintPipeline: SD3's conditioning and flow, a flow's inpainting (the latent blend
+    for a 16-channel transformer, the mask and masked image's latents for a 33-channel one). Its images are decoded
+    as SD3's other pipelines decode them, shifted back by the VAE's shift_factor, where diffusers 0.42's inpaint
+    pipeline leaves the shift out (huggingface/diffusers#13611)."""
+
+
+class FluxInpaintPipeline(FlowInpaintPipeline, FluxPipeline):
+    """diffusers' FluxInpaintPipeline: Flux's conditioning, guidance and schedule, a flow's latent blend. diffusers
+    blends the packed latents with the mask packed as they are; packing moves values without changing them, so the
+    blend on the unpacked latents (which the transformer's stage packs) is the same, value for value."""

@@ -19,9 +19,9 @@ class FlowPipeline(Text2ImagePipeline):
     """The steps of a family whose denoiser predicts a flow (Family.flow_matching: SD3's, Flux's): the latents drawn as
     they are and handed to the denoiser unscaled."""
 
-    def prepare_latents(self, batch, generator, timesteps):
+    def initial_noise(self, noise):
         """Noise as it is: a flow starts from unit noise (the scheduler keeps no initial sigma to scale it by)."""
-        return self.noise(self.source.latent_shape(batch.batch_size, batch.head.height, batch.head.width), generator)
+        return noise
 
     def scaled_input(self, model_input, timestep):
         return model_input

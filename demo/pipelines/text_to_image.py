@@ -161,7 +161,11 @@ class Text2ImagePipeline:
         """The initial latents: noise scaled by the scheduler. `timesteps` are those the run denoises (image-to-image
         noises its image for the first)."""
         shape = self.source.latent_shape(batch.batch_size, batch.head.height, batch.head.width)
-        return self.noise(shape, generator) * self.scheduler.init_noise_sigma
+        return self.initial_noise(self.noise(shape, generator))
+
+    def initial_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        """The latents a run from pure noise starts from: the noise scaled by the scheduler's initial sigma."""
+        return noise * self.scheduler.init_noise_sigma
 
     def unet_extra(self, step: int, steps: int, model_input: torch.Tensor, timestep: torch.Tensor,
                    conditioning: tuple[torch.Tensor, ...], batch: Batch, whole: bool) -> dict[str, torch.Tensor]:

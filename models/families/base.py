@@ -91,6 +91,9 @@ class Family:
     # its denoiser takes the latents packed into tokens of this many latents a side (Flux's 2x2: four times the
     # channels, its config's patch_size the packed tokens' own 1); None: as they are
     packed_latents: int | None = None
+    # a denoiser of it may be an inpainting one, taking the mask and the masked image's latents beside the latents
+    # (models.source.ModelSource.inpainting: SD's and SDXL's 9-channel UNets, SD3's 33-channel transformer)
+    inpainting_denoisers: bool = True
     # latents a side of its native size where the denoiser's config has no sample_size (Flux's transformer:
     # diffusers' FluxPipeline's default_sample_size)
     default_sample_size: int | None = None

@@ -1,10 +1,11 @@
 """SD3 and SD3.5 (MMDiT): two CLIP text encoders (their penultimate states and pooled projections) and an optional T5
 (its last states; a model without it attends to zeros in their place, as diffusers' pipelines do), a transformer that
 predicts a rectified flow (only flow-matching schedulers step it), classifier-free guidance, a 16-channel VAE whose
-latents are shifted as well as scaled."""
+latents are shifted as well as scaled. Its inpainting models' transformer takes 33 channels (the latents, the mask,
+the masked image's latents), as StableDiffusion3InpaintPipeline feeds it."""
 
 from models import CLIP, CLIP2, T5, TRANSFORMER
-from models.families.base import IMAGE_TO_IMAGE, TEXT_TO_IMAGE, Family
+from models.families.base import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Family
 from models.recommended import Recommended
 
 # diffusers' SD3 pipelines' own defaults (num_inference_steps, guidance_scale): a model folder of each class gets them
@@ -21,8 +22,10 @@ SD3 = Family(
     optional=("text_encoder_3", "tokenizer_3"),  # model_index.json names them null where a model has no T5
     text_stages=(CLIP, CLIP2, T5),
     diffusers_pipelines={TEXT_TO_IMAGE: ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline"),
-                         IMAGE_TO_IMAGE: ("StableDiffusion3Img2ImgPipeline", None)},
-    features=frozenset({IMAGE_TO_IMAGE}),  # TensorRT engines (ENGINES), inpainting and the rest: not built yet
+                         IMAGE_TO_IMAGE: ("StableDiffusion3Img2ImgPipeline", None),
+                         INPAINTING: ("StableDiffusion3InpaintPipeline",
+                                      "StableDiffusion3ControlNetInpaintingPipeline")},
+    features=frozenset({IMAGE_TO_IMAGE, INPAINTING}),  # TensorRT engines (ENGINES) and the rest: not built yet
     denoiser="transformer",
     denoiser_stage=TRANSFORMER,
     penultimate_text=True,
