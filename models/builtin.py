@@ -529,13 +529,16 @@ def build_flux_model(spec: dict, directory: Path) -> None:
     t5 = {"vocab_size": len(tokenizer_2), **spec["text_encoder_2"]}  # a published vocabulary's size where given
     generator_state, default_dtype = torch.random.get_rng_state(), torch.get_default_dtype()
     torch.manual_seed(0)
-    # Drawn in the saved dtype: FLUX.1's 17B parameters would take 68 GB and minutes more in fp32.
-    torch.set_default_dtype(getattr(torch, spec.get("dtype", "float32")))
+    # Drawn in 16 bits, each part then cast to the saved dtype: FLUX.1's 17B parameters would take 68 GB in fp32, and
+    # a CPU draws bf16 seven times slower than fp16 (48 against 6.6 s for 1.3B on two cores)
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    torch.set_default_dtype(torch.float16 if dtype == torch.bfloat16 else dtype)
     try:
-        parts = {"text_encoder": CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)),
-                 "text_encoder_2": T5EncoderModel(T5Config(**t5)),
-                 "transformer": diffusers.FluxTransformer2DModel(**spec["transformer"]),
-                 "vae": diffusers.AutoencoderKL(**spec["vae"])}
+        parts = {"text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)),
+                 "text_encoder_2": lambda: T5EncoderModel(T5Config(**t5)),
+                 "transformer": lambda: diffusers.FluxTransformer2DModel(**spec["transformer"]),
+                 "vae": lambda: diffusers.AutoencoderKL(**spec["vae"])}
+        parts = {name: make().to(dtype) for name, make in parts.items()}
     finally:
         torch.random.set_rng_state(generator_state)
         torch.set_default_dtype(default_dtype)
