@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from models.builtin import BUILTIN_MODELS, build_builtin_model, generate_bpe_vocabulary, unigram_t5_tokenizer
+from models.builtin import (
+    BUILTIN_MODELS,
+    build_builtin_model,
+    build_flux_model,
+    generate_bpe_vocabulary,
+    unigram_t5_tokenizer,
+)
 
 
 def _parameters(module):
@@ -99,6 +105,18 @@ def test_flux_arch_is_the_published_architecture(name):
     assert (vae.config.latent_channels, vae.config.scaling_factor, vae.config.shift_factor) == (16, 0.3611, 0.1159)
     assert spec["scheduler"]["use_dynamic_shifting"] is dev and spec["scheduler"]["shift"] == (3.0 if dev else 1.0)
     assert len(unigram_t5_tokenizer()) <= t5.config.vocab_size == 32128
+
+
+def test_a_bf16_flux_builtin_is_saved_in_bf16(tmp_path):
+    """flux-*-arch's path at tiny-flux's widths: drawn in fp16, every part saved in bf16."""
+    from safetensors import safe_open
+
+    build_flux_model({**BUILTIN_MODELS["tiny-flux"], "dtype": "bfloat16"}, tmp_path)
+    files = sorted(tmp_path.glob("*/*.safetensors"))
+    assert {path.parent.name for path in files} == {"text_encoder", "text_encoder_2", "transformer", "vae"}
+    for path in files:
+        with safe_open(path, "pt") as weights:
+            assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}, path
 
 
 def test_tokenizer_is_deterministic_and_tokenizes_words():
