@@ -137,9 +137,8 @@ class SDXLInpaintPipeline(SDXLPipeline, InpaintPipeline):
 
 
 class FlowImage2ImagePipeline(Image2ImagePipeline):
-    """Image-to-image's latents for a family that predicts a flow (first among a pipeline's bases, so that its latents
-    are the input image's, not FlowPipeline's noise alone): the image's, shifted and scaled, moved along the flow to
-    the first timestep."""
+    """Image-to-image's latents for a family that predicts a flow: the image's, shifted and scaled, moved along the
+    flow to the first timestep (a start from noise is FlowPipeline's, unscaled: its initial_noise)."""
 
     def noised(self, latents, noise, timesteps):
         return self.scheduler.scale_noise(latents, timesteps, noise)  # a flow's point between them at each sigma
