@@ -2,11 +2,12 @@
 
     python scripts/bench_plugins.py [--json bench_plugins.json] [--quick] [--ops fmha,...] [--attention-only]
 
-Shapes: SD 1.5 / 2.1 / XL at 512^2 and 1024^2, batch 2. Each candidate is captured in a CUDA graph
-(several calls, cycling through enough input sets to defeat L2 reuse) and timed with CUDA events over
-graph replays; the median replay is reported per call. Ceilings measured in the same run: a large
-device-to-device copy (bytes read + written), a large fp16 matmul, and an fp16 matmul with K = 64 (the
-shape of an attention product).
+Shapes: SD 1.5 / 2.1 / XL at 512^2 and 1024^2, batch 2; the transformer ops (rms_norm, ada_layer_norm,
+gelu_tanh) at SD3.5 Medium's and Flux's shapes at 1024^2 (4096 image tokens), batch 2, against eager and
+torch.compile'd PyTorch. Each candidate is captured in a CUDA graph (several calls, cycling through enough
+input sets to defeat L2 reuse) and timed with CUDA events over graph replays; the median replay is
+reported per call. Ceilings measured in the same run: a large device-to-device copy (bytes read +
+written), a large fp16 matmul, and an fp16 matmul with K = 64 (the shape of an attention product).
 
 Attention runs on each of our paths the GPU has, forced through the environment (ATTENTION_PATH_ENV): on
 compute capability 9.0 "ours" is the wgmma/TMA kernel and "ours_mma" the mma.sync one beside it; elsewhere
@@ -204,6 +205,36 @@ def vae_cases(res: int) -> list[Case]:
     return cases
 
 
+def transformer_cases(model: str, context: int, heads: int, head_dim: int) -> list[Case]:
+    """The Q/K RMSNorm over every head, the AdaLN modulation of the image and the text stream, and the feed-forward's
+    GeLU (4x wide, after the Linear's bias) of an SD3/Flux transformer at 1024^2 (4096 image tokens), batch 2."""
+    b, image, width, eps = 2, 4096, heads * head_dim, 1e-6
+    tokens = image + context
+
+    def rms(x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+    def ada(x, scale, shift):
+        return F.layer_norm(x, (x.shape[-1],), eps=eps) * (1 + scale[:, None]) + shift[:, None]
+
+    def gelu(x, bias):
+        return F.gelu(x + bias, approximate="tanh")
+
+    numel = b * tokens * width
+    cases = [Case("rms_norm", f"{model} S={tokens} H={heads} D={head_dim}",
+                  lambda: (randn(b, tokens, heads, head_dim), randn(head_dim)),
+                  lambda x, w: ops.rms_norm(x, w, eps), {"eager": rms, "compiled": _compiled(rms)}, bytes=4 * numel)]
+    for stream, s in (("image", image), ("text", context)):
+        cases.append(Case("ada_layer_norm", f"{model} {stream} S={s} C={width}",
+                          lambda s=s: (randn(b, s, width), randn(b, width), randn(b, width)),
+                          lambda x, scale, shift: ops.ada_layer_norm(x, scale, shift, eps),
+                          {"eager": ada, "compiled": _compiled(ada)}, bytes=4 * b * s * width))
+    cases.append(Case("gelu_tanh", f"{model} S={tokens} N={4 * width}",
+                      lambda: (randn(b, tokens, 4 * width), randn(4 * width)), ops.gelu_tanh,
+                      {"eager": gelu, "compiled": _compiled(gelu)}, bytes=4 * numel * 4))
+    return cases
+
+
 def all_cases(quick: bool, attention_only: bool = False) -> list[Case]:
     resolutions = (512,) if quick else (512, 1024)
     cases = []
@@ -214,6 +245,8 @@ def all_cases(quick: bool, attention_only: bool = False) -> list[Case]:
         if not attention_only:
             cases += norm_cases("SD1.5", res, (320, 640, 1280))
             cases += vae_cases(res)
+    if not attention_only:
+        cases += transformer_cases("SD3.5-Medium", 333, 24, 64) + transformer_cases("Flux", 512, 24, 128)
     return cases + target_cases(cases)
 
 

@@ -73,9 +73,9 @@ def kernel_family(name: str) -> str:
     if is_ours(name):
         if "attention" in name:
             return "attention"
-        if re.search(r"layer_norm|nchw_|nhwc_|finalize", name):  # layer_norm.cu, group_norm.cu
+        if re.search(r"norm_|nchw_|nhwc_|finalize", name):  # the *_norm.cu files, group_norm.cu's others
             return "norm"
-        return "elementwise/other"  # split_gelu, seq2spatial
+        return "elementwise/other"  # split_gelu, seq2spatial, gelu_tanh
     triton = _TRITON.match(name)
     if triton:
         if "norm" in name:

@@ -21,7 +21,8 @@ from models.onnx_io import save_onnx
 from models.plugin_passes import PLUGIN_PASSES, empty_report, write_pass_report
 from models.provenance import Provenance, ProvenanceError, check_provenance
 from models.quantize import Int8Request, describe, quantize_graph, write_int8_report
-from plugins.contract import OURS, PLUGIN_KEYS
+from plugins.contract import OURS
+from plugins.contract import convention as plugin_convention
 
 
 class GraphOptimizer:
@@ -64,8 +65,10 @@ class GraphOptimizer:
 
     def plugin_passes(self, plugins: tuple[str, ...], convention: str = OURS) -> list[tuple[str, Callable[[], None]]]:
         """The passes of the selected plugins, in a fixed order, then a cleanup; `convention` says
-        whose plugin nodes they emit (plugins.contract.CONVENTIONS)."""
-        passes = [(key, lambda key=key: self.plugin_pass(key, convention)) for key in PLUGIN_KEYS if key in plugins]
+        whose plugin nodes they emit (plugins.contract.CONVENTIONS). A key the convention has no plugin for, or
+        whose pattern no pass knows yet, has no pass."""
+        keys = [key for key in plugin_convention(convention).keys if key in PLUGIN_PASSES]
+        passes = [(key, lambda key=key: self.plugin_pass(key, convention)) for key in keys if key in plugins]
         return passes + [("cleanup", self.cleanup)] if passes else []
 
     def run(self, passes: list[tuple[str, Callable[[], None]]] | None = None) -> onnx.ModelProto:

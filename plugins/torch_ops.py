@@ -44,6 +44,9 @@ _SIGNATURES = {
     "sdp_layer_norm": ([_c_void, _c_void, _c_void, _c_void, _c_i64, _c_int, _c_float, _c_void], _c_int),
     "sdp_split_gelu": ([_c_void, _c_void, _c_void, _c_i64, _c_int, _c_void], _c_int),
     "sdp_seq2spatial": ([_c_void, _c_void, _c_void, _c_void, _c_int, _c_int, _c_int, _c_int, _c_void], _c_int),
+    "sdp_rms_norm": ([_c_void, _c_void, _c_void, _c_i64, _c_int, _c_float, _c_void], _c_int),
+    "sdp_ada_layer_norm": ([_c_void, _c_void, _c_void, _c_void, _c_int, _c_i64, _c_int, _c_float, _c_void], _c_int),
+    "sdp_gelu_tanh": ([_c_void, _c_void, _c_void, _c_i64, _c_int, _c_void], _c_int),
 }
 
 
@@ -282,3 +285,74 @@ def seq2spatial(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, res
 @seq2spatial.register_fake
 def _(x, bias, residual, residual_layout=LAYOUT_NCHW, height=0):
     return x.new_empty(_seq2spatial_shape(x, residual, residual_layout, height))
+
+
+# ---- the transformers' RMSNorm, AdaLayerNorm and GeLU -----------------------------------------------------
+
+def _last_dim(name: str, x: torch.Tensor) -> int:
+    _require(x.dim() >= 1 and x.shape[-1] >= 1 and x.numel() >= 1,
+             f"{name}: x must be [..., N] with N >= 1, got {list(x.shape)}")
+    return x.shape[-1]
+
+
+def rms_norm_into(x, weight, out, eps: float):
+    _check_half("rms_norm", x, weight, out)
+    n = _last_dim("rms_norm", x)
+    _require(weight.numel() == n, f"rms_norm: weight must have {n} elements, got {list(weight.shape)}")
+    _require(out.shape == x.shape, "rms_norm: out must be shaped like x")
+    _call("sdp_rms_norm", _ptr(x), _ptr(weight), _ptr(out), x.numel() // n, n, eps, _stream(x))
+    return out
+
+
+@torch.library.custom_op(_op_name("RMSNorm"), mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * weight."""
+    return rms_norm_into(x, weight, torch.empty_like(x), eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def ada_layer_norm_into(x, scale, shift, out, eps: float):
+    _check_half("ada_layer_norm", x, scale, shift, out)
+    _require(x.dim() == 3 and x.numel() >= 1, f"ada_layer_norm: x must be [B, S, C], got {list(x.shape)}")
+    b, s, c = x.shape
+    for name, t in (("scale", scale), ("shift", shift)):
+        _require(tuple(t.shape) == (b, c), f"ada_layer_norm: {name} must be [B, C] = {[b, c]}, got {list(t.shape)}")
+    _require(out.shape == x.shape, "ada_layer_norm: out must be shaped like x")
+    _call("sdp_ada_layer_norm", _ptr(x), _ptr(scale), _ptr(shift), _ptr(out), b, s, c, eps, _stream(x))
+    return out
+
+
+@torch.library.custom_op(_op_name("AdaLayerNorm"), mutates_args=())
+def ada_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm(x [B, S, C], no affine) * (1 + scale[:, None]) + shift[:, None]; scale, shift [B, C]."""
+    return ada_layer_norm_into(x, scale, shift, torch.empty_like(x), eps)
+
+
+@ada_layer_norm.register_fake
+def _(x, scale, shift, eps):
+    return torch.empty_like(x)
+
+
+def gelu_tanh_into(x, bias, out):
+    _check_half("gelu_tanh", x, out, *([bias] if bias is not None else []))
+    n = _last_dim("gelu_tanh", x)
+    if bias is not None:
+        _require(bias.numel() == n, f"gelu_tanh: bias must have {n} elements, got {list(bias.shape)}")
+    _require(out.shape == x.shape, "gelu_tanh: out must be shaped like x")
+    _call("sdp_gelu_tanh", _ptr(x), _ptr(bias), _ptr(out), x.numel() // n, n, _stream(x))
+    return out
+
+
+@torch.library.custom_op(_op_name("GeLU"), mutates_args=())
+def gelu_tanh(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """gelu(x + bias, approximate="tanh") over [..., N]; bias [N] or None."""
+    return gelu_tanh_into(x, bias, torch.empty_like(x))
+
+
+@gelu_tanh.register_fake
+def _(x, bias):
+    return torch.empty_like(x)

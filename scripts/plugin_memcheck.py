@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     for b, c, h, w in ((2, 320, 8, 8), (1, 65, 5, 13)):
         ops.seq2spatial(randn(b, h * w, c), randn(c), randn(b, c, h, w))
         ops.seq2spatial(randn(b, h * w, c), randn(c), randn(b, h * w, c), ops.LAYOUT_NHWC, h)
+    for shape in ((3, 5, 64), (2, 3, 128), (3, 100), (2, 4104), (1, 3000)):  # register rows and block kernels
+        ops.rms_norm(randn(*shape), randn(shape[-1]), 1e-6)
+        b, c = (shape[0], shape[-1])
+        ops.ada_layer_norm(randn(b, 5, c), randn(b, c), randn(b, c), 1e-6)
+        ops.gelu_tanh(randn(*shape), randn(shape[-1]))
+        ops.gelu_tanh(randn(*shape), None)
     torch.cuda.synchronize()
     print("memcheck workload done")
     return 0

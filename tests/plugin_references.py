@@ -54,6 +54,20 @@ def seq2spatial(x, bias, residual, spatial, residual_layout):
     return y + residual if residual_layout == 0 else y
 
 
+def rms_norm(x, weight, epsilon):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + epsilon) * weight
+
+
+def ada_layer_norm(x, scale, shift, epsilon):
+    """x [B, S, C]; scale, shift [B, C]."""
+    return layer_norm(x, 1.0, 0.0, epsilon) * (1 + scale[:, None]) + shift[:, None]
+
+
+def gelu_tanh(x, bias):
+    y = x + bias
+    return 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+
+
 # ---- the same references as CPU kernels of torch.ops.sdplugins ----------------------------------------
 
 _enabled = False
@@ -124,8 +138,25 @@ def _register() -> None:
         assert residual_layout == torch_ops.LAYOUT_NHWC or list(residual.shape) == shape
         return _out(seq2spatial(_np(x), _np(bias), _np(residual), np.empty(shape), residual_layout), x)
 
+    def rms_norm_cpu(x, weight, eps):
+        _check("rms_norm", x, weight)
+        assert weight.numel() == x.shape[-1], f"rms_norm: weight must have {x.shape[-1]} elements"
+        return _out(rms_norm(_np(x), _np(weight), eps), x)
+
+    def ada_layer_norm_cpu(x, scale, shift, eps):
+        _check("ada_layer_norm", x, scale, shift)
+        assert x.dim() == 3 and scale.shape == shift.shape == (x.shape[0], x.shape[2]), \
+            f"ada_layer_norm: x must be [B, S, C] and scale, shift [B, C], got {list(x.shape)}, {list(scale.shape)}"
+        return _out(ada_layer_norm(_np(x), _np(scale), _np(shift), eps), x)
+
+    def gelu_tanh_cpu(x, bias):
+        _check("gelu_tanh", x, *([bias] if bias is not None else []))
+        assert bias is None or bias.numel() == x.shape[-1], f"gelu_tanh: bias must have {x.shape[-1]} elements"
+        return _out(gelu_tanh(_np(x), 0 if bias is None else _np(bias)), x)
+
     for key, kernel in (("fMHA", fmha_cpu), ("fMHCA", fmhca_cpu), ("GroupNorm", group_norm_cpu),
-                        ("LayerNorm", layer_norm_cpu), ("SplitGeLU", split_gelu_cpu), ("Seq2Spatial", seq2spatial_cpu)):
+                        ("LayerNorm", layer_norm_cpu), ("SplitGeLU", split_gelu_cpu), ("Seq2Spatial", seq2spatial_cpu),
+                        ("RMSNorm", rms_norm_cpu), ("AdaLayerNorm", ada_layer_norm_cpu), ("GeLU", gelu_tanh_cpu)):
         torch.library.register_kernel(f"{TORCH_OP_NAMESPACE}::{TORCH_OPS[key]}", "cpu", kernel)
 
 

@@ -30,7 +30,9 @@ from plugins.contract import (
     TENSORRT,
     TORCH_OP_NAMESPACE,
     TORCH_OPS,
+    TRANSFORMER_KEYS,
     TRT_LIBRARY_NAME,
+    UNET_KEYS,
     convention,
 )
 from plugins.tuned import (
@@ -48,14 +50,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- the contract itself ------------------------------------------------------------------------------
 
-def test_the_contract_covers_every_key_in_both_conventions():
-    assert PLUGIN_KEYS == ("fMHA", "fMHCA", "GroupNorm", "LayerNorm", "SplitGeLU", "Seq2Spatial")
+def test_the_contract_covers_every_key_ours_all_and_tensorrts_the_unet_keys():
+    assert UNET_KEYS == ("fMHA", "fMHCA", "GroupNorm", "LayerNorm", "SplitGeLU", "Seq2Spatial")
+    assert TRANSFORMER_KEYS == ("RMSNorm", "AdaLayerNorm", "GeLU")
+    assert PLUGIN_KEYS == UNET_KEYS + TRANSFORMER_KEYS
     assert CONVENTIONS == (OURS, TENSORRT) and OURS != TENSORRT
-    for name in CONVENTIONS:
+    for name, keys in ((OURS, PLUGIN_KEYS), (TENSORRT, UNET_KEYS)):
         c = convention(name)
-        assert c.name == name and set(c.ops) == set(c.fields) == set(PLUGIN_KEYS)
-        assert len(set(c.ops.values())) == len(PLUGIN_KEYS)  # one op type per key
+        assert c.name == name and set(c.ops) == set(c.fields) == set(keys) and c.keys == keys
+        assert len(set(c.ops.values())) == len(keys)  # one op type per key
+        assert [key for key in PLUGIN_KEYS if c.has(key)] == list(keys)
+    for key in TRANSFORMER_KEYS:  # TensorRT 8.6 bundles no counterpart
+        with pytest.raises(ValueError, match=f"the tensorrt plugin convention has no plugin for {key}"):
+            convention(TENSORRT).op(key)
     assert convention(OURS).creator_names == PLUGIN_NAMES
+    assert len(convention(TENSORRT).creator_names) == len(UNET_KEYS)
     assert (convention(OURS).domain, convention(OURS).namespace, convention(OURS).version) == \
         (OURS, PLUGIN_NAMESPACE, PLUGIN_VERSION)
     assert set(TORCH_OPS) == set(PLUGIN_KEYS)
@@ -220,8 +229,8 @@ GRAPHS = {"fMHA": lambda: _attention(cross=False), "fMHCA": lambda: _attention(c
           "GroupNorm": _group_norm, "LayerNorm": _layer_norm, "SplitGeLU": _split_gelu, "Seq2Spatial": _seq2spatial}
 
 
-@pytest.mark.parametrize("name", CONVENTIONS)
-@pytest.mark.parametrize("key", PLUGIN_KEYS)
+@pytest.mark.parametrize("key, name", [(key, name) for name in CONVENTIONS for key in GRAPHS
+                                       if convention(name).has(key)])
 def test_the_passes_emit_the_contracts_nodes(key, name):
     from models.plugin_passes import PLUGIN_PASSES
 
@@ -265,8 +274,8 @@ def test_the_torch_substitutes_take_the_contracts_head_sizes():
 def test_the_shipped_tuned_defaults_are_read():
     assert TUNED_DEFAULTS_FILE == Path(plugins.__file__).resolve().parent / "tuned_defaults.json"
     assert set(json.loads(TUNED_DEFAULTS_FILE.read_text())) == {PLUGINS_AUTO, TORCH_DEFAULTS}
-    auto = read_entry(PLUGINS_AUTO, "9.0")
-    assert auto["plugins"] == sorted(PLUGIN_KEYS) and auto["gpu"] == "NVIDIA H100 80GB HBM3"
+    auto = read_entry(PLUGINS_AUTO, "9.0")  # measured before the transformer plugins existed
+    assert auto["plugins"] == sorted(UNET_KEYS) and auto["gpu"] == "NVIDIA H100 80GB HBM3"
     torch_defaults = read_entry(TORCH_DEFAULTS, "9.0")
     assert (torch_defaults["plugins"], torch_defaults["channels_last"], torch_defaults["cuda_graph"],
             torch_defaults["compile"]) == ([], True, True, "default")
@@ -274,7 +283,7 @@ def test_the_shipped_tuned_defaults_are_read():
 
     from models.plugin_set import PLUGINS_HELP, parse_plugin_set
 
-    assert parse_plugin_set("auto", "9.0") == tuple(sorted(PLUGIN_KEYS))
+    assert parse_plugin_set("auto", "9.0") == tuple(sorted(UNET_KEYS))
     assert "plugins/tuned_defaults.json" in PLUGINS_HELP
 
 
@@ -322,7 +331,7 @@ def test_the_shipped_sdxl_defaults_for_compute_capability_9_0():
     """Measured on an H200 (results/sdxl-h200/): all our kernels with channels-last, graphs and compile were the
     fastest torch path for sdxl-arch, and all plugins the fastest engines."""
     assert find_entry(TORCH_DEFAULTS, "9.0", family="sdxl")[0] == "9.0/sdxl"
-    assert find_entry(PLUGINS_AUTO, "9.0", family="sdxl")[1]["plugins"] == sorted(PLUGIN_KEYS)
+    assert find_entry(PLUGINS_AUTO, "9.0", family="sdxl")[1]["plugins"] == sorted(UNET_KEYS)
 
 
 BROKEN_FILES = [("{not json", "is not valid JSON"),

@@ -152,6 +152,15 @@ FAKE = ctypes.c_void_p(16)  # never dereferenced: validation rejects the call fi
     (lambda lib: lib.sdp_seq2spatial(FAKE, None, FAKE, FAKE, 1, 4, 4, 0, None), "pointers must be non-null"),
     (lambda lib: lib.sdp_seq2spatial(FAKE, FAKE, FAKE, FAKE, 1, 4, 4, 2, None),
      "residual_layout must be NCHW (0) or NHWC (1), got 2"),
+    (lambda lib: lib.sdp_rms_norm(FAKE, FAKE, FAKE, 4, 0, 1e-6, None), "rows and n must be >= 1"),
+    (lambda lib: lib.sdp_rms_norm(FAKE, None, FAKE, 4, 64, 1e-6, None), "pointers must be non-null"),
+    (lambda lib: lib.sdp_rms_norm(FAKE, FAKE, FAKE, 4, 64, -1.0, None), "eps must be >= 0"),
+    (lambda lib: lib.sdp_ada_layer_norm(FAKE, FAKE, FAKE, FAKE, 0, 8, 64, 1e-6, None),
+     "batch, seq and channels must be >= 1"),
+    (lambda lib: lib.sdp_ada_layer_norm(FAKE, FAKE, None, FAKE, 2, 8, 64, 1e-6, None), "pointers must be non-null"),
+    (lambda lib: lib.sdp_ada_layer_norm(FAKE, FAKE, FAKE, FAKE, 2, 8, 64, -1.0, None), "eps must be >= 0"),
+    (lambda lib: lib.sdp_gelu_tanh(FAKE, None, FAKE, 0, 8, None), "rows and n must be >= 1"),
+    (lambda lib: lib.sdp_gelu_tanh(None, FAKE, FAKE, 4, 8, None), "x and y must be non-null"),
 ])
 def test_abi_rejects_bad_arguments_with_a_message(abi, call, message):
     assert call(abi) == 1  # SDP_INVALID_ARGUMENT, before any CUDA call
@@ -195,6 +204,38 @@ def test_python_side_validation(monkeypatch):
         ops.layer_norm_into(*(torch.zeros(4, dtype=torch.half) for _ in range(4)), 1e-5)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda h: ops.rms_norm_into(h(4, 64), h(32), h(4, 64), 1e-6), "rms_norm: weight must have 64 elements"),
+    (lambda h: ops.rms_norm_into(h(4, 64), h(64), h(4, 32), 1e-6), "rms_norm: out must be shaped like x"),
+    (lambda h: ops.rms_norm_into(h(4, 0), h(0), h(4, 0), 1e-6), "rms_norm: x must be [..., N] with N >= 1"),
+    (lambda h: ops.ada_layer_norm_into(h(2, 8), h(2, 8), h(2, 8), h(2, 8), 1e-6), "x must be [B, S, C]"),
+    (lambda h: ops.ada_layer_norm_into(h(2, 5, 8), h(1, 8), h(2, 8), h(2, 5, 8), 1e-6),
+     "ada_layer_norm: scale must be [B, C] = [2, 8], got [1, 8]"),
+    (lambda h: ops.ada_layer_norm_into(h(2, 5, 8), h(2, 8), h(2, 1, 8), h(2, 5, 8), 1e-6),
+     "ada_layer_norm: shift must be [B, C] = [2, 8], got [2, 1, 8]"),
+    (lambda h: ops.ada_layer_norm_into(h(2, 5, 8), h(2, 8), h(2, 8), h(2, 5, 4), 1e-6), "out must be shaped like x"),
+    (lambda h: ops.gelu_tanh_into(h(3, 10), h(5), h(3, 10)), "gelu_tanh: bias must have 10 elements, got [5]"),
+    (lambda h: ops.gelu_tanh_into(h(3, 10), None, h(3, 5)), "gelu_tanh: out must be shaped like x"),
+])
+def test_transformer_ops_validate_shapes(monkeypatch, call, message):
+    """The shape checks past _check_half (its dtype, device and contiguity checks are the other ops')."""
+    monkeypatch.setattr(ops, "_check_half", lambda *args: None)
+    monkeypatch.setattr(ops, "_call", lambda *args: pytest.fail("validation let a bad call through"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(lambda *shape: torch.zeros(*shape, dtype=torch.half))
+
+
+def test_transformer_ops_check_dtype_and_device(monkeypatch):
+    monkeypatch.setattr(ops, "_STATUS", "available")
+    with pytest.raises(ValueError, match="rms_norm: tensors must be float16"):
+        ops.rms_norm_into(torch.zeros(2, 8), torch.zeros(8), torch.zeros(2, 8), 1e-6)
+    with pytest.raises(ValueError, match="ada_layer_norm: tensors must be on a CUDA device"):
+        ops.ada_layer_norm_into(*(torch.zeros(s, dtype=torch.half) for s in ((1, 2, 8), (1, 8), (1, 8), (1, 2, 8))),
+                                1e-6)
+    with pytest.raises(ValueError, match="gelu_tanh: tensors must be float16"):
+        ops.gelu_tanh_into(torch.zeros(2, 8, dtype=torch.half), torch.zeros(8), torch.zeros(2, 8, dtype=torch.half))
+
+
 def test_fake_implementations_give_output_shapes():
     meta = lambda *s: torch.empty(*s, dtype=torch.half, device="meta")  # noqa: E731
     sdp = getattr(torch.ops, TORCH_OP_NAMESPACE)
@@ -205,3 +246,6 @@ def test_fake_implementations_give_output_shapes():
     assert sdp.split_gelu(meta(2, 9, 20), None).shape == (2, 9, 10)
     assert sdp.seq2spatial(meta(2, 12, 7), meta(7), meta(2, 7, 3, 4)).shape == (2, 7, 3, 4)
     assert sdp.seq2spatial(meta(2, 12, 7), meta(7), meta(2, 12, 7), ops.LAYOUT_NHWC, 3).shape == (2, 7, 3, 4)
+    assert sdp.rms_norm(meta(2, 333, 24, 64), meta(64), 1e-6).shape == (2, 333, 24, 64)
+    assert sdp.ada_layer_norm(meta(2, 333, 1536), meta(2, 1536), meta(2, 1536), 1e-6).shape == (2, 333, 1536)
+    assert sdp.gelu_tanh(meta(2, 9, 60), meta(60)).shape == sdp.gelu_tanh(meta(2, 9, 60), None).shape == (2, 9, 60)

@@ -290,6 +290,94 @@ def test_seq2spatial_op_with_sequence_residual():
     assert rel_error(out, ref) < NORM_BOUND
 
 
+# ---- the SD3/Flux transformers' kernels -----------------------------------------------------------------
+# SD3.5 Medium: 24 heads of 64, 1536 wide, 4096 image + 333 text tokens; Flux: 24 heads of 128, 3072 wide,
+# 4096 + 512 tokens; batch 2. Then odd sizes: widths not a multiple of the 8-element vector (the block kernels),
+# widths past the register rows (4104, 8192), several rows per warp crossing a batch's end (AdaLayerNorm).
+SD35_TOKENS, FLUX_TOKENS = 4096 + 333, 4096 + 512
+
+
+def rms_norm_reference(x, weight, eps):
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+
+
+@pytest.mark.parametrize("shape", [(2, SD35_TOKENS, 24, 64), (2, FLUX_TOKENS, 24, 128), (2, SD35_TOKENS, 1536),
+                                   (2, 512, 3072), (3, 7, 40), (5, 8), (9, 16), (4, 32), (3, 5, 72), (7, 100),
+                                   (3, 13), (9, 1), (2, 4104), (3, 8192), (2, 3000), (1, 256), (1, 1, 4096)])
+def test_rms_norm(shape):
+    x, weight = randn(*shape, scale=2.0, shift=0.5), randn(shape[-1])
+    out = ops.rms_norm_into(x, weight, poisoned(*shape), 1e-6)
+    assert rel_error(out, rms_norm_reference(x, weight, 1e-6)) < NORM_BOUND
+
+
+def test_rms_norm_honours_epsilon():
+    x, weight = randn(64, 128, scale=0.2), randn(128)
+    out = ops.rms_norm_into(x, weight, poisoned(64, 128), 0.05)  # mean square 0.04: an epsilon of 0.05 matters
+    assert rel_error(out, rms_norm_reference(x, weight, 0.05)) < NORM_BOUND
+    assert rel_error(out, rms_norm_reference(x, weight, 1e-6)) > 0.1
+
+
+def ada_layer_norm_reference(x, scale, shift, eps):
+    normalized = F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+    return normalized * (1 + scale.float()[:, None]) + shift.float()[:, None]
+
+
+@pytest.mark.parametrize("b, s, c", [(2, 4096, 1536), (2, 333, 1536), (2, 4096, 3072), (2, 512, 3072),
+                                     (2, SD35_TOKENS, 1536), (3, 5, 64), (3, 7, 8), (2, 3, 24), (4, 9, 128),
+                                     (1, 7, 100), (3, 5, 13), (2, 3, 4104), (2, 9, 8192), (1, 1, 8), (2, 2, 1)])
+def test_ada_layer_norm(b, s, c):
+    x, scale, shift = randn(b, s, c, scale=3.0, shift=-1.0), randn(b, c, scale=0.5), randn(b, c)
+    out = ops.ada_layer_norm_into(x, scale, shift, poisoned(b, s, c), 1e-6)
+    assert rel_error(out, ada_layer_norm_reference(x, scale, shift, 1e-6)) < NORM_BOUND
+
+
+def test_ada_layer_norm_modulates_each_batch_by_its_own_row():
+    """Swapping the batches' scale and shift must change the output: each token reads its batch's row."""
+    b, s, c = 3, 5, 64
+    x, scale, shift = randn(b, s, c), randn(b, c), randn(b, c)
+    out = ops.ada_layer_norm_into(x, scale, shift, poisoned(b, s, c), 1e-6)
+    swapped = ada_layer_norm_reference(x, scale.flip(0), shift.flip(0), 1e-6)
+    assert rel_error(out, ada_layer_norm_reference(x, scale, shift, 1e-6)) < NORM_BOUND
+    assert rel_error(out, swapped) > 0.1
+
+
+@pytest.mark.parametrize("shape", [(2, SD35_TOKENS, 6144), (2, FLUX_TOKENS, 12288), (2, 333, 6144), (3, 100),
+                                   (77, 13), (1, 8), (5, 1), (2, 7, 4104)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gelu_tanh(shape, with_bias):
+    x = randn(*shape, scale=2.0)
+    bias = randn(shape[-1]) if with_bias else None
+    out = ops.gelu_tanh_into(x, bias, poisoned(*shape))
+    ref = F.gelu(x.float() + (bias.float() if with_bias else 0), approximate="tanh")
+    assert rel_error(out, ref) < NORM_BOUND
+
+
+def test_transformer_ops_under_graph_capture_and_compile():
+    """The torch ops (not the _into functions): captured in a CUDA graph and compiled, equal to the references."""
+    x, weight = randn(2, 77, 4, 64), randn(64)
+    h, scale, shift, bias = randn(2, 77, 256), randn(2, 256), randn(2, 256), randn(256)
+
+    def block(x, h):
+        return (SDP_OPS.rms_norm(x, weight, 1e-6), SDP_OPS.ada_layer_norm(h, scale, shift, 1e-6),
+                SDP_OPS.gelu_tanh(h, bias))
+
+    references = (rms_norm_reference(x, weight, 1e-6), ada_layer_norm_reference(h, scale, shift, 1e-6),
+                  F.gelu(h.float() + bias.float(), approximate="tanh"))
+    compiled = torch.compile(block, fullgraph=True)
+    for out, ref in zip(compiled(x, h), references):
+        assert rel_error(out, ref) < NORM_BOUND
+    graph = torch.cuda.CUDAGraph()
+    block(x, h)  # warm up outside the capture
+    with torch.cuda.graph(graph):
+        captured = block(x, h)
+    for out in captured:
+        out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, ref in zip(captured, references):
+        assert rel_error(out, ref) < NORM_BOUND
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: ops.fmha_into(randn(1, 8, 1, 3, 12), poisoned(1, 8, 1, 12), 1.0), "multiple of 8"),
     (lambda: ops.fmha_into(randn(1, 8, 1, 3, 264), poisoned(1, 8, 1, 264), 1.0), "[8, 256]"),

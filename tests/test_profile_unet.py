@@ -61,6 +61,9 @@ KERNELS = {
         "void sdp::(anonymous namespace)::finalize(sdp::(anonymous namespace)::Problem)",
         "void sdp::(anonymous namespace)::layer_norm_warp<8>(__half const*, __half const*, __half const*, __half*, "
         "long, int, float)",
+        "void sdp::(anonymous namespace)::rms_norm_rows<1, 8>(__half const*, __half const*, __half*, long, int, float)",
+        "void sdp::(anonymous namespace)::ada_layer_norm_block<8>(__half const*, __half const*, __half const*, "
+        "__half*, long, int, float)",
         "void groupNormNHWCScaleKernel<__half, 160>(GroupNormNHWCParams<__half>)",
     ],
     "elementwise/other": [
@@ -80,6 +83,7 @@ KERNELS = {
         "void sdp::(anonymous namespace)::split_gelu_kernel<8>(__half const*, __half const*, __half*, long, int)",
         "void sdp::(anonymous namespace)::seq2spatial_kernel(__half const*, __half const*, __half const*, __half*, "
         "int, int)",
+        "void sdp::(anonymous namespace)::gelu_tanh_kernel<8, true>(__half const*, __half const*, __half*, long, int)",
         "__myl_AddMulSig_0x5c1e",
     ],
     "memcpy": ["Memcpy DtoD (Device -> Device)", "Memset (Device)", "Memcpy HtoD (Pageable -> Device)"],
@@ -93,7 +97,7 @@ def test_kernel_families(family, name):
 
 def test_our_kernels_are_told_apart():
     assert all(is_ours(name) == ("sdp::" in name) for names in KERNELS.values() for name in names)
-    assert sum(is_ours(name) for names in KERNELS.values() for name in names) == 8
+    assert sum(is_ours(name) for names in KERNELS.values() for name in names) == 11
     assert set(KERNELS) == set(FAMILIES)
 
 

@@ -216,3 +216,37 @@ def test_seq2spatial_with_a_sequence_residual():  # SD 1.x: the residual before 
                      {"bias"}, [b, c, h, w], residual_layout=1)
     ref = (x.float() + bias.float() + residual.float()).permute(0, 2, 1).reshape(b, c, h, w)
     assert rel_error(out, ref) < NORM_BOUND
+
+
+# ---- the SD3/Flux transformers' plugins ---------------------------------------------------------------------
+
+def test_rms_norm():  # SD3.5's Q/K norm: 24 heads of 64
+    b, s, h, d, eps = 2, 4096 + 333, 24, 64, 0.05
+    x, weight = randn(b, s, h, d, scale=0.2), randn(d)
+    out = run_plugin(OPS["RMSNorm"], [("x", x), ("weight", weight)], {"weight"}, [b, s, h, d], epsilon=eps)
+
+    def reference(epsilon):
+        return F.rms_norm(x.float(), (d,), weight.float(), epsilon)
+
+    assert rel_error(out, reference(eps)) < NORM_BOUND
+    assert rel_error(out, reference(1e-6)) > 10 * NORM_BOUND
+
+
+def test_ada_layer_norm():  # Flux's image stream: 3072 wide, scale and shift per batch (graph inputs, not constants)
+    b, s, c, eps = 2, 4096, 3072, 0.05
+    x, scale, shift = randn(b, s, c, scale=0.2, shift=-1.0), randn(b, c, scale=0.5), randn(b, c)
+    out = run_plugin(OPS["AdaLayerNorm"], [("x", x), ("scale", scale), ("shift", shift)], set(), [b, s, c],
+                     epsilon=eps)
+
+    def reference(epsilon):
+        return F.layer_norm(x.float(), (c,), eps=epsilon) * (1 + scale.float()[:, None]) + shift.float()[:, None]
+
+    assert rel_error(out, reference(eps)) < NORM_BOUND
+    assert rel_error(out, reference(1e-6)) > 10 * NORM_BOUND
+
+
+def test_gelu():  # SD3.5 Medium's feed-forward: 4 x 1536
+    b, s, n = 2, 4096 + 333, 6144
+    x, bias = randn(b, s, n), randn(n)
+    out = run_plugin(OPS["GeLU"], [("x", x), ("bias", bias)], {"bias"}, [b, s, n])
+    assert rel_error(out, F.gelu(x.float() + bias.float(), approximate="tanh")) < NORM_BOUND

@@ -197,6 +197,10 @@ const std::vector<Case> kCases = {
     // H and W from `spatial` (here 32 x 128, 4 channels), C from x.
     {"SDPSeq2Spatial", {i32("residual_layout", 1)}, {{2, 4096, 320}, {320}, {2, 4096, 320}, {2, 4, 32, 128}},
      {2, 320, 32, 128}},
+    // SD3.5 Medium: the Q/K norm of 24 heads of 64, the AdaLN modulation of 1536 channels, the 4 x 1536 GeLU.
+    {"SDPRMSNorm", {f32("epsilon", 1e-6f)}, {{2, 4429, 24, 64}, {64}}, {2, 4429, 24, 64}},
+    {"SDPAdaLayerNorm", {f32("epsilon", 1e-6f)}, {{2, 4096, 1536}, {2, 1536}, {2, 1536}}, {2, 4096, 1536}},
+    {"SDPGeLU", {}, {{2, 4429, 6144}, {6144}}, {2, 4429, 6144}},
 };
 
 const std::map<std::string, std::vector<std::pair<std::string, nv::PluginFieldType>>> kFieldLists = {
@@ -208,6 +212,9 @@ const std::map<std::string, std::vector<std::pair<std::string, nv::PluginFieldTy
     {"SDPLayerNorm", {{"epsilon", nv::PluginFieldType::kFLOAT32}}},
     {"SDPSplitGeLU", {}},
     {"SDPSeq2Spatial", {{"residual_layout", nv::PluginFieldType::kINT32}}},
+    {"SDPRMSNorm", {{"epsilon", nv::PluginFieldType::kFLOAT32}}},
+    {"SDPAdaLayerNorm", {{"epsilon", nv::PluginFieldType::kFLOAT32}}},
+    {"SDPGeLU", {}},
 };
 
 std::vector<int32_t> output_of(nv::IPluginV2DynamicExt* plugin, std::vector<std::vector<int32_t>> const& inputs) {
@@ -246,12 +253,12 @@ int main(int argc, char** argv) {
   Finder finder(&logger);
   set_logger_finder(&finder);
 
-  // Creators: the six names, version "1", namespace "sdplugins", the contract's field lists.
+  // Creators: the nine names, version "1", namespace "sdplugins", the contract's field lists.
   int32_t count = 0;
   nv::IPluginCreator* const* list = get_creators(count);
   std::map<std::string, nv::IPluginCreator*> creators;
   for (int32_t i = 0; i < count; ++i) creators[list[i]->getPluginName()] = list[i];
-  CHECK(count == 6 && creators.size() == 6, "six creators, got " + std::to_string(count));
+  CHECK(count == 9 && creators.size() == 9, "nine creators, got " + std::to_string(count));
   for (auto const& [name, expected] : kFieldLists) {
     CHECK(creators.count(name), "creator " + name);
     if (!creators.count(name)) continue;
@@ -322,6 +329,9 @@ int main(int argc, char** argv) {
   nv::IPluginCreator* layer_norm = creators["SDPLayerNorm"];
   nv::IPluginCreator* fmha = creators["SDPfMHA"];
   nv::IPluginCreator* seq2spatial = creators["SDPSeq2Spatial"];
+  nv::IPluginCreator* rms_norm = creators["SDPRMSNorm"];
+  nv::IPluginCreator* ada_layer_norm = creators["SDPAdaLayerNorm"];
+  nv::IPluginCreator* gelu = creators["SDPGeLU"];
   auto fails = [](nv::IPluginCreator* creator, std::vector<Value> fields) {
     return [creator, fields] {
       nv::IPluginV2DynamicExt* plugin = create(creator, fields);
@@ -345,6 +355,10 @@ int main(int argc, char** argv) {
                fails(fmha, {f32("scale", std::numeric_limits<float>::quiet_NaN())}));
   expect_error("LayerNorm with epsilon -1", "epsilon must be a finite number >= 0",
                fails(layer_norm, {f32("epsilon", -1.f)}));
+  expect_error("RMSNorm with epsilon -1", "epsilon must be a finite number >= 0",
+               fails(rms_norm, {f32("epsilon", -1.f)}));
+  expect_error("AdaLayerNorm without epsilon", "missing field 'epsilon'", fails(ada_layer_norm, {}));
+  expect_error("GeLU with a field", "unknown field 'approximate' (fields: none)", fails(gelu, {i32("approximate", 1)}));
   expect_error("Seq2Spatial with layout 2", "residual_layout must be 0 (NCHW) or 1 (sequence)",
                fails(seq2spatial, {i32("residual_layout", 2)}));
   expect_error("GroupNorm with num_groups twice", "given twice",
@@ -458,7 +472,26 @@ int main(int argc, char** argv) {
   expect_error("Seq2Spatial layout 1 enqueue with an NCHW residual", "residual must be [2, 64, 32]", [&] {
     return sequence->enqueue(nchw_residual, nchw_residual + 4, fake_inputs, fake_outputs, nullptr, nullptr) == 0;
   });
-  for (nv::IPluginV2DynamicExt* p : {sequence, attention, norm, norm4, norm2048}) p->destroy();
+  // The transformer plugins: their constants must match x's last dimension, AdaLayerNorm's modulation its batch.
+  nv::IPluginV2DynamicExt* rms = create(rms_norm, {f32("epsilon", 1e-6f)});
+  nv::PluginTensorDesc short_weight[] = {desc({2, 77, 24, 64}), desc({128}), desc({2, 77, 24, 64})};
+  expect_error("RMSNorm enqueue with 128 weights for D = 64", "weight must have N = 64 elements, got [128]", [&] {
+    return rms->enqueue(short_weight, short_weight + 2, fake_inputs, fake_outputs, nullptr, nullptr) == 0;
+  });
+  nv::IPluginV2DynamicExt* ada = create(ada_layer_norm, {f32("epsilon", 1e-6f)});
+  nv::PluginTensorDesc other_batch[] = {desc({2, 77, 64}), desc({1, 64}), desc({1, 64}), desc({2, 77, 64})};
+  expect_error("AdaLayerNorm enqueue with one modulation row for a batch of 2", "scale, shift [B, C], got", [&] {
+    return ada->enqueue(other_batch, other_batch + 3, fake_inputs, fake_outputs, nullptr, nullptr) == 0;
+  });
+  expect_error("AdaLayerNorm with a 2-D x", "x must be [B, S, C] and scale, shift [B, C]",
+               [&] { return !output_of(ada, {{77, 64}, {2, 64}, {2, 64}}).empty(); });
+  nv::IPluginV2DynamicExt* activation = create(gelu, {});
+  nv::PluginTensorDesc short_bias[] = {desc({2, 77, 6144}), desc({1536}), desc({2, 77, 6144})};
+  expect_error("GeLU enqueue with 1536 biases for N = 6144", "bias must have N = 6144 elements, got [1536]", [&] {
+    return activation->enqueue(short_bias, short_bias + 2, fake_inputs, fake_outputs, nullptr, nullptr) == 0;
+  });
+  expect_error("GeLU without its bias", "takes 2 inputs", [&] { return !output_of(activation, {{2, 77, 6144}}).empty(); });
+  for (nv::IPluginV2DynamicExt* p : {sequence, attention, norm, norm4, norm2048, rms, ada, activation}) p->destroy();
 
   std::printf("checks: %d, failures: %d\n", checks, failures);
   return failures ? 1 : 0;

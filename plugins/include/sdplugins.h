@@ -60,6 +60,18 @@ int sdp_split_gelu(const void* x, const void* bias, void* y, int64_t rows, int n
 int sdp_seq2spatial(const void* x, const void* bias, const void* residual, void* y, int batch, int hw,
                     int channels, int residual_layout, sdp_stream_t stream);
 
+/* RMSNorm over the last dimension (the SD3/Flux Q/K norms): x [rows, N] -> y [rows, N] =
+ * x * rsqrt(mean(x^2) + eps) * weight; weight [N]. Any N >= 1; fastest for N a multiple of 8 up to 4096. */
+int sdp_rms_norm(const void* x, const void* weight, void* y, int64_t rows, int n, float eps, sdp_stream_t stream);
+
+/* The modulated LayerNorm of AdaLN blocks: x [B, S, C] -> y [B, S, C] =
+ * (x - mean) / sqrt(var + eps) * (1 + scale[b]) + shift[b], over C; scale, shift [B, C]. */
+int sdp_ada_layer_norm(const void* x, const void* scale, const void* shift, void* y, int batch, int64_t seq,
+                       int channels, float eps, sdp_stream_t stream);
+
+/* GeLU, tanh approximation: x [rows, N] (+ bias [N] if bias != NULL) -> y [rows, N] = gelu_tanh(x + bias). */
+int sdp_gelu_tanh(const void* x, const void* bias, void* y, int64_t rows, int n, sdp_stream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

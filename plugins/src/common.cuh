@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "sdplugins.h"
 
@@ -62,6 +63,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Sum over aligned groups of LANES lanes (a power of two <= 32); every lane of the warp takes part.
+template <int LANES>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Block-wide sum for blockDim.x a multiple of 32 (<= 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* scratch /* >= 32 floats */) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -71,6 +80,33 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* >= 32 floa
   __syncthreads();
   v = lane < warps ? scratch[lane] : 0.f;
   return warp_sum(v);
+}
+
+// Rows held in registers (the row kernels of rms_norm.cu and ada_layer_norm.cu): a row of n fp16 values,
+// n % 8 == 0 and n <= kMaxRegisterRow, is read by LANES lanes of one warp (32 / LANES rows per warp), VPL
+// 16-byte vectors per lane. Calls launch(VPL, LANES) (std::integral_constant) for the smallest tiling of n.
+constexpr int kMaxRegisterRow = 4096;
+
+template <class Launch>
+int with_row_tiling(int n, Launch&& launch) {
+  using one = std::integral_constant<int, 1>;
+  using lanes32 = std::integral_constant<int, 32>;
+  if (n <= 8) return launch(one{}, one{});
+  if (n <= 16) return launch(one{}, std::integral_constant<int, 2>{});
+  if (n <= 32) return launch(one{}, std::integral_constant<int, 4>{});
+  if (n <= 64) return launch(one{}, std::integral_constant<int, 8>{});
+  if (n <= 128) return launch(one{}, std::integral_constant<int, 16>{});
+  if (n <= 256) return launch(one{}, lanes32{});
+  if (n <= 512) return launch(std::integral_constant<int, 2>{}, lanes32{});
+  if (n <= 1024) return launch(std::integral_constant<int, 4>{}, lanes32{});
+  if (n <= 2048) return launch(std::integral_constant<int, 8>{}, lanes32{});
+  return launch(std::integral_constant<int, 16>{}, lanes32{});
+}
+
+// Threads for a block-per-row kernel over n values read V at a time: a multiple of 32, at most 256.
+inline int row_block_threads(int n, int v) {
+  const int64_t vectors = (int64_t(n) + v - 1) / v;
+  return vectors >= 256 ? 256 : int((vectors + 31) / 32 * 32);
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }

@@ -1,4 +1,4 @@
-// The TensorRT plugin library: the six plugins of the plugin-node contract (README, "TensorRT plugin
+// The TensorRT plugin library: the nine plugins of the plugin-node contract (README, "TensorRT plugin
 // library"), each a Spec for the adapter in plugin_adapter.h, and TensorRT's plugin-library entry points
 // getPluginCreators and setLoggerFinder (IPluginRegistry::loadLibrary calls them).
 #include <algorithm>
@@ -285,6 +285,98 @@ struct Seq2Spatial : NoWorkspace {
   }
 };
 
+// ---- the SD3/Flux transformers' norms and activation -----------------------------------------------------
+
+// "" or why `given` (a [N] constant beside x [..., N]) does not have N elements.
+std::string check_vector(char const* name, nv::Dims const& given, int64_t n) {
+  if (volume(given) == n) return {};
+  return std::string(name) + " must have N = " + std::to_string(n) + " elements, got " + shape_string(given);
+}
+
+struct RMSNorm : NoWorkspace {
+  static constexpr char kName[] = "SDPRMSNorm";
+  struct Fields {
+    float epsilon;
+  };
+  static constexpr std::array<Field<Fields>, 1> kFields{{float_field("epsilon", &Fields::epsilon)}};
+  static int arity(Fields const&) { return 2; }
+  static std::string check(Fields const& f) { return check_epsilon(f.epsilon); }
+
+  // x [..., N], weight [N] -> [..., N]
+  static std::string output_dims(Fields const&, nv::DimsExprs const* in, nv::IExprBuilder&, nv::DimsExprs& out) {
+    if (in[0].nbDims < 1) return "x must have at least one dimension";
+    out = in[0];
+    return {};
+  }
+
+  static std::string enqueue(Fields const& f, nv::PluginTensorDesc const* in, void const* const* inputs,
+                             nv::PluginTensorDesc const&, void* out, void*, cudaStream_t stream) {
+    nv::Dims const& x = in[0].dims;
+    const int64_t n = x.nbDims ? x.d[x.nbDims - 1] : 0;
+    if (n < 1) return "x must be [..., N] with N >= 1, got " + shape_string(x);
+    std::string error = check_vector("weight", in[1].dims, n);
+    if (!error.empty()) return error;
+    return kernel_status(sdp_rms_norm(inputs[0], inputs[1], out, volume(x) / n, as_int(n), f.epsilon, stream));
+  }
+};
+
+struct AdaLayerNorm : NoWorkspace {
+  static constexpr char kName[] = "SDPAdaLayerNorm";
+  struct Fields {
+    float epsilon;
+  };
+  static constexpr std::array<Field<Fields>, 1> kFields{{float_field("epsilon", &Fields::epsilon)}};
+  static int arity(Fields const&) { return 3; }
+  static std::string check(Fields const& f) { return check_epsilon(f.epsilon); }
+
+  // x [B, S, C], scale [B, C], shift [B, C] -> [B, S, C]
+  static std::string output_dims(Fields const&, nv::DimsExprs const* in, nv::IExprBuilder&, nv::DimsExprs& out) {
+    if (in[0].nbDims != 3 || in[1].nbDims != 2 || in[2].nbDims != 2) {
+      return "x must be [B, S, C] and scale, shift [B, C]";
+    }
+    out = in[0];
+    return {};
+  }
+
+  static std::string enqueue(Fields const& f, nv::PluginTensorDesc const* in, void const* const* inputs,
+                             nv::PluginTensorDesc const&, void* out, void*, cudaStream_t stream) {
+    nv::Dims const &x = in[0].dims, &scale = in[1].dims, &shift = in[2].dims;
+    const bool shapes = x.nbDims == 3 && scale.nbDims == 2 && scale.d[0] == x.d[0] && scale.d[1] == x.d[2] &&
+                        same_dims(scale, shift);
+    if (!shapes) {
+      return "x must be [B, S, C] and scale, shift [B, C], got " + shape_string(x) + ", " + shape_string(scale) +
+             " and " + shape_string(shift);
+    }
+    return kernel_status(sdp_ada_layer_norm(inputs[0], inputs[1], inputs[2], out, as_int(x.d[0]), x.d[1],
+                                            as_int(x.d[2]), f.epsilon, stream));
+  }
+};
+
+struct GeLU : NoWorkspace {
+  static constexpr char kName[] = "SDPGeLU";
+  struct Fields {};
+  static constexpr std::array<Field<Fields>, 0> kFields{};
+  static int arity(Fields const&) { return 2; }
+  static std::string check(Fields const&) { return {}; }
+
+  // x [..., N], bias [N] -> [..., N]
+  static std::string output_dims(Fields const&, nv::DimsExprs const* in, nv::IExprBuilder&, nv::DimsExprs& out) {
+    if (in[0].nbDims < 1) return "x must have at least one dimension";
+    out = in[0];
+    return {};
+  }
+
+  static std::string enqueue(Fields const&, nv::PluginTensorDesc const* in, void const* const* inputs,
+                             nv::PluginTensorDesc const&, void* out, void*, cudaStream_t stream) {
+    nv::Dims const& x = in[0].dims;
+    const int64_t n = x.nbDims ? x.d[x.nbDims - 1] : 0;
+    if (n < 1) return "x must be [..., N] with N >= 1, got " + shape_string(x);
+    std::string error = check_vector("bias", in[1].dims, n);
+    if (!error.empty()) return error;
+    return kernel_status(sdp_gelu_tanh(inputs[0], inputs[1], out, volume(x) / n, as_int(n), stream));
+  }
+};
+
 std::atomic<nv::ILoggerFinder*> logger_finder{nullptr};
 
 }  // namespace
@@ -312,8 +404,11 @@ SDP_TRT_EXPORT nvinfer1::IPluginCreator* const* getPluginCreators(int32_t& count
   static Creator<LayerNorm> layer_norm;
   static Creator<SplitGeLU> split_gelu;
   static Creator<Seq2Spatial> seq2spatial;
+  static Creator<RMSNorm> rms_norm;
+  static Creator<AdaLayerNorm> ada_layer_norm;
+  static Creator<GeLU> gelu;
   static nvinfer1::IPluginCreator* const creators[] = {&fmha, &fmhca, &group_norm, &layer_norm, &split_gelu,
-                                                       &seq2spatial};
+                                                       &seq2spatial, &rms_norm, &ada_layer_norm, &gelu};
   count = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
   return creators;
 }
