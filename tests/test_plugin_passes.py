@@ -24,7 +24,7 @@ from models.controlnet import ControlNetStageModel, resolve_controlnet
 from models.optimizer import GraphOptimizer, optimize_onnx_file
 from models.plugin_passes import read_pass_report
 from models.plugin_set import parse_plugin_set
-from plugins.contract import OURS, PLUGIN_KEYS, TENSORRT, convention
+from plugins.contract import OURS, PLUGIN_KEYS, TENSORRT, UNET_KEYS, convention
 from plugins.tuned import PLUGINS_AUTO
 from tests import background
 from tests.plugin_references import fmha, fmhca, group_norm, layer_norm, seq2spatial, split_gelu
@@ -262,7 +262,7 @@ def test_tiny_rewrites_every_pattern_and_computes_the_same(stage, tiny, tiny_fp3
 
 def test_tiny_unet_has_every_plugin(tiny_fp32, tiny_expected):
     counts = tiny_expected["unet"]["counts"]
-    assert all(counts[key]["replaced"] > 0 for key in PLUGIN_KEYS)
+    assert all(counts[key]["replaced"] > 0 for key in UNET_KEYS)
     nodes = plugin_nodes(tiny_fp32 / "unet.opt.onnx")
     # tiny's transformers project with 1x1 convolutions (SD 1.x): the residual is a sequence.
     assert {attribute(n, "residual_layout") for n in nodes["Seq2Spatial"]} == {1}
@@ -277,7 +277,7 @@ def test_shapes_unet_has_every_plugin_and_computes_the_same(tmp_path):
 
     model = STAGE_MODELS["unet"](resolve_model("shapes"))
     expected = expected_passes(_network("unet", model.load_module()))
-    assert all(expected["counts"][key]["replaced"] > 0 for key in PLUGIN_KEYS)
+    assert all(expected["counts"][key]["replaced"] > 0 for key in UNET_KEYS)
     prepare(model, tmp_path)
     check_stage(model, tmp_path, expected, sample(model, 2, 128, 96))
 
@@ -311,7 +311,7 @@ def test_tiny_xl_rewrites_every_pattern_and_computes_the_same(stage, tiny_xl_fp3
     check_stage(model, onnx_dir, expected, sample(model, 3, 48, 80))
     if stage == "unet":  # every family, the two-layer blocks' attention, norms and GEGLU included
         counts = expected["counts"]
-        assert all(counts[key]["replaced"] > 0 and counts[key]["skipped"] == 0 for key in PLUGIN_KEYS)
+        assert all(counts[key]["replaced"] > 0 and counts[key]["skipped"] == 0 for key in UNET_KEYS)
         assert counts["fMHA"]["replaced"] == counts["fMHCA"]["replaced"] == 2 * counts["Seq2Spatial"]["replaced"]
         nodes = plugin_nodes(onnx_dir / "unet.opt.onnx")
         # Linear projections (SDXL): proj_out is a matmul on the sequence, the residual is NCHW.
@@ -342,7 +342,7 @@ def test_the_optimizer_runs_exactly_the_passes_it_is_given(tiny_fp32):
     assert optimizer.history == [("exported", len(exported.graph.node))]
 
 
-@pytest.mark.parametrize("key", PLUGIN_KEYS)
+@pytest.mark.parametrize("key", UNET_KEYS)  # the patterns a UNet has
 def test_each_pass_works_alone(key, tiny, tiny_fp32, tiny_unet_base, tiny_expected):
     """The ablation enables plugins one at a time: no pass may rely on another having run."""
     model = STAGE_MODELS["unet"](tiny)
@@ -396,7 +396,7 @@ def test_a_controlnet_gets_every_pattern_it_has_rewritten_and_computes_the_same(
     block and conditioning embedding) has every pattern, each replaced, and the residuals stay what they were."""
     model = ControlNetStageModel(tiny, resolve_controlnet("tiny-controlnet"), 0)
     expected = expected_passes(model.load_module().controlnet)
-    assert all(expected["counts"][key]["replaced"] > 0 for key in PLUGIN_KEYS)
+    assert all(expected["counts"][key]["replaced"] > 0 for key in UNET_KEYS)
     prepare(model, tmp_path)
     check_stage(model, tmp_path, expected, sample(model, 2, 48, 80))
 
@@ -467,7 +467,8 @@ def test_other_exported_forms(opset, tmp_path):
     optimize_onnx_file(raw, optimized, "forms", lambda *_: None, ALL)
     report = read_pass_report(optimized)
     assert {k: v["replaced"] for k, v in report.items()} == {"fMHA": 1, "fMHCA": 0, "GroupNorm": 1, "LayerNorm": 1,
-                                                             "SplitGeLU": 1, "Seq2Spatial": 0}
+                                                             "SplitGeLU": 1, "Seq2Spatial": 0, "RMSNorm": 0,
+                                                             "AdaLayerNorm": 0, "GeLU": 0}
     assert [attribute(n, "silu") for n in plugin_nodes(optimized)["GroupNorm"]] == [1]
     x = np.random.default_rng(3).standard_normal((3, 10, 32)).astype(np.float32)
     with torch.no_grad():
@@ -508,7 +509,8 @@ def test_native_group_normalization(opset, affine_size, normalized_is_output, tm
 
 def test_plugin_set_parsing(tmp_path, monkeypatch):
     assert parse_plugin_set("none") == ()
-    assert parse_plugin_set("all") == ALL == ("GroupNorm", "LayerNorm", "Seq2Spatial", "SplitGeLU", "fMHA", "fMHCA")
+    assert parse_plugin_set("all") == ALL == ("AdaLayerNorm", "GeLU", "GroupNorm", "LayerNorm", "RMSNorm",
+                                              "Seq2Spatial", "SplitGeLU", "fMHA", "fMHCA")
     assert parse_plugin_set("fMHCA,LayerNorm,fMHCA") == ("LayerNorm", "fMHCA")
     for bad in ("fmha", "LayerNorm,Softmax", "", ","):
         with pytest.raises(UsageError, match="fMHA, fMHCA, GroupNorm, LayerNorm, SplitGeLU, Seq2Spatial"):
@@ -626,7 +628,8 @@ def test_sd15_unet(sd15_unet):
         network = UNet2DConditionModel(**BUILTIN_MODELS["sd1.5-arch"]["unet"])
     expected = expected_passes(network)
     assert {key: counts["replaced"] for key, counts in expected["counts"].items()} == {
-        "fMHA": 16, "fMHCA": 16, "GroupNorm": 61, "LayerNorm": 48, "SplitGeLU": 16, "Seq2Spatial": 16}
+        "fMHA": 16, "fMHCA": 16, "GroupNorm": 61, "LayerNorm": 48, "SplitGeLU": 16, "Seq2Spatial": 16,
+        "RMSNorm": 0, "AdaLayerNorm": 0, "GeLU": 0}
     optimized = model.optimized_onnx_path(onnx_dir)
     nodes = check_passes(optimized, expected)
     # Each of the 16 transformers got its plugins, and nothing else did.
@@ -637,7 +640,7 @@ def test_sd15_unet(sd15_unet):
 
     # A full CPU run of both 1.7 GB graphs costs more than CI can spend: compare the first down block.
     exported, rewritten = (_cut_out(path, *SD15_CUT) for path in (onnx_dir / "unet.onnx", optimized))
-    assert {n.op_type for n in rewritten.graph.node} >= set(PLUGIN_OPS.values())
+    assert {n.op_type for n in rewritten.graph.node} >= {PLUGIN_OPS[key] for key in UNET_KEYS}
     rng = np.random.default_rng(6)
     inputs = {"/unet/conv_in/Conv_output_0": rng.standard_normal((1, 320, 16, 8)),
               "/unet/time_embedding/linear_2/Gemm_output_0": rng.standard_normal((1, 1280)),
@@ -676,10 +679,10 @@ def test_tensorrt_convention(tiny, tmp_path):
                                    plugin_convention=TENSORRT)
     report = read_pass_report(optimized)
     assert {k: {"replaced": v["replaced"], "skipped": v["skipped"]} for k, v in report.items()} == expected["counts"]
-    assert all(report[key]["replaced"] > 0 for key in PLUGIN_KEYS)
+    assert all(report[key]["replaced"] > 0 for key in UNET_KEYS)
     rewritten = onnx.load(str(optimized))
-    nodes = tensorrt_nodes(rewritten)
-    assert {key: len(nodes[key]) for key in PLUGIN_KEYS} == {k: v["replaced"] for k, v in report.items()}
+    nodes = tensorrt_nodes(rewritten)  # TensorRT's convention has the UNet keys only
+    assert {key: len(nodes[key]) for key in UNET_KEYS} == {k: v["replaced"] for k, v in report.items() if k in nodes}
     assert not any(n.domain == CONTRACT.domain for n in rewritten.graph.node)
     for node in (n for group in nodes.values() for n in group):
         assert (attribute(node, "plugin_version"), attribute(node, "plugin_namespace")) == \

@@ -151,7 +151,7 @@ def test_loader_reports_a_refused_library(built_library):
 
 def test_loader_reports_missing_creators(built_library):
     registry = FakeRegistry(names=trt_plugins.PLUGIN_NAMES[:-1])
-    with pytest.raises(UsageError, match="registry lacks SDPSeq2Spatial .version 1, namespace 'sdplugins'"):
+    with pytest.raises(UsageError, match="registry lacks SDPGeLU .version 1, namespace 'sdplugins'"):
         trt_plugins.load_plugin_library(fake_trt(registry))
 
 
