@@ -265,3 +265,35 @@ def test_fake_implementations_give_output_shapes():
     assert sdp.rms_norm(meta(2, 333, 24, 64), meta(64), 1e-6).shape == (2, 333, 24, 64)
     assert sdp.ada_layer_norm(meta(2, 333, 1536), meta(2, 1536), meta(2, 1536), 1e-6).shape == (2, 333, 1536)
     assert sdp.gelu_tanh(meta(2, 9, 60), meta(60)).shape == sdp.gelu_tanh(meta(2, 9, 60), None).shape == (2, 9, 60)
+
+
+def test_transformer_references_are_torchs_ops_and_the_ops_cpu_kernels():
+    """The float64 references of rms_norm, ada_layer_norm and gelu_tanh against PyTorch's own ops on random data,
+    and the same through torch.ops.sdplugins inside plugin_references.cpu_kernels() (how CPU tests run modules
+    that call the ops)."""
+    import torch.nn.functional as F
+
+    from tests import plugin_references as refs
+
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(2, 5, 3, 64, generator=g, dtype=torch.float64), torch.randn(64, generator=g).double()
+    h = torch.randn(2, 7, 24, generator=g, dtype=torch.float64) * 3 + 1
+    scale, shift, bias = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 24), (2, 24), (24,)))
+    expected = {"rms_norm": F.rms_norm(x, (64,), weight, 1e-3),
+                "ada_layer_norm": F.layer_norm(h, (24,), eps=1e-3) * (1 + scale[:, None]) + shift[:, None],
+                "gelu_tanh": F.gelu(h + bias, approximate="tanh")}
+    computed = {"rms_norm": refs.rms_norm(x.numpy(), weight.numpy(), 1e-3),
+                "ada_layer_norm": refs.ada_layer_norm(h.numpy(), scale.numpy(), shift.numpy(), 1e-3),
+                "gelu_tanh": refs.gelu_tanh(h.numpy(), bias.numpy())}
+    for name, value in computed.items():
+        torch.testing.assert_close(torch.from_numpy(value), expected[name], atol=1e-12, rtol=0, msg=name)
+    sdp = getattr(torch.ops, TORCH_OP_NAMESPACE)
+    with refs.cpu_kernels():
+        through_ops = {"rms_norm": sdp.rms_norm(x.float(), weight.float(), 1e-3),
+                       "ada_layer_norm": sdp.ada_layer_norm(h.float(), scale.float(), shift.float(), 1e-3),
+                       "gelu_tanh": sdp.gelu_tanh(h.float(), bias.float())}
+        assert sdp.gelu_tanh(h.float(), None).shape == h.shape
+        assert dict(refs.calls) == {"rms_norm": 1, "ada_layer_norm": 1, "gelu_tanh": 2}
+    for name, value in through_ops.items():
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value.double(), expected[name], atol=1e-5, rtol=1e-5, msg=name)
