@@ -117,7 +117,7 @@ class PluginPass:
 
     def apply(self, graph: gs.Graph, convention: str = OURS, provenance: Provenance | None = None) -> PassResult:
         """Rewrite every match the kernels can take; the constants made are recorded in `provenance`."""
-        plugin_convention(convention)  # ValueError for an unknown one
+        contract = plugin_convention(convention)  # ValueError for an unknown one
         result = PassResult()
         skipped_nodes: set[int] = set()  # a skipped match is not reported again by a later, smaller variant
         for pattern in self.patterns:
@@ -126,6 +126,8 @@ class PluginPass:
                 if nodes & skipped_nodes:
                     continue
                 try:
+                    if self.key not in contract.ops:  # the transformer keys: TensorRT's bundled plugins lack them
+                        raise Skip(f"TensorRT 8.6 has no {self.key} plugin")
                     self.rewrite(graph, match, convention, provenance)
                 except Skip as skip:
                     result.skipped_reasons.append(f"{match.root.name}: {skip}")
@@ -168,8 +170,8 @@ class _Builder:
             self.provenance.stack(constant.name, [None if s is None else s.name for s in sources], view, axis)
         return constant
 
-    def node(self, op: str, suffix: str, inputs: list[gs.Tensor], output: gs.Tensor) -> gs.Tensor:
-        self.nodes.append(gs.Node(op=op, name=f"{self.base}/{suffix}", inputs=inputs, outputs=[output]))
+    def node(self, op: str, suffix: str, inputs: list[gs.Tensor], output: gs.Tensor, **attrs) -> gs.Tensor:
+        self.nodes.append(gs.Node(op=op, name=f"{self.base}/{suffix}", inputs=inputs, outputs=[output], attrs=attrs))
         return output
 
     def plugin(self, key: str, inputs: list[gs.Tensor], output: gs.Tensor, **fields) -> None:
@@ -367,6 +369,73 @@ def _rewrite_cross_attention(graph: gs.Graph, match: Match, convention: str, pro
     else:
         b.plugin("fMHCA", [q, kv], match.output)
     replace_match(graph, match, b.nodes)
+
+
+# Attention over Q, K and V made elsewhere: SD3's joint attention (image and text tokens joined), MMDiT-X's attn2 and
+# Flux's attentions normalize (and rotate) Q and K after the projections, so SELF_ATTENTION's fused projection cannot
+# stand in. Heads first: [B, H, S, D] tensors, SDPA's export transposing K itself (SD3's, a Concat before it); sequence
+# first: [B, S, H, D] tensors transposed for SDPA (Flux's, the two transposes of K folded into one).
+def _attention_core(q: str, k: str, v: str, transposes: dict[str, Op]) -> dict[str, Op]:
+    return {
+        **transposes,
+        "q_scaled": Op("Mul", (q, "q_scale"), optional=q),
+        "k_scaled": Op("Mul", (k, "k_scale"), optional=k),
+        "scores": Op("MatMul", ("q_scaled", "k_scaled")),
+        "scores_scaled": Op(("Mul", "Div"), ("scores", "score_scale"), optional="scores"),
+        "probs": Op("Softmax", ("scores_scaled",), where=lambda n: n.attrs.get("axis", -1) in (-1, 3)),
+        "weighted": Op("MatMul", ("probs", v)),
+        "output": Op("Transpose", ("weighted",), attrs={"perm": (0, 2, 1, 3)}),
+    }
+
+
+def _one_shape(match: Match) -> bool:
+    """Q, K and V of one known shape: self-attention (cross-attention's keys are another sequence)."""
+    q, k, v = (match.tensor(name) for name in "qkv")
+    return q.shape is not None and _rank(q) == 4 and q.shape == k.shape == v.shape
+
+
+_SCALES = frozenset({"q_scale", "k_scale", "score_scale"})
+HEADS_FIRST_ATTENTION = Pattern("heads-first-attention", _attention_core("q", "k_t", "v", {
+    "k_t": Op("Transpose", ("k",), attrs={"perm": (0, 1, 3, 2)})}), "output", _SCALES, where=_one_shape)
+SEQUENCE_FIRST_ATTENTION = Pattern("sequence-first-attention", _attention_core("q_t", "k_t", "v_t", {
+    "q_t": Op("Transpose", ("q",), attrs={"perm": (0, 2, 1, 3)}),
+    "k_t": Op("Transpose", ("k",), attrs={"perm": (0, 2, 3, 1)}),
+    "v_t": Op("Transpose", ("v",), attrs={"perm": (0, 2, 1, 3)})}), "output", _SCALES, where=_one_shape)
+
+
+def _rewrite_stacked_attention(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
+    """Q, K and V stacked into fMHA's [B, S, H, 3, D]: heads first, one Concat of the three and one Transpose;
+    sequence first, one Concat."""
+    q, k, v = (match.tensor(name) for name in "qkv")
+    heads_first = match.pattern is HEADS_FIRST_ATTENTION
+    batch, heads, length, size = (q.shape[i] for i in ((0, 1, 2, 3) if heads_first else (0, 2, 1, 3)))
+    if not (isinstance(heads, int) and isinstance(size, int)):
+        raise Skip("the head count and head size are not known")
+    _check_head_size(size, convention, cross=False)
+    scale = _attention_scale(match)
+    if convention == TENSORRT:
+        _check_tensorrt_scale(scale, size)
+    b = _Builder(match, q.dtype, convention, provenance)
+    axis = 0 if heads_first else 3
+    axes = b.constant("axes", np.array([axis], dtype=np.int64))
+    parts = [b.node("Unsqueeze", f"Unsqueeze_{p}", [t, axes],
+                    b.tensor(f"{p}_stacked", [*t.shape[:axis], 1, *t.shape[axis:]])) for p, t in zip("qkv", (q, k, v))]
+    qkv_shape = [batch, length, heads, 3, size]
+    if heads_first:
+        stacked = b.node("Concat", "Concat", parts, b.tensor("stacked", [3, *q.shape]), axis=0)
+        qkv = b.node("Transpose", "Transpose", [stacked], b.tensor("qkv", qkv_shape), perm=[1, 3, 2, 0, 4])
+    else:
+        qkv = b.node("Concat", "Concat", parts, b.tensor("qkv", qkv_shape), axis=3)
+    if convention == OURS:
+        b.plugin("fMHA", [qkv], match.output, scale=scale)
+    else:
+        b.plugin("fMHA", [qkv], match.output)
+    replace_match(graph, match, b.nodes)
+
+
+def _rewrite_attention(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
+    rewrite = _rewrite_self_attention if match.pattern is SELF_ATTENTION else _rewrite_stacked_attention
+    rewrite(graph, match, convention, provenance)
 
 
 # ---- GroupNorm (+SiLU) -----------------------------------------------------------------------------
@@ -717,11 +786,147 @@ def _tensorrt_seq2spatial(b: _Builder, inputs: list[gs.Tensor], spatial: gs.Tens
     b.plugin("Seq2Spatial", [*inputs, spatial], output)
 
 
+# ---- RMSNorm (SD3.5's and Flux's Q/K norms) -------------------------------------------------------------
+
+def _rms_norm_ops(one_cast: bool) -> dict[str, Op]:
+    """x * (1 / sqrt(mean(x^2) + epsilon)) * weight, as diffusers' RMSNorm exports: in float32 (one Cast up, read by
+    the square and the product, where `one_cast`; fp16 exports cast twice), then back to the weight's precision."""
+    return {
+        "upcast": Op("Cast", ("x",), optional="x"),
+        "squared": Op("Pow", ("upcast", "two")),
+        "mean": Op("ReduceMean", ("squared",), where=_reduces_last_axis, exact_inputs=False),
+        "mean_eps": Op("Add", ("mean", "epsilon")),
+        "root": Op("Sqrt", ("mean_eps",)),
+        "inverse": Op("Div", ("one", "root")),
+        **({} if one_cast else {"upcast_x": Op("Cast", ("x",), optional="x")}),
+        "normalized": Op("Mul", ("upcast" if one_cast else "upcast_x", "inverse")),
+        "downcast": Op("Cast", ("normalized",), optional="normalized"),
+        "output": Op("Mul", ("downcast", "weight")),
+    }
+
+
+RMS_NORM_PATTERNS = tuple(
+    Pattern(name, _rms_norm_ops(one_cast), "output", frozenset({"two", "epsilon", "one", "weight"}),
+            where=lambda m: _close(m.tensor("two"), 2.0) and _close(m.tensor("one"), 1.0))
+    for name, one_cast in (("rms-norm", True), ("rms-norm-two-casts", False)))
+
+
+def _rewrite_rms_norm(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
+    x, weight = match.tensor("x"), constant_values(match.tensor("weight"))
+    width = _dim(x, -1) if _rank(x) else None
+    if not isinstance(width, int):
+        raise Skip("the normalized width is not known")
+    if weight.size != width:
+        raise Skip(f"the weight has {weight.size} values for a width of {width}")
+    if x.dtype is not None and match.output.dtype is not None and x.dtype != match.output.dtype:
+        raise Skip(f"its output is {match.output.dtype}, its input {x.dtype}")
+    epsilon = scalar_value(match.tensor("epsilon"))
+    b = _Builder(match, _dtype(x, weight), convention, provenance)
+    weight_c = b.constant("weight", weight.reshape(width).astype(b.dtype), match.tensor("weight"))
+    b.plugin("RMSNorm", [x, weight_c], match.output, epsilon=epsilon)
+    replace_match(graph, match, b.nodes)
+
+
+# ---- AdaLayerNorm (the modulated LayerNorm of AdaLN blocks) ------------------------------------------------
+
+def _ada_layer_norm_ops(one_plus_first: bool) -> dict[str, Op]:
+    """LayerNorm(x, no affine) * (1 + scale[:, None]) + shift[:, None]; AdaLayerNormContinuous adds the 1 before
+    the unsqueeze (`one_plus_first`). The LayerNorm is shared: MMDiT-X modulates one norm twice."""
+    ops = {"norm": Op("LayerNormalization", ("x", "gamma", "beta"), shared=True),
+           "shift_heads": Op("Unsqueeze", ("shift", "shift_axes")),
+           "output": Op("Add", ("scaled", "shift_heads"))}
+    if one_plus_first:
+        return {**ops, "one_plus": Op("Add", ("scale", "one")), "scale_heads": Op("Unsqueeze", ("one_plus", "axes")),
+                "scaled": Op("Mul", ("norm", "scale_heads"))}
+    return {**ops, "scale_heads": Op("Unsqueeze", ("scale", "axes")), "one_plus": Op("Add", ("scale_heads", "one")),
+            "scaled": Op("Mul", ("norm", "one_plus"))}
+
+
+ADA_LAYER_NORM_PATTERNS = tuple(
+    Pattern(name, _ada_layer_norm_ops(first), "output", frozenset({"gamma", "beta", "one", "axes", "shift_axes"}),
+            where=lambda m: _close(m.tensor("one"), 1.0))
+    for name, first in (("ada-layer-norm", False), ("ada-layer-norm-continuous", True)))
+
+
+def _rewrite_ada_layer_norm(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
+    x, scale, shift, norm = match.tensor("x"), match.tensor("scale"), match.tensor("shift"), match.node("norm")
+    if _rank(x) != 3 or not isinstance(_dim(x, 2), int):
+        raise Skip("the input is not [B, S, C] of a known width")
+    width = _dim(x, 2)
+    if norm.attrs.get("axis", -1) not in (-1, 2):
+        raise Skip("its LayerNorm is not over the last dimension")
+    gamma, beta = constant_values(match.tensor("gamma")), constant_values(match.tensor("beta"))
+    if not (np.all(gamma == 1) and np.all(beta == 0)):
+        raise Skip("its LayerNorm has an affine of its own")
+    if any(constant_values(match.tensor(a)).reshape(-1).tolist() != [1] for a in ("axes", "shift_axes")):
+        raise Skip("scale and shift are not broadcast over the sequence ([:, None])")
+    if any(_rank(t) != 2 or _dim(t, 1) not in (width, None) for t in (scale, shift)):
+        raise Skip(f"scale and shift are not [B, {width}]")
+    b = _Builder(match, _dtype(x, gamma), convention, provenance)
+    b.plugin("AdaLayerNorm", [x, scale, shift], match.output, epsilon=float(norm.attrs.get("epsilon", 1e-5)))
+    replace_match(graph, match, b.nodes)
+    if not norm.outputs[0].outputs:  # its last modulation taken: gone now, not left for the LayerNorm pass
+        norm.inputs.clear()
+        norm.outputs.clear()
+
+
+# ---- GeLU (the tanh approximation, the transformers' feed-forward) -----------------------------------------
+
+def _gelu_tanh_ops(cube: dict[str, Op]) -> dict[str, Op]:
+    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))) of x = y + bias, as torch exports it at opset 17."""
+    return {
+        "biased": Op("Add", ("y", "bias"), optional="y"),
+        **cube,
+        "cubic": Op("Mul", ("cube", "cubic_scale")),
+        "inner": Op("Add", ("biased", "cubic")),
+        "inner_scaled": Op("Mul", ("inner", "tanh_scale")),
+        "tanh": Op("Tanh", ("inner_scaled",)),
+        "tanh_plus_one": Op("Add", ("tanh", "one")),
+        "gated": Op("Mul", ("biased", "tanh_plus_one")),
+        "output": Op("Mul", ("gated", "half")),
+    }
+
+
+def _is_tanh_gelu(match: Match) -> bool:
+    return (_close(match.tensor("cubic_scale"), 0.044715) and _close(match.tensor("tanh_scale"), math.sqrt(2 / math.pi))
+            and _close(match.tensor("one"), 1.0) and _close(match.tensor("half"), 0.5)
+            and (match.tensor("three") is None or _close(match.tensor("three"), 3.0)))
+
+
+_GELU_CONSTANTS = frozenset({"bias", "cubic_scale", "tanh_scale", "one", "half", "three"})
+GELU_PATTERNS = (
+    Pattern("gelu-tanh", _gelu_tanh_ops({"square": Op("Mul", ("biased", "biased")),
+                                         "cube": Op("Mul", ("square", "biased"))}), "output", _GELU_CONSTANTS,
+            where=_is_tanh_gelu),
+    Pattern("gelu-tanh-pow", _gelu_tanh_ops({"cube": Op("Pow", ("biased", "three"))}), "output", _GELU_CONSTANTS,
+            where=_is_tanh_gelu),
+)
+
+
+def _rewrite_gelu(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:
+    y, source = match.tensor("y"), match.tensor("bias")
+    width = _dim(y, -1) if _rank(y) else None
+    if not isinstance(width, int):
+        raise Skip("the last dimension is not known")
+    bias = constant_values(source) if match.node("biased") is not None else None
+    if bias is not None and bias.size != width:
+        raise Skip(f"the bias has {bias.size} values for a width of {width}")
+    b = _Builder(match, y.dtype or (bias.dtype if bias is not None else np.float32), convention, provenance)
+    bias = np.zeros(width, b.dtype) if bias is None else bias.reshape(width).astype(b.dtype)
+    b.plugin("GeLU", [y, b.constant("bias", bias, source)], match.output)
+    replace_match(graph, match, b.nodes)
+
+
+# In the order they run: AdaLayerNorm before LayerNorm, which would take the affine-less LayerNorms it modulates.
 PLUGIN_PASSES = {
-    "fMHA": PluginPass("fMHA", (SELF_ATTENTION,), _rewrite_self_attention),
+    "fMHA": PluginPass("fMHA", (SELF_ATTENTION, HEADS_FIRST_ATTENTION, SEQUENCE_FIRST_ATTENTION),
+                       _rewrite_attention),
     "fMHCA": PluginPass("fMHCA", (CROSS_ATTENTION,), _rewrite_cross_attention),
     "GroupNorm": PluginPass("GroupNorm", GROUP_NORM_PATTERNS, _rewrite_group_norm),
+    "AdaLayerNorm": PluginPass("AdaLayerNorm", ADA_LAYER_NORM_PATTERNS, _rewrite_ada_layer_norm),
     "LayerNorm": PluginPass("LayerNorm", LAYER_NORM_PATTERNS, _rewrite_layer_norm),
     "SplitGeLU": PluginPass("SplitGeLU", SPLIT_GELU_PATTERNS, _rewrite_split_gelu),
     "Seq2Spatial": PluginPass("Seq2Spatial", SEQ2SPATIAL_PATTERNS, _rewrite_seq2spatial),
+    "RMSNorm": PluginPass("RMSNorm", RMS_NORM_PATTERNS, _rewrite_rms_norm),
+    "GeLU": PluginPass("GeLU", GELU_PATTERNS, _rewrite_gelu),
 }
