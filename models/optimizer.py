@@ -64,10 +64,10 @@ class GraphOptimizer:
         return report
 
     def plugin_passes(self, plugins: tuple[str, ...], convention: str = OURS) -> list[tuple[str, Callable[[], None]]]:
-        """The passes of the selected plugins, in a fixed order, then a cleanup; `convention` says
-        whose plugin nodes they emit (plugins.contract.CONVENTIONS). A key the convention has no plugin for, or
-        whose pattern no pass knows yet, has no pass."""
-        keys = [key for key in plugin_convention(convention).keys if key in PLUGIN_PASSES]
+        """The passes of the selected plugins, in PLUGIN_PASSES' order, then a cleanup; `convention` says
+        whose plugin nodes they emit (plugins.contract.CONVENTIONS). A key the convention has no plugin for has
+        no pass."""
+        keys = [key for key in PLUGIN_PASSES if plugin_convention(convention).has(key)]
         passes = [(key, lambda key=key: self.plugin_pass(key, convention)) for key in keys if key in plugins]
         return passes + [("cleanup", self.cleanup)] if passes else []
 

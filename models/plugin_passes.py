@@ -126,7 +126,7 @@ class PluginPass:
                 if nodes & skipped_nodes:
                     continue
                 try:
-                    if self.key not in contract.ops:  # the transformer keys: TensorRT's bundled plugins lack them
+                    if not contract.has(self.key):  # the transformer keys: TensorRT's bundled plugins lack them
                         raise Skip(f"TensorRT 8.6 has no {self.key} plugin")
                     self.rewrite(graph, match, convention, provenance)
                 except Skip as skip:

@@ -81,6 +81,19 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def tiny_sd35(tmp_path_factory):
+    """tiny-sd3 with SD3.5's transformer features: Q/K RMSNorms, and MMDiT-X's second attention in its first block."""
+    from models.builtin import BUILTIN_MODELS, build_sd3_model
+    from models.source import resolve_model
+
+    spec = BUILTIN_MODELS["tiny-sd3"]
+    transformer = {**spec["transformer"], "qk_norm": "rms_norm", "dual_attention_layers": [0]}
+    folder = tmp_path_factory.mktemp("tiny-sd3.5") / "model"
+    build_sd3_model({**spec, "transformer": transformer}, folder)
+    return resolve_model(str(folder))
+
+
+@pytest.fixture(scope="session")
 def tiny_stages(tiny):
     """The tiny model's text-to-image stages with the torch backend on the CPU (loaded once)."""
     from tests.parity import torch_stages
