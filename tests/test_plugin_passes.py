@@ -6,6 +6,7 @@ reference implementations of the contract (onnxruntime-extensions Python custom 
 as float32 copies. Expected counts come from the PyTorch modules, not from the graphs.
 """
 
+import io
 import json
 from collections import Counter
 
@@ -22,12 +23,22 @@ from core.errors import UsageError
 from models import STAGE_MODELS
 from models.controlnet import ControlNetStageModel, resolve_controlnet
 from models.optimizer import GraphOptimizer, optimize_onnx_file
-from models.plugin_passes import read_pass_report
+from models.plugin_passes import PLUGIN_PASSES, read_pass_report
 from models.plugin_set import parse_plugin_set
-from plugins.contract import OURS, PLUGIN_KEYS, TENSORRT, UNET_KEYS, convention
+from plugins.contract import OURS, PLUGIN_KEYS, TENSORRT, TRANSFORMER_KEYS, UNET_KEYS, convention
 from plugins.tuned import PLUGINS_AUTO
 from tests import background
-from tests.plugin_references import fmha, fmhca, group_norm, layer_norm, seq2spatial, split_gelu
+from tests.plugin_references import (
+    ada_layer_norm,
+    fmha,
+    fmhca,
+    gelu_tanh,
+    group_norm,
+    layer_norm,
+    rms_norm,
+    seq2spatial,
+    split_gelu,
+)
 from tests.sd15_unet import load as load_sd15_unet
 from tests.sd15_unet import unet_model
 
@@ -61,6 +72,9 @@ _register(PLUGIN_OPS["GroupNorm"], group_norm, 3, num_groups=_INT, epsilon=_FLOA
 _register(PLUGIN_OPS["LayerNorm"], layer_norm, 3, epsilon=_FLOAT)
 _register(PLUGIN_OPS["SplitGeLU"], split_gelu, 2)
 _register(PLUGIN_OPS["Seq2Spatial"], seq2spatial, 4, residual_layout=_INT)
+_register(PLUGIN_OPS["RMSNorm"], rms_norm, 2, epsilon=_FLOAT)
+_register(PLUGIN_OPS["AdaLayerNorm"], ada_layer_norm, 3, epsilon=_FLOAT)
+_register(PLUGIN_OPS["GeLU"], gelu_tanh, 2)
 # The 3-input form (NCHW residual, which also gives H and W).
 _register(SEQ2SPATIAL_3, lambda x, bias, residual, residual_layout: seq2spatial(x, bias, residual, residual,
                                                                                    residual_layout),
@@ -710,3 +724,106 @@ def test_tensorrt_convention_skips_what_its_kernels_cannot_take(tiny, tiny_unet_
     for key in ("fMHCA", "LayerNorm", "Seq2Spatial"):
         assert (report[key]["replaced"], report[key]["skipped"]) == (counts[key]["replaced"], 0)
     assert_same_outputs(tiny_unet_base, rewritten, sample(STAGE_MODELS["unet"](tiny), 2, 32, 32))
+
+
+# ---- SD3's and Flux's transformers: joint attention, Q/K RMSNorm, modulated LayerNorm, GELU-tanh ---------------
+
+def expected_transformer_passes(network: torch.nn.Module) -> dict:
+    """Per plugin, what the passes must take in a transformer's graph, from its modules: each joint attention (head
+    size 8), each RMSNorm and GELU-tanh, each modulation of a LayerNorm (MMDiT-X's norm1 two, the norm2s the blocks
+    modulate inline one each); no LayerNorm is left for the LayerNorm pass."""
+    from diffusers.models import normalization as norms
+    from diffusers.models.activations import GELU
+    from diffusers.models.attention import JointTransformerBlock
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.transformers.transformer_flux import FluxAttention, FluxTransformerBlock
+
+    modules = list(network.modules())
+    modulations = {norms.AdaLayerNormZero: 1, norms.SD35AdaLayerNormZeroX: 2, norms.AdaLayerNormZeroSingle: 1,
+                   norms.AdaLayerNormContinuous: 1}
+    inline = sum(getattr(m, name, None) is not None for m in modules
+                 if type(m) in (JointTransformerBlock, FluxTransformerBlock) for name in ("norm2", "norm2_context"))
+    counts = {key: {"replaced": 0, "skipped": 0} for key in PLUGIN_KEYS}
+    for key, count in (("fMHA", sum(isinstance(m, (Attention, FluxAttention)) for m in modules)),
+                       ("RMSNorm", sum(type(m) in (norms.RMSNorm, torch.nn.RMSNorm) for m in modules)),
+                       ("AdaLayerNorm", sum(modulations.get(type(m), 0) for m in modules) + inline),
+                       ("GeLU", sum(type(m) in (GELU, torch.nn.GELU) and m.approximate == "tanh" for m in modules))):
+        counts[key]["replaced"] = count
+    return {"counts": counts, "silu": 0}
+
+
+@pytest.fixture(scope="module")
+def sd3_transformers(tiny_sd35, tmp_path_factory):
+    """tiny-sd3's and the SD3.5-featured tiny-sd3's transformer stages, exported and rewritten with every plugin."""
+    from models.source import resolve_model
+
+    prepared = {}
+    for name, source in (("tiny-sd3", resolve_model("tiny-sd3")), ("tiny-sd3.5", tiny_sd35)):
+        model, onnx_dir = STAGE_MODELS["transformer"](source), tmp_path_factory.mktemp(name)
+        prepare(model, onnx_dir)
+        prepared[name] = model, onnx_dir
+    return prepared
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-sd3.5"])
+def test_sd3_transformers_rewrite_every_pattern_and_compute_the_same(name, sd3_transformers):
+    model, onnx_dir = sd3_transformers[name]
+    expected = expected_transformer_passes(model.load_module())
+    counts = expected["counts"]
+    assert all(counts[key]["replaced"] > 0 for key in ("fMHA", "AdaLayerNorm", "GeLU"))
+    assert (counts["RMSNorm"]["replaced"] > 0) == (name == "tiny-sd3.5")
+    check_stage(model, onnx_dir, expected, sample(model, 3, 48, 80))
+    graph = onnx.load(str(model.optimized_onnx_path(onnx_dir))).graph
+    assert not {"Softmax", "LayerNormalization", "Tanh", "Sqrt"} & {n.op_type for n in graph.node}
+    if name == "tiny-sd3":  # for the record: SDPA's 1/sqrt(8) applied as sqrt of it to Q and to K
+        nodes = plugin_nodes(model.optimized_onnx_path(onnx_dir))
+        assert {round(attribute(n, "scale"), 5) for n in nodes["fMHA"]} == {round(8 ** -0.5, 5)}
+        assert [(key, counts[key]["replaced"]) for key in ("fMHA", "AdaLayerNorm", "GeLU")] == \
+            [("fMHA", 2), ("AdaLayerNorm", 8), ("GeLU", 3)]
+
+
+def test_flux_transformer_rewrites_every_pattern_and_computes_the_same(monkeypatch):
+    """Flux's transformer (double- and single-stream blocks, RoPE), exported with its nn.RMSNorms written out as
+    diffusers' RMSNorm computes them (opset 17 has no aten::rms_norm), at a small size and a short text."""
+    from models.source import resolve_model
+    from models.transformer import FluxTransformerModel
+
+    def rms_norm_forward(self, x):
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return (x * torch.rsqrt(variance + self.eps)).to(self.weight.dtype) * self.weight
+
+    model = FluxTransformerModel(resolve_model("tiny-flux"))
+    module = model.load_module().eval()
+    inputs = model.sample_inputs(2, 32, 48, generator=torch.Generator().manual_seed(2))
+    inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"][:, :7].contiguous()
+    monkeypatch.setattr(torch.nn.RMSNorm, "forward", rms_norm_forward)
+    exported = io.BytesIO()
+    with torch.no_grad():
+        torch.onnx.export(module, tuple(inputs.values()), exported, input_names=list(inputs), opset_version=17,
+                          output_names=list(model.output_names), dynamo=False)
+    exported = onnx.load_from_string(exported.getvalue())
+    optimizer = GraphOptimizer(exported, "transformer")
+    rewritten = optimizer.run(optimizer.base_passes() + optimizer.plugin_passes(ALL))
+    expected = expected_transformer_passes(module)["counts"]
+    assert all(expected[key]["replaced"] > 0 for key in ("fMHA", *TRANSFORMER_KEYS))
+    report = optimizer.plugin_report
+    assert {k: {"replaced": v["replaced"], "skipped": v["skipped"]} for k, v in report.items()} == expected
+    assert {n.op_type for n in rewritten.graph.node if n.domain == CONTRACT.domain} == \
+        {PLUGIN_OPS[key] for key in ("fMHA", *TRANSFORMER_KEYS)}
+    assert_same_outputs(exported, rewritten, {k: v.numpy() for k, v in inputs.items()})
+
+
+def test_tensorrt_convention_has_no_transformer_plugins(sd3_transformers):
+    """TensorRT's bundled plugins have none of the three: every match is skipped with that reason (the optimizer
+    does not even run those passes for the convention), and its fMHA_V2 has no kernel for head size 8."""
+    model, onnx_dir = sd3_transformers["tiny-sd3.5"]
+    expected = expected_transformer_passes(model.load_module())["counts"]
+    graph = gs.import_onnx(GraphOptimizer(onnx.load(str(onnx_dir / "transformer.onnx")), "transformer").run())
+    for key in ("fMHA", *TRANSFORMER_KEYS):
+        result = PLUGIN_PASSES[key].apply(graph, TENSORRT)
+        reason = "TensorRT's fMHA_V2 has no kernel for head size 8" if key == "fMHA" else \
+            f"TensorRT 8.6 has no {key} plugin"
+        assert (result.replaced, len(result.skipped_reasons)) == (0, expected[key]["replaced"]), key
+        assert {r.split(": ", 1)[1] for r in result.skipped_reasons} == {reason}
+    assert [name for name, _ in GraphOptimizer(gs.export_onnx(graph), "t").plugin_passes(ALL, TENSORRT)] == \
+        [*(key for key in PLUGIN_PASSES if key in UNET_KEYS), "cleanup"]
