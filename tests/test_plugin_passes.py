@@ -827,3 +827,18 @@ def test_tensorrt_convention_has_no_transformer_plugins(sd3_transformers):
         assert {r.split(": ", 1)[1] for r in result.skipped_reasons} == {reason}
     assert [name for name, _ in GraphOptimizer(gs.export_onnx(graph), "t").plugin_passes(ALL, TENSORRT)] == \
         [*(key for key in PLUGIN_PASSES if key in UNET_KEYS), "cleanup"]
+
+
+def test_t5_layer_norms_are_rms_norms_to_the_pass(tmp_path):
+    """T5's T5LayerNorm (SD3's and Flux's text encoder) is an RMSNorm with its weight multiplied first: the pass takes
+    every one of them, and the rewritten encoder computes the same."""
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    from models.source import resolve_model
+
+    model = STAGE_MODELS["t5"](resolve_model("tiny-sd3"))
+    prepare(model, tmp_path)
+    norms = sum(isinstance(m, T5LayerNorm) for m in model.load_module().modules())
+    counts = {key: {"replaced": 0, "skipped": 0} for key in PLUGIN_KEYS}
+    counts["RMSNorm"]["replaced"] = norms
+    check_stage(model, tmp_path, {"counts": counts, "silu": 0}, sample(model, 3, 48, 80))
