@@ -522,7 +522,8 @@ def test_native_group_normalization(opset, affine_size, normalized_is_output, tm
 
 def test_plugin_set_parsing(tmp_path, monkeypatch):
     assert parse_plugin_set("none") == ()
-    assert parse_plugin_set("all") == ALL == ("GroupNorm", "LayerNorm", "Seq2Spatial", "SplitGeLU", "fMHA", "fMHCA")
+    assert parse_plugin_set("all") == ALL == ("AdaLayerNorm", "GeLU", "GroupNorm", "LayerNorm", "RMSNorm",
+                                              "Seq2Spatial", "SplitGeLU", "fMHA", "fMHCA")
     assert parse_plugin_set("fMHCA,LayerNorm,fMHCA") == ("LayerNorm", "fMHCA")
     for bad in ("fmha", "LayerNorm,Softmax", "", ","):
         with pytest.raises(UsageError, match="fMHA, fMHCA, GroupNorm, LayerNorm, SplitGeLU, Seq2Spatial"):

@@ -178,3 +178,25 @@ def test_a_whole_image_with_every_plugin_is_diffusers_image(name, size, steps, s
         check_parity(source, stages, made.scheduler, made)
         assert plugin_references.calls["fmha"] >= steps * substitution.replaced["fMHA"]
         assert plugin_references.calls["gelu_tanh"] >= steps * substitution.replaced["GeLU"]
+
+
+@pytest.mark.parametrize("name", ["sd3.5-medium", "flux.1-dev"])
+def test_the_published_architectures_are_taken_whole(name):
+    """SD3.5 Medium's transformer (24 heads of 64, MMDiT-X in its first 13 blocks) and FLUX.1's (24 heads of 128, 19
+    double- and 38 single-stream blocks, diffusers' defaults), on the meta device: every attention, norm and GELU
+    taken, only the inline-modulated norm2s skipped."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    from models.builtin import BUILTIN_MODELS
+
+    with torch.device("meta"):
+        module = SD3Transformer2DModel(**BUILTIN_MODELS["sd3.5-medium-arch"]["transformer"]) \
+            if name == "sd3.5-medium" else FluxTransformer2DModel()
+    expected, inline, _ = census(module)
+    report = substitute(module, PLUGIN_KEYS)
+    assert dict(report.replaced) == expected
+    assert expected == ({"fMHA": 37, "RMSNorm": 122, "AdaLayerNorm": 49, "GeLU": 47} if name == "sd3.5-medium" else
+                        {"fMHA": 57, "RMSNorm": 152, "AdaLayerNorm": 77, "GeLU": 76})
+    assert {key: len(reasons) for key, reasons in report.skipped.items() if reasons} == \
+        {"LayerNorm": inline, "AdaLayerNorm": inline}
+    assert report.packed_bytes > 0
