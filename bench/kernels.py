@@ -206,10 +206,12 @@ def vae_cases(res: int) -> list[Case]:
 
 
 def transformer_cases(model: str, context: int, heads: int, head_dim: int) -> list[Case]:
-    """The Q/K RMSNorm over every head, the AdaLN modulation of the image and the text stream, and the feed-forward's
-    GeLU (4x wide, after the Linear's bias) of an SD3/Flux transformer at 1024^2 (4096 image tokens), batch 2."""
+    """The joint attention over text and image tokens, the Q/K RMSNorm over every head, the AdaLN modulation of the
+    image and the text stream, and the feed-forward's GeLU (4x wide, after the Linear's bias) of an SD3/Flux
+    transformer at 1024^2 (4096 image tokens), batch 2."""
     b, image, width, eps = 2, 4096, heads * head_dim, 1e-6
     tokens = image + context
+    cases = [fmha_case(f"{model} joint S={tokens} H={heads} D={head_dim}", b, tokens, heads, head_dim)]
 
     def rms(x, w):
         return F.rms_norm(x, (x.shape[-1],), w, eps)
@@ -221,9 +223,10 @@ def transformer_cases(model: str, context: int, heads: int, head_dim: int) -> li
         return F.gelu(x + bias, approximate="tanh")
 
     numel = b * tokens * width
-    cases = [Case("rms_norm", f"{model} S={tokens} H={heads} D={head_dim}",
-                  lambda: (randn(b, tokens, heads, head_dim), randn(head_dim)),
-                  lambda x, w: ops.rms_norm(x, w, eps), {"eager": rms, "compiled": _compiled(rms)}, bytes=4 * numel)]
+    cases.append(Case("rms_norm", f"{model} S={tokens} H={heads} D={head_dim}",
+                      lambda: (randn(b, tokens, heads, head_dim), randn(head_dim)),
+                      lambda x, w: ops.rms_norm(x, w, eps), {"eager": rms, "compiled": _compiled(rms)},
+                      bytes=4 * numel))
     for stream, s in (("image", image), ("text", context)):
         cases.append(Case("ada_layer_norm", f"{model} {stream} S={s} C={width}",
                           lambda s=s: (randn(b, s, width), randn(b, width), randn(b, width)),
