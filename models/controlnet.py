@@ -20,6 +20,7 @@ import torch
 
 from core.errors import RunFailure, UsageError, field
 from models import CONTROL_IMAGE, CONTROLNET, control_image_stage, controlnet_stage, shallow_controlnet_stage
+from models import UNET as UNET_STAGE
 from models.base import ONNX_OPSET, StageModel
 from models.builtin import CONTROLNET_NAMES, GENERATED_CONTROLNETS, SHIPPED_CONTROLNETS, _to_stderr, made_once
 from models.cache import content_fingerprint, default_cache_dir
@@ -52,8 +53,16 @@ class ControlNetSource:
 
     @property
     def family(self) -> Family:
-        """The family whose UNets it steers (its config is a UNet's, less the up blocks)."""
+        """The family whose denoisers it steers (from its config's class; a UNet's ControlNet: its config is a UNet's,
+        less the up blocks)."""
         return family_of_denoiser(self.config)
+
+    @property
+    def diffusers_class(self) -> type:
+        """diffusers' class of it (its family's ControlNets': ControlNetModel, SD3ControlNetModel, ...)."""
+        import diffusers
+
+        return getattr(diffusers, self.family.controlnet_class)
 
     @property
     def pools_residuals(self) -> bool:
@@ -63,14 +72,17 @@ class ControlNetSource:
         return bool(self.config.get("global_pool_conditions"))
 
     def check_for(self, source: ModelSource) -> None:
-        """A UsageError where this ControlNet cannot steer `source`'s UNet: a family without ControlNets, another
-        family, another cross-attention width, other latents."""
-        unet = source.denoiser_config
+        """A UsageError where this ControlNet cannot steer `source`'s denoiser: a family without ControlNets, another
+        family; for a UNet, another cross-attention width, other latents (a transformer's is checked further by
+        models.flow_controlnet.check_transformer_controlnet)."""
         own = f"{field('controlnets')} {self.name}"
         source.family.require(CONTROLNET_FEATURE, source.name, field("controlnets"))
         if self.family is not source.family:
-            raise UsageError(f"{own} is an {self.family.label} ControlNet; model '{source.name}' is "
-                             f"{source.family.label}")
+            raise UsageError(f"{own} is a ControlNet of {self.family.label} models; model '{source.name}' is of the "
+                             f"{source.family.label} family")
+        if source.family.denoiser_stage != UNET_STAGE:  # a transformer's: models.stages.check_controlnets
+            return
+        unet = source.denoiser_config
         if self.config["cross_attention_dim"] != unet["cross_attention_dim"]:
             raise UsageError(f"{own} attends to text {self.config['cross_attention_dim']} wide; model "
                              f"'{source.name}' has {unet['cross_attention_dim']}")
@@ -214,22 +226,19 @@ class _ControlNetStage(StageModel):
         return dict(super().onnx_key(dtype, opset), controlnet=self.controlnet.fingerprint)
 
     def load_module(self):
-        from diffusers import ControlNetModel
-
-        return self.wrap(ControlNetModel.from_pretrained(self.controlnet.path))
+        return self.wrap(self.controlnet.diffusers_class.from_pretrained(self.controlnet.path))
 
     def wrap(self, controlnet) -> torch.nn.Module:
-        """The stage's module around a ControlNetModel (the torch backend's shallow pass wraps its full stage's)."""
+        """The stage's module around the diffusers ControlNet (the torch backend's shallow pass wraps its full
+        stage's)."""
         raise NotImplementedError
 
     def component_module(self, module):
         return module.controlnet
 
     def meta_module(self):
-        from diffusers import ControlNetModel
-
         with torch.device("meta"):
-            return self.wrap(ControlNetModel.from_config(self.controlnet.config))
+            return self.wrap(self.controlnet.diffusers_class.from_config(self.controlnet.config))
 
 
 class ControlNetStageModel(_ControlNetStage):

@@ -17,6 +17,12 @@ from models import (
 from models.base import StageModel
 from models.clip import CLIP2Model, CLIPModel
 from models.controlnet import ControlNetImageModel, ControlNetStageModel, ShallowControlNetStageModel
+from models.flow_controlnet import (
+    CONTROLNET_STAGE_MODELS,
+    check_together,
+    check_transformer_controlnet,
+    controlled_transformer_stages,
+)
 from models.t5 import T5Model
 from models.transformer import FluxTransformerModel, SD3TransformerModel
 from models.unet import UNetModel, UNetShallowModel
@@ -54,8 +60,12 @@ def stage_models(source, names, cache_branch: int | None = None, controlnets=())
     """The stage models of `names` for `source`; with a step-cache branch (models.unet_cache), the UNet's returns its
     deep features there and the shallow pass's stage follows it; with ControlNets ((ControlNetSource, scale) each),
     the UNet (and its shallow pass) takes their residuals and their stages follow it, each with its shallow pass
-    under the cache and its conditioning image's."""
+    under the cache and its conditioning image's; a transformer takes their block samples, their stages follow it,
+    and the VAE encoder makes their control images' latents (added where `names` lack it)."""
     models = []
+    transformer_controlled = controlnets and source.family.denoiser_stage in names and UNET not in names
+    if transformer_controlled and VAE_ENCODER not in names:
+        names = (*names, VAE_ENCODER)
     for name in names:
         if name == UNET:
             controlled = bool(controlnets)
@@ -67,9 +77,24 @@ def stage_models(source, names, cache_branch: int | None = None, controlnets=())
                 if cache_branch is not None:
                     models.append(ShallowControlNetStageModel(source, controlnet, index, cache_branch, scale))
                 models.append(ControlNetImageModel(source, controlnet, index))
+        elif name == source.family.denoiser_stage and controlnets:
+            models.extend(controlled_transformer_stages(source, controlnets))
         else:
             models.append(STAGE_MODELS[name](source))
     return models
+
+
+def check_controlnets(source, controlnets) -> None:
+    """A UsageError where the ControlNets ((ControlNetSource, scale) each) cannot steer the model's denoiser: each
+    against the model (ControlNetSource.check_for; a transformer's further:
+    models.flow_controlnet.check_transformer_controlnet), a transformer's against each other (check_together)."""
+    steers_a_transformer = source.family.denoiser_stage in CONTROLNET_STAGE_MODELS
+    for controlnet, _ in controlnets:
+        controlnet.check_for(source)
+        if steers_a_transformer:
+            check_transformer_controlnet(controlnet, source)
+    if controlnets and steers_a_transformer:
+        check_together(controlnets)
 
 
 def stage_batch(stage: str, images: int, guided: bool) -> int:

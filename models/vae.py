@@ -113,5 +113,11 @@ class VAEEncoderModel(_VAEStage):
         encoded = encoded.float()
         return DiagonalGaussianDistribution(encoded).sample(generator) if self.draws_sample else encoded
 
+    def mean_latents(self, encoded: torch.Tensor) -> torch.Tensor:
+        """The (unscaled) latents of the stage's output, in fp32, drawing nothing: its Gaussian's mean where it gives
+        one, else the output itself."""
+        encoded = encoded.float()
+        return encoded.chunk(2, dim=1)[0] if self.draws_sample else encoded
+
     def load_module(self):
         return _Encoder(_load_vae(self.source, self.component), self.draws_sample)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from core.errors import UsageError, is_finite_number
 from models import T5
-from models.families import Family, family_of
+from models.families import FAMILIES, Family, family_of
 
 # component -> (the config file in its folder, the key naming its class, where that class lives)
 COMPONENTS = {
@@ -241,22 +241,25 @@ def _check_text_width(path: Path, configs: dict[str, dict], family: Family) -> N
 
 
 def validate_controlnet_folder(folder: Path, subject: str) -> dict:
-    """A ControlNetModel's folder checked as a model's components are, and its weights against its config: exactly the
-    tensors the config implies, each of its shape. Returns its config as diffusers reads it (the defaults of the
-    fields it leaves out filled in, as loading it would)."""
+    """A ControlNet's folder (a family's ControlNet class: ControlNetModel, SD3ControlNetModel, FluxControlNetModel)
+    checked as a model's components are, and its weights against its config: exactly the tensors the config implies,
+    each of its shape. Returns its config as diffusers reads it (the defaults of the fields it leaves out filled in,
+    as loading it would, and its class name)."""
     import diffusers
     import torch
 
     file = folder / COMPONENTS["controlnet"][0]
     config = validate_component(folder, "controlnet", subject=subject)
-    if config.get("_class_name") != "ControlNetModel":
-        raise UsageError(f"{subject}: {file} names a {config.get('_class_name')}, not a ControlNetModel")
+    classes = tuple(dict.fromkeys(family.controlnet_class for family in FAMILIES))
+    class_name = config.get("_class_name")
+    if class_name not in classes:
+        raise UsageError(f"{subject}: {file} names a {class_name}, not a {' or '.join(classes)}")
     try:
         with torch.device("meta"):  # shapes without memory: a full-size ControlNet costs nothing to check
-            module = diffusers.ControlNetModel.from_config(config)
+            module = getattr(diffusers, class_name).from_config(config)
     except Exception as exc:  # a config diffusers cannot build from: one line naming the file
         reason = " ".join(str(exc).split())[:200]
-        raise UsageError(f"{subject}: {file} does not build a ControlNetModel: {reason}") from None
+        raise UsageError(f"{subject}: {file} does not build a {class_name}: {reason}") from None
     weights = weight_files(folder, subject)
     # diffusers reads the safetensors where there are any, else the PyTorch files
     read = [p for p in weights if p.suffix == ".safetensors"] or weights
@@ -264,7 +267,7 @@ def validate_controlnet_folder(folder: Path, subject: str) -> dict:
     if problem:
         names = ", ".join(p.name for p in read)
         raise UsageError(f"{subject}: {names} does not fit {file}: {problem}")
-    return dict(module.config)
+    return {"_class_name": class_name, **module.config}
 
 
 def _file_tensors(files: list[Path], subject: str) -> dict:

@@ -255,7 +255,7 @@ def test_channels_last_hands_the_residuals_over_in_that_layout_and_draws_the_sam
     ({}, dict(control_images=(picture(1),)), "control_images: 1 given; this pipeline has 0 ControlNet(s): load it "
                                              "with controlnets"),
     (dict(controlnets=(("tiny-xl-controlnet", 1.0),)), dict(control_images=(picture(1),)),
-     "controlnets tiny-xl-controlnet is an SDXL ControlNet; model 'tiny' is SD 1.x/2.x"),
+     "controlnets tiny-xl-controlnet is a ControlNet of SDXL models; model 'tiny' is of the SD 1.x/2.x family"),
     (dict(controlnets=(("no/such/folder", 1.0),)), dict(control_images=(picture(1),)),
      "controlnets no/such/folder: no such ControlNet"),
     (dict(controlnets=(("tiny-controlnet", float("nan")),)), dict(control_images=(picture(1),)),

@@ -23,15 +23,15 @@ def backend_named(name: str) -> Backend:
 
 
 def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool = True, family: Family | None = None,
-                   model: str | None = None) -> tuple[Backend, str]:
+                   model: str | None = None, controlled: bool = False) -> tuple[Backend, str]:
     """(backend, reason) for a spec's backend on a GPU of compute capability `cc` (None: this machine's, or no GPU);
     with `runs` False, one named only needs to build here, not run. With the model's `family` (and the model's name),
-    a backend its family lacks what it needs for (Backend.family_feature: TensorRT's engines) is refused where named,
-    passed over under auto."""
+    a backend its family lacks what it needs for (Backend.family_feature: TensorRT's engines; `controlled`, with
+    ControlNets: Backend.controlnet_feature, their engines) is refused where named, passed over under auto."""
     cc = cc if cc is not None else current_cc()
     if requested != AUTO:
         backend = backend_named(requested)
-        unfit = why_not_for(backend, family, model)
+        unfit = why_not_for(backend, family, model, controlled)
         if unfit:
             raise UsageError(f"{field('backend')} {backend.name}: {unfit}; use {field('backend')} {REFERENCE.name}")
         reason = backend.why_cannot_run(cc) if runs else backend.why_cannot_build()
@@ -42,7 +42,7 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
     for backend in REGISTRY.values():
         if backend is REFERENCE:  # the fallback
             continue
-        reason = why_not_for(backend, family, model)
+        reason = why_not_for(backend, family, model, controlled)
         reason = f"{backend.name}: {reason}" if reason else backend.why_cannot_run(cc)
         if reason is None:
             return backend, f"auto: {backend.name} {backend.version()} runs on this GPU"
@@ -50,9 +50,14 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
     return REFERENCE, "auto: " + "; ".join(reasons)
 
 
-def why_not_for(backend: Backend, family: Family | None, model: str | None) -> str | None:
-    """Why `backend` cannot run a model of `family` (None: it can, or no family is given): what the backend needs
-    that the family does not declare (its engines not built yet)."""
-    if family is None or backend.family_feature is None or family.supports(backend.family_feature):
+def why_not_for(backend: Backend, family: Family | None, model: str | None, controlled: bool = False) -> str | None:
+    """Why `backend` cannot run a model of `family` (`controlled`: with ControlNets) (None: it can, or no family is
+    given): what the backend needs that the family does not declare (its engines, or its ControlNets', not built
+    yet)."""
+    if family is None:
         return None
-    return f"model '{model}' is of the {family.label} family, whose {backend.family_feature} are not built yet"
+    needed = (backend.family_feature, backend.controlnet_feature if controlled else None)
+    missing = next((feature for feature in needed if feature is not None and not family.supports(feature)), None)
+    if missing is None:
+        return None
+    return f"model '{model}' is of the {family.label} family, whose {missing} are not built yet"

@@ -7,7 +7,8 @@ reuses; PIPELINES says which class runs each family's modes.
 - sd3: SD3Pipeline (StableDiffusion3Pipeline), and FlowPipeline, the steps of every family that predicts a flow;
 - flux: FluxPipeline (FluxPipeline);
 - image_to_image: image-to-image and inpainting, SD 1.x/2.x, SDXL, SD3 and Flux;
-- controlnet: every mode and family with ControlNets (diffusers' ControlNet pipelines);
+- controlnet: every mode of SD 1.x/2.x and SDXL with ControlNets (diffusers' ControlNet pipelines); flow_controlnet:
+  SD3's and Flux's (text-to-image; Flux's image-to-image too);
 - lora: LoRA files applied to the stages; batch: what one call runs; images, timer: pixels, and stage times.
 """
 
@@ -24,6 +25,11 @@ from demo.pipelines.controlnet import (
     SDXLControlNetImage2ImagePipeline,
     SDXLControlNetInpaintPipeline,
     SDXLControlNetPipeline,
+)
+from demo.pipelines.flow_controlnet import (
+    FluxControlNetImage2ImagePipeline,
+    FluxControlNetPipeline,
+    SD3ControlNetPipeline,
 )
 from demo.pipelines.flux import FluxPipeline
 from demo.pipelines.image_to_image import (
@@ -58,14 +64,14 @@ PIPELINES = {
         IMAGE_TO_IMAGE: (SDXLImage2ImagePipeline, SDXLControlNetImage2ImagePipeline),
         INPAINTING: (SDXLInpaintPipeline, SDXLControlNetInpaintPipeline),
     },
-    SD3.name: {  # no ControlNets (Family.features): refused before a pipeline is made
-        TEXT_TO_IMAGE: (SD3Pipeline, None),
+    SD3.name: {  # None: no ControlNets in that mode (diffusers has no such pipeline), refused when planned
+        TEXT_TO_IMAGE: (SD3Pipeline, SD3ControlNetPipeline),
         IMAGE_TO_IMAGE: (SD3Image2ImagePipeline, None),
         INPAINTING: (SD3InpaintPipeline, None),
     },
-    FLUX.name: {  # likewise
-        TEXT_TO_IMAGE: (FluxPipeline, None),
-        IMAGE_TO_IMAGE: (FluxImage2ImagePipeline, None),
+    FLUX.name: {
+        TEXT_TO_IMAGE: (FluxPipeline, FluxControlNetPipeline),
+        IMAGE_TO_IMAGE: (FluxImage2ImagePipeline, FluxControlNetImage2ImagePipeline),
         INPAINTING: (FluxInpaintPipeline, None),
     },
 }

@@ -23,6 +23,7 @@ import torch
 from core.errors import UsageError, field
 from demo.backends.base import Backend, Workload
 from demo.backends.registry import select_backend
+from demo.pipelines import PIPELINES
 from demo.request import TEXT_TO_IMAGE, Request, check_image_size, check_mode, modes_of
 from demo.runtime.calibrate import calibration_spec, record_unet_activations
 from demo.runtime.loaded import Pipeline
@@ -35,7 +36,13 @@ from models.controlnet import resolve_controlnet
 from models.families import CLASSIFIER_FREE, CONTROLNET, INT8, LORA, REFINER, STEP_CACHE
 from models.lora import check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
-from models.stages import check_model_stages, image_to_image_stages, stage_models, text_to_image_stages
+from models.stages import (
+    check_controlnets,
+    check_model_stages,
+    image_to_image_stages,
+    stage_models,
+    text_to_image_stages,
+)
 from models.unet_cache import Branches
 
 __all__ = ["PipelinePlan", "StagePlan", "load_pipeline", "plan_pipeline", "quiet", "to_stderr"]
@@ -68,15 +75,15 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     source = resolve_model(spec.model, vae=spec.vae, config=spec.model_config, prediction_type=spec.prediction_type,
                            vae_precision=spec.vae_precision)
     chosen = backend  # and one the model's family cannot run on (its engines not built): refused, or passed over
-    backend, reason = select_backend(spec.backend, runs=runs, family=source.family, model=source.name)
+    backend, reason = select_backend(spec.backend, runs=runs, family=source.family, model=source.name,
+                                     controlled=bool(spec.controlnets))
     if spec.loras and backend is not chosen:
         backend.check_loras(spec_options(spec, backend))
     check_family_features(spec, source)
     if spec.cache_branch != PipelineSpec.cache_branch:  # a branch the UNet lacks is wrong, the cache on or not
         Branches.of(source.denoiser_config).check(spec.cache_branch)
     controlnets = [(resolve_controlnet(name, source), scale) for name, scale in spec.controlnets]
-    for controlnet, _ in controlnets:
-        controlnet.check_for(source)
+    check_controlnets(source, controlnets)
     if controlnets and (spec.refiner is not None or spec.engine.int8):
         raise UsageError(f"{field('controlnets')} run without {field('refiner' if spec.refiner else 'int8')} for now")
     device = checked_device(device)
@@ -87,6 +94,8 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
                        width=request.width if spec.width is None else spec.width,
                        modes=spec.modes or (request.mode,))
     modes = spec.modes or (modes_of(source) if runs else (TEXT_TO_IMAGE,))
+    if controlnets:
+        modes = controlled_modes(source, modes, chosen=bool(spec.modes))
     for mode in modes if runs else ():
         check_mode(source, mode)
     refiner = resolve_refiner(spec, source, modes)
@@ -137,8 +146,8 @@ def checked_device(device: str | torch.device | None) -> torch.device:
 
 def check_family_features(spec: PipelineSpec, source: ModelSource) -> None:
     """A UsageError naming the family where the spec asks for what the model's family lacks (before a ControlNet is
-    resolved: a built-in one is made then; each is checked against the model with it: ControlNetSource.check_for), or
-    a precision it does not run in."""
+    resolved: a built-in one is made then; each is checked against the model with it:
+    models.stages.check_controlnets), or a precision it does not run in."""
     family = source.family
     if spec.precision != "auto":
         family.check_precision(spec.precision, source.name)
@@ -148,6 +157,18 @@ def check_family_features(spec: PipelineSpec, source: ModelSource) -> None:
     for feature, name, asked in wanted:
         if asked:
             family.require(feature, source.name, field(name))
+
+
+def controlled_modes(source: ModelSource, modes, chosen: bool) -> tuple[str, ...]:
+    """Of `modes`, those the model's family runs with ControlNets (demo.pipelines.PIPELINES: where diffusers has a
+    ControlNet pipeline for the mode); where the spec or the request `chosen` one it does not, a UsageError."""
+    steered = tuple(mode for mode in modes if PIPELINES[source.family.name][mode][1] is not None)
+    if chosen and steered != tuple(modes):
+        other = next(mode for mode in modes if mode not in steered)
+        raise UsageError(f"{field('controlnets')}: model '{source.name}' is of the {source.family.label} family, whose "
+                         f"{other} takes no ControlNets (diffusers has no such pipeline); drop {field('image')}, or "
+                         f"{field('controlnets')}")
+    return steered
 
 
 def load_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, log: Log | None = None,

@@ -18,6 +18,7 @@ from demo.runtime.memory import check_memory
 from demo.runtime.spec import PipelineSpec
 from demo.schedulers import check_steps
 from models.base import StageModel
+from models.families import GUESS_MODE
 from models.recommended import Recommended
 from models.source import ModelSource
 
@@ -92,6 +93,8 @@ class PipelinePlan:
             check_steps(request.make_scheduler(self.refiner.source), request.scheduler, request.denoising_steps)
         self.backend.check_request(self.base.settings_of(self.base.denoiser), self.source, request)
         check_control_images(request, self.spec)
+        if request.guess_mode and request.control_images:
+            self.source.family.require(GUESS_MODE, self.source.name, field("guess_mode"))
 
     def build(self) -> dict[str, dict]:
         """Build or find every stage's artifacts (engines), loading nothing; what each took."""

@@ -34,6 +34,9 @@ STEP_CACHE, CONTROLNET, REFINER, LORA, INT8 = "the step cache", "ControlNets", "
 # Its stages build into TensorRT engines (the backends that build them ask for it: Backend.family_feature); a family
 # without it runs on the torch backend only, its engines not built yet.
 ENGINES = "TensorRT engines"
+# Its ControlNets' stages build into engines too (TensorRT's backends ask for it where a spec has ControlNets:
+# Backend.controlnet_feature); and its ControlNet pipelines take guess mode (a request's guess_mode).
+CONTROLNET_ENGINES, GUESS_MODE = "ControlNet engines", "guess mode"
 
 
 @dataclass(frozen=True, eq=False)  # one object per family: compared by identity
@@ -66,8 +69,8 @@ class Family:
     # model_index.json `_class_name` -> what a model of that pipeline runs best with (diffusers' defaults for it); a
     # (class name, guidance kind) key first, where a model's guidance changes them (FLUX.1 [schnell]'s 4 steps)
     recommended: Mapping[str | tuple[str, str], Recommended] = field(default_factory=dict)
-    # diffusers' classes of its denoisers' configs (a ControlNet's among them: family_of_denoiser reads both)
-    denoiser_classes: tuple[str, ...] = ("UNet2DConditionModel", "ControlNetModel")
+    denoiser_classes: tuple[str, ...] = ("UNet2DConditionModel",)  # diffusers' classes of its denoisers' configs
+    controlnet_class: str = "ControlNetModel"  # and of its ControlNets' (family_of_denoiser reads both)
     text_width_key: str = "cross_attention_dim"  # the denoiser config's key for the width of the text it attends to
     pooled_text: tuple[str, ...] = ()  # the text stages whose pooled, projected output the pipeline reads too
     # the denoiser config's key for the width of those pooled outputs side by side, where it takes them alone (SD3's;
@@ -104,7 +107,7 @@ class Family:
 
     def has_denoiser(self, config: dict) -> bool:
         """Whether a denoiser config (a model folder's without model_index.json, a ControlNet's) is of this family."""
-        if config.get("_class_name", self.denoiser_classes[0]) not in self.denoiser_classes:
+        if config.get("_class_name", self.denoiser_classes[0]) not in (*self.denoiser_classes, self.controlnet_class):
             return False
         return (config.get("addition_embed_type") == "text_time") == bool(self.added_conditions)
 

@@ -4,7 +4,9 @@ guidance (or the scale embedded, where the UNet takes it: LCM)."""
 from models import CLIP
 from models.families.base import (
     CONTROLNET,
+    CONTROLNET_ENGINES,
     ENGINES,
+    GUESS_MODE,
     IMAGE_TO_IMAGE,
     INPAINTING,
     INT8,
@@ -32,7 +34,8 @@ SD = Family(
         IMAGE_TO_IMAGE: ("StableDiffusionImg2ImgPipeline", "StableDiffusionControlNetImg2ImgPipeline"),
         INPAINTING: ("StableDiffusionInpaintPipeline", "StableDiffusionControlNetInpaintPipeline"),
     },
-    features=frozenset({ENGINES, STEP_CACHE, CONTROLNET, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
+    features=frozenset({ENGINES, STEP_CACHE, CONTROLNET, CONTROLNET_ENGINES, GUESS_MODE, INPAINTING, IMAGE_TO_IMAGE,
+                        LORA, INT8}),
     lora_components=("unet", "text_encoder"),
     diffusers_options={"safety_checker": None, "requires_safety_checker": False},
     recommended=dict.fromkeys(("LatentConsistencyModelPipeline", "LatentConsistencyModelImg2ImgPipeline"),

@@ -5,7 +5,7 @@ latents are shifted as well as scaled. Its inpainting models' transformer takes 
 the masked image's latents), as StableDiffusion3InpaintPipeline feeds it."""
 
 from models import CLIP, CLIP2, T5, TRANSFORMER
-from models.families.base import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Family
+from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Family
 from models.recommended import Recommended
 
 # diffusers' SD3 pipelines' own defaults (num_inference_steps, guidance_scale): a model folder of each class gets them
@@ -25,11 +25,12 @@ SD3 = Family(
                          IMAGE_TO_IMAGE: ("StableDiffusion3Img2ImgPipeline", None),
                          INPAINTING: ("StableDiffusion3InpaintPipeline",
                                       "StableDiffusion3ControlNetInpaintingPipeline")},
-    features=frozenset({IMAGE_TO_IMAGE, INPAINTING}),  # TensorRT engines (ENGINES) and the rest: not built yet
+    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET}),  # TensorRT engines (ENGINES), ...: not built yet
     denoiser="transformer",
     denoiser_stage=TRANSFORMER,
     penultimate_text=True,
     denoiser_classes=("SD3Transformer2DModel",),
+    controlnet_class="SD3ControlNetModel",
     text_width_key="joint_attention_dim",
     pooled_text=(CLIP, CLIP2),
     pooled_width_key="pooled_projection_dim",

@@ -5,7 +5,9 @@ fp16."""
 from models import CLIP, CLIP2
 from models.families.base import (
     CONTROLNET,
+    CONTROLNET_ENGINES,
     ENGINES,
+    GUESS_MODE,
     IMAGE_TO_IMAGE,
     INPAINTING,
     INT8,
@@ -30,7 +32,8 @@ SDXL = Family(
         IMAGE_TO_IMAGE: ("StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLControlNetImg2ImgPipeline"),
         INPAINTING: ("StableDiffusionXLInpaintPipeline", "StableDiffusionXLControlNetInpaintPipeline"),
     },
-    features=frozenset({ENGINES, STEP_CACHE, CONTROLNET, REFINER, INPAINTING, IMAGE_TO_IMAGE, LORA, INT8}),
+    features=frozenset({ENGINES, STEP_CACHE, CONTROLNET, CONTROLNET_ENGINES, GUESS_MODE, REFINER, INPAINTING,
+                        IMAGE_TO_IMAGE, LORA, INT8}),
     penultimate_text=True,
     pooled_text=(CLIP2,),
     added_conditions=("text_embeds", "time_ids"),
