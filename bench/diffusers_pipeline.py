@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import numpy as np
 import torch
@@ -28,8 +29,8 @@ class DiffusersPipeline:
         import diffusers
 
         self.source, self.device = source, device
-        nets = [diffusers.ControlNetModel.from_pretrained(resolve_controlnet(name, source).path, torch_dtype=dtype)
-                for name, _ in controlnets]
+        sources = [resolve_controlnet(name, source) for name, _ in controlnets]
+        nets = [net.diffusers_class.from_pretrained(net.path, torch_dtype=dtype) for net in sources]
         self.scales = [scale for _, scale in controlnets]
         family = source.family
         extra = dict(family.diffusers_options)
@@ -90,10 +91,16 @@ class DiffusersPipeline:
             inputs["timesteps"] = list(request.timesteps)
         if self.scales:
             images = list(request.control_images)
-            inputs.update(image=images if len(images) > 1 else images[0],
+            takes = inspect.signature(self.pipe.__call__).parameters
+            # SD3's and Flux's pipelines name the control image control_image (image: an input image), and have no
+            # guess mode
+            inputs.update({"control_image" if "control_image" in takes else "image":
+                           images if len(images) > 1 else images[0]},
                           controlnet_conditioning_scale=self.scales if len(self.scales) > 1 else self.scales[0],
                           control_guidance_start=request.control_guidance_start,
-                          control_guidance_end=request.control_guidance_end, guess_mode=request.guess_mode)
+                          control_guidance_end=request.control_guidance_end)
+            if "guess_mode" in takes:
+                inputs["guess_mode"] = request.guess_mode
         with self._timer.measure("pipeline"):
             images = self.pipe(request.prompts, negative_prompt=request.negative_prompts, height=request.height,
                                width=request.width, num_inference_steps=request.denoising_steps,

@@ -230,3 +230,18 @@ def test_the_command_line_draws_with_an_sd3_controlnet_and_refuses_guess_mode_in
     assert main([*common, "--output-dir", str(tmp_path / "refused"), "--guess-mode"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--guess-mode: model 'tiny-sd3' is of the SD3 family" in lines[0], lines
+
+
+def test_the_benchmarks_diffusers_contender_runs_the_family_controlnet_pipeline(nets, monkeypatch):
+    """sd-benchmark's diffusers contender (bench.diffusers_pipeline) loads the family's ControlNet class and hands the
+    control image over as SD3's pipeline takes it (control_image; no guess mode): our image."""
+    from bench.diffusers_pipeline import DiffusersPipeline
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    controlnets = ((nets["sd3-a"], 0.9),)
+    request = request_for("tiny-sd3", 1, guidance_scale=5.0, denoising_steps=2).resolved(resolve_model("tiny-sd3"))
+    contender = DiffusersPipeline(resolve_model("tiny-sd3"), controlnets, CPU, torch.float32, compile_mode=None)
+    assert isinstance(contender.pipe, diffusers.StableDiffusion3ControlNetPipeline)
+    monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mode())
+    theirs = (contender(request) * 255).round().astype(np.uint8)
+    assert np.abs(theirs.astype(int) - ours("tiny-sd3", controlnets, request).astype(int)).max() <= 2
