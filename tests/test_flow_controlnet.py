@@ -235,8 +235,9 @@ def test_the_command_line_draws_with_an_sd3_controlnet_and_refuses_guess_mode_in
 def test_the_benchmarks_diffusers_contender_runs_the_family_controlnet_pipeline(nets, monkeypatch):
     """sd-benchmark's diffusers contender (bench.diffusers_pipeline) loads the family's ControlNet class and hands the
     control image over as SD3's pipeline takes it (control_image; no guess mode): our image."""
-    from bench.diffusers_pipeline import DiffusersPipeline
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    from bench.diffusers_pipeline import DiffusersPipeline
 
     controlnets = ((nets["sd3-a"], 0.9),)
     request = request_for("tiny-sd3", 1, guidance_scale=5.0, denoising_steps=2).resolved(resolve_model("tiny-sd3"))
