@@ -5,11 +5,11 @@ scaled: no image stage of its own) and its scale, and gives the samples the tran
 (models.transformer's CONTROL_BLOCK, and Flux's CONTROL_SINGLE_BLOCK), each times the scale; those of several
 ControlNets add up (diffusers' Multi models) and go into the transformer by name.
 
-What their pipelines cannot run is refused in one line when the ControlNet is checked against the model: SD3.5
-Large's ControlNets, which borrow the transformer's position embedding (use_pos_embed false), SD3's inpainting ones
-(extra conditioning channels), Flux's that embed the image themselves (conditioning_embedding_channels: diffusers
-hands them the image, not its latents), and Flux's union ControlNets (num_mode: they need a control mode a request
-cannot give yet)."""
+SD3.5 Large's ControlNets have no context embedder (they read no text) and borrow the transformer's position
+embedding (use_pos_embed false), as diffusers' pipeline lends it. What their pipelines cannot run is refused in one
+line when the ControlNet is checked against the model: SD3's inpainting ControlNets (extra conditioning channels),
+Flux's that embed the image themselves (conditioning_embedding_channels: diffusers hands them the image, not its
+latents), and Flux's union ControlNets (num_mode: they need a control mode a request cannot give yet)."""
 
 from __future__ import annotations
 
@@ -156,6 +156,25 @@ class SD3ControlNetStageModel(TransformerControlNetStageModel):
         # StableDiffusion3ControlNetPipeline shifts them by 0 for a ControlNet that zeroes its pooled projections
         return not self.config.get("force_zeros_for_pooled_projection", True)
 
+    @property
+    def borrows_position_embedding(self) -> bool:
+        """SD3.5 Large's ControlNets have no position embedding of their own (use_pos_embed false): the pipeline lends
+        them the transformer's."""
+        return self.config.get("use_pos_embed", True) is False
+
+    def load_module(self):
+        module = super().load_module()
+        if self.borrows_position_embedding:
+            module.controlnet.pos_embed = transformer_position_embedding(self.source).to(module.controlnet.dtype)
+        return module
+
+    def meta_module(self):
+        module = super().meta_module()
+        if self.borrows_position_embedding:
+            with torch.device("meta"):
+                module.controlnet.pos_embed = transformer_position_embedding(self.source, weights=False)
+        return module
+
     def wrap(self, controlnet):
         return _SD3ControlBlocks(controlnet, self.input_names)
 
@@ -185,6 +204,28 @@ class FluxControlNetStageModel(TransformerControlNetStageModel):
 
     def wrap(self, controlnet):
         return _FluxControlBlocks(controlnet, self.source.family.packed_latents, self.input_names)
+
+
+def transformer_position_embedding(source: ModelSource, weights: bool = True) -> torch.nn.Module:
+    """SD3's transformer's position embedding alone (its PatchEmbed, as SD3ControlNetModel's
+    _get_pos_embed_from_transformer makes it), with its weights read from the transformer's files (`weights`),
+    without loading the rest."""
+    from diffusers.models.embeddings import PatchEmbed
+    from safetensors import safe_open
+
+    config, prefix = source.denoiser_config, "pos_embed."
+    embedding = PatchEmbed(height=config["sample_size"], width=config["sample_size"], patch_size=config["patch_size"],
+                           in_channels=config["in_channels"],
+                           embed_dim=config["num_attention_heads"] * config["attention_head_dim"],
+                           pos_embed_max_size=config["pos_embed_max_size"])
+    if weights:
+        state = {}
+        for file in sorted(source.component_dir(source.family.denoiser).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as opened:
+                state.update({key.removeprefix(prefix): opened.get_tensor(key) for key in opened.keys()
+                              if key.startswith(prefix)})
+        embedding.load_state_dict(state, strict=True)
+    return embedding
 
 
 # the denoiser stage -> its ControlNets' stage model
@@ -235,8 +276,6 @@ def check_transformer_controlnet(controlnet: ControlNetSource, source: ModelSour
     config, transformer = controlnet.config, source.denoiser_config
     own = f"{field('controlnets')} {controlnet.name}"
     unsupported = {
-        "use_pos_embed": (config.get("use_pos_embed", True) is False,
-                          "borrows the transformer's position embedding (use_pos_embed false, as SD3.5 Large's)"),
         "extra_conditioning_channels": (bool(config.get("extra_conditioning_channels")),
                                         "takes extra conditioning channels (an inpainting ControlNet)"),
         "conditioning_embedding_channels": (config.get("conditioning_embedding_channels") is not None,

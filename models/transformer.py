@@ -177,8 +177,8 @@ class FluxTransformerModel(_FlowTransformerModel):
         shapes = {"hidden_states": latents, "timestep": (1,),
                   "encoder_hidden_states": (batch, self.source.family.t5_length, self.config["joint_attention_dim"]),
                   "pooled_projections": (batch, self.config["pooled_projection_dim"]),
-                  **self.control_shapes(batch, height, width)}
-        return {**shapes, GUIDANCE: (1,)} if self.guided else shapes
+                  **({GUIDANCE: (1,)} if self.guided else {})}
+        return {**shapes, **self.control_shapes(batch, height, width)}  # in input_names' order
 
     def output_shapes(self, batch, height, width):
         return {LATENT: self.source.latent_shape(batch, height, width)}

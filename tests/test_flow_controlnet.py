@@ -1,9 +1,10 @@
 """ControlNets of SD3 and Flux.1 (models.flow_controlnet, demo.pipelines.flow_controlnet) on the CPU: same seed, same
 image as diffusers' StableDiffusion3ControlNetPipeline, FluxControlNetPipeline and FluxControlNetImg2ImgPipeline
 within 2/255, on the tiny built-ins with tiny ControlNets written here (one and two, a guidance window, scales, one
-without text as SD3.5's have); each ControlNet of its family by its own config, and what cannot run refused in one
-line: another family's ControlNet, guess mode, SD3's image-to-image, ControlNets of different depths together, the
-kinds not supported yet, and TensorRT's backends where the family's ControlNet engines are not built."""
+as SD3.5 Large's: no text, the transformer's position embedding); each ControlNet of its family by its own config, and
+what cannot run refused in one line: another family's ControlNet, guess mode, SD3's image-to-image, ControlNets of
+different depths together, the kinds not supported yet, and TensorRT's backends where the family's ControlNet engines
+are not built."""
 
 import dataclasses
 
@@ -56,14 +57,15 @@ def flux_controlnet(folder, seed: int, **config) -> str:
 
 @pytest.fixture(scope="module")
 def nets(tmp_path_factory):
-    """name -> ControlNet folder: two of SD3 (one zeroing its pooled projections, as diffusers' default; one without
-    text and with its latents shifted, as SD3.5 Large's take none), one more of two blocks, two of Flux."""
+    """name -> ControlNet folder: two of SD3 zeroing their pooled projections (diffusers' default); one as SD3.5
+    Large's (no text, the transformer's position embedding, its latents shifted), one more of two blocks; two of
+    Flux (the second without single-stream blocks)."""
     root = tmp_path_factory.mktemp("flow-controlnets")
     return {
         "sd3-a": sd3_controlnet(root / "sd3-a", 1),
         "sd3-b": sd3_controlnet(root / "sd3-b", 2),
-        "sd3-textless": sd3_controlnet(root / "sd3-textless", 3, joint_attention_dim=None,
-                                       force_zeros_for_pooled_projection=False),
+        "sd3-large": sd3_controlnet(root / "sd3-large", 3, joint_attention_dim=None, use_pos_embed=False,
+                                    force_zeros_for_pooled_projection=False),
         "sd3-deep": sd3_controlnet(root / "sd3-deep", 4, num_layers=2),
         "flux-a": flux_controlnet(root / "flux-a", 5),
         "flux-b": flux_controlnet(root / "flux-b", 6, num_single_layers=0),
@@ -126,7 +128,7 @@ CASES = [  # model, ControlNets and scales, request fields, whether to check tha
     ("tiny-sd3", [("sd3-a", 0.8)], dict(guidance_scale=5.0, negative_prompt="blurry", denoising_steps=3), False),
     ("tiny-sd3", [("sd3-a", 0.6), ("sd3-b", 1.1)], dict(guidance_scale=4.0, control_guidance_start=0.25,
                                                         control_guidance_end=0.75), True),
-    ("tiny-sd3", [("sd3-textless", 1.2)], dict(guidance_scale=1.0, batch_size=2, denoising_steps=2), False),
+    ("tiny-sd3", [("sd3-large", 1.2)], dict(guidance_scale=1.0, batch_size=2, denoising_steps=2), False),
     ("tiny-flux", [("flux-a", 0.8)], dict(guidance_scale=3.5, batch_size=2, denoising_steps=2), False),
     ("tiny-flux", [("flux-a", 0.7), ("flux-b", 1.3)], dict(guidance_scale=4.0, control_guidance_end=0.5), True),
     ("tiny-flux", [("flux-a", 1.0)], dict(image=True, strength=0.8, guidance_scale=3.5, denoising_steps=3), False),
@@ -246,3 +248,29 @@ def test_the_benchmarks_diffusers_contender_runs_the_family_controlnet_pipeline(
     monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mode())
     theirs = (contender(request) * 255).round().astype(np.uint8)
     assert np.abs(theirs.astype(int) - ours("tiny-sd3", controlnets, request).astype(int)).max() <= 2
+
+
+@pytest.mark.parametrize("model, names", [("tiny-sd3", ["sd3-a", "sd3-large"]), ("tiny-flux", ["flux-a"])])
+def test_the_stages_shapes_are_what_their_modules_make(nets, model, names):
+    """Each ControlNet stage and the transformer taking their samples: their modules (and meta modules) on their
+    sample inputs make outputs of the shapes the stage models say (what engines and the floor count would read)."""
+    from models.stages import stage_models
+
+    source = resolve_model(model)
+    controlnets = [(resolve_controlnet(nets[name]), 1.0) for name in names[:1]]
+    extra = [(resolve_controlnet(nets[name]), 1.0) for name in names[1:]]
+    for steered in (controlnets, extra):
+        if not steered:
+            continue
+        models = stage_models(source, (source.family.denoiser_stage,), controlnets=steered)
+        assert [m.name for m in models] == [source.family.denoiser_stage, "controlnet0", "vae_encoder"]
+        height = width = SIZES[model]
+        for stage in models[:2]:
+            inputs = stage.sample_inputs(2, height, width, generator=torch.Generator().manual_seed(0))
+            assert set(inputs) == set(stage.input_names)
+            with torch.inference_mode():
+                outputs = stage.load_module().eval()(*(inputs[name] for name in stage.input_names))
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            expected = stage.output_shapes(2, height, width)
+            assert [tuple(output.shape) for output in outputs] == [expected[name] for name in stage.output_names]
+            assert stage.meta_module() is not None
