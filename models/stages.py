@@ -63,8 +63,8 @@ def stage_models(source, names, cache_branch: int | None = None, controlnets=())
     under the cache and its conditioning image's; a transformer takes their block samples, their stages follow it,
     and the VAE encoder makes their control images' latents (added where `names` lack it)."""
     models = []
-    transformer_controlled = controlnets and source.family.denoiser_stage in names and UNET not in names
-    if transformer_controlled and VAE_ENCODER not in names:
+    transformer_controlled = controlnets and source.family.denoiser_stage in CONTROLNET_STAGE_MODELS
+    if transformer_controlled and source.family.denoiser_stage in names and VAE_ENCODER not in names:
         names = (*names, VAE_ENCODER)
     for name in names:
         if name == UNET:

@@ -172,6 +172,11 @@ def test_what_flux_lacks_is_refused_in_one_line_exit_2(dev, schnell, model, args
     if "IMAGE" in args:
         Image.new("RGB", (SIZE, SIZE), "red").save(tmp_path / "in.png")
         args = [str(tmp_path / "in.png") if arg == "IMAGE" else arg for arg in args]
+    if "--controlnet" in args:  # made first, no note of it (it is resolved, then refused as of another family)
+        from models.controlnet import resolve_controlnet
+
+        resolve_controlnet("tiny-controlnet")
+        capsys.readouterr()
     out = tmp_path / "out"
     status = main(["a prompt", "--model", model, "--output-dir", str(out), "--denoising-steps", "2", "--height",
                    str(SIZE), "--width", str(SIZE), *args])
