@@ -1,5 +1,6 @@
 """LoRA: low-rank weight deltas from LoRA files, as diffusers' load_lora_weights + fuse_lora(lora_scale=SCALE) makes
-them, for the UNet and the text encoders (SD 1.x/2.x and SDXL).
+them, for the denoiser (a UNet: SD 1.x/2.x, SDXL; a transformer: SD3, Flux.1) and the CLIP text encoders (those of
+its family's Family.lora_components the model has).
 
     lora = read_lora("style.safetensors")             # the file's layers (a UsageError where it is bad)
     targets = model_targets(source)                   # the model's modules, from its configs (or lora_targets(module))
@@ -13,10 +14,11 @@ bit).
 A LoRA is a safetensors file, a folder holding one by diffusers' name (pytorch_lora_weights.safetensors, what
 save_lora_weights and save_lora_adapter write), or a built-in's name (LORA_NAMES: `shapes-outline`, `shapes-lcm`,
 shipped with `shapes`). The key formats (one file may mix them):
-- diffusers / PEFT: `<component>.<module>.lora_A.weight` / `.lora_B.weight`, the component `unet`, `text_encoder` or
-  `text_encoder_2`; a text encoder's module with or without `text_model.`. A file none of whose keys has a component
-  prefix is the UNet's alone (what diffusers' unet.save_lora_adapter writes and unet.load_lora_adapter(prefix=None)
-  reads). An adapter config in the file's metadata (diffusers' `lora_adapter_metadata`: lora_alpha, alpha_pattern,
+- diffusers / PEFT: `<component>.<module>.lora_A.weight` / `.lora_B.weight`, the component `unet`, `transformer`,
+  `text_encoder` or `text_encoder_2` (what the pipelines' save_lora_weights write); a text encoder's module with or
+  without `text_model.`. A file none of whose keys has a component prefix is the UNet's alone (what diffusers'
+  unet.save_lora_adapter writes and unet.load_lora_adapter(prefix=None) reads; a transformer's such file is refused,
+  a UNet's). An adapter config in the file's metadata (diffusers' `lora_adapter_metadata`: lora_alpha, alpha_pattern,
   use_rslora; unprefixed in a UNet-only file) scales as PEFT does.
 - older diffusers: `.lora.down.weight` / `.lora.up.weight`, `.lora_linear_layer.down.weight` / `.up.weight`, the
   attention processors' `<attention>.processor.to_q_lora.down.weight` (to_k, to_v, to_out), and `<module>.alpha`.
@@ -24,11 +26,17 @@ shipped with `shapes`). The key formats (one file may mix them):
   module's path with `_` for `.` (the UNet's in diffusers' or, as kohya's SDXL LoRAs spell it, Stability's names:
   input_blocks, middle_block, output_blocks), each `.lora_down.weight`, `.lora_up.weight` and `.alpha`. Linear, 1x1
   and kxk convolution LoRA (LoCon without lora_mid).
+- kohya's Flux.1 LoRAs (sd-scripts, ai-toolkit): `lora_unet_<module>` in Black Forest Labs' names (double_blocks_0_
+  img_attn_qkv, single_blocks_0_linear1, img_in, final_layer_..., FLUX_BFL_NAMES), their fused projections split over
+  diffusers' modules (as diffusers' _convert_kohya_flux_lora_to_diffusers splits them, the sizes the model's own), and
+  `lora_transformer_<module>` in diffusers' names; `lora_te1_` for the CLIP text encoder.
 
 delta = up @ down (a kxk convolution's: down's kernel through up's 1x1, as PEFT composes them), times alpha / rank
 (1 where the file gives no alpha) and the user's scale, in float32; several files add up. Where one file's alphas
 differ from module to module, each module takes its own (kohya's meaning): diffusers 0.42 gives the attention
-projections and text-encoder modules of such a file its most common alpha instead.
+projections and text-encoder modules of such a file its most common alpha instead. Of a kohya Flux.1 file, diffusers
+0.42 leaves the final layer's alphas out (its TODO) and drops the embedders' and the final layer's modules (named
+without "transformer." by its converter): here they apply as every other module's.
 """
 
 from __future__ import annotations
@@ -47,11 +55,47 @@ from core.errors import RunFailure, UsageError, is_finite_number
 from models.builtin import LORA_NAMES, SHIPPED_LORAS
 from models.clip import CLIP2Model, CLIPModel
 from models.recommended import Recommended, in_lora_file
+from models.stages import STAGE_MODELS
+from models.transformer import SD3TransformerModel
 from models.unet import UNetModel
 
-UNET, TEXT_ENCODER, TEXT_ENCODER_2 = UNetModel.component, CLIPModel.component, CLIP2Model.component
-COMPONENTS = (UNET, TEXT_ENCODER, TEXT_ENCODER_2)
-KOHYA_PREFIXES = {"lora_unet_": UNET, "lora_te_": TEXT_ENCODER, "lora_te1_": TEXT_ENCODER, "lora_te2_": TEXT_ENCODER_2}
+UNET, TRANSFORMER = UNetModel.component, SD3TransformerModel.component
+TEXT_ENCODER, TEXT_ENCODER_2 = CLIPModel.component, CLIP2Model.component
+COMPONENTS = (UNET, TRANSFORMER, TEXT_ENCODER, TEXT_ENCODER_2)
+KOHYA_PREFIXES = {"lora_unet_": UNET, "lora_transformer_": TRANSFORMER, "lora_te_": TEXT_ENCODER,
+                  "lora_te1_": TEXT_ENCODER, "lora_te2_": TEXT_ENCODER_2}
+# Black Forest Labs' names of Flux.1's transformer modules (kohya's Flux LoRAs: lora_unet_<name>, "_" for ".") -> the
+# diffusers FluxTransformer2DModel's modules; several where BFL's one projection is diffusers' several, its output
+# rows theirs in turn (as diffusers' _convert_kohya_flux_lora_to_diffusers splits them). {i}: a block's index.
+FLUX_BFL_NAMES = {
+    "double_blocks_{i}_img_attn_proj": ("transformer_blocks.{i}.attn.to_out.0",),
+    "double_blocks_{i}_img_attn_qkv": tuple(f"transformer_blocks.{{i}}.attn.to_{p}" for p in "qkv"),
+    "double_blocks_{i}_img_mlp_0": ("transformer_blocks.{i}.ff.net.0.proj",),
+    "double_blocks_{i}_img_mlp_2": ("transformer_blocks.{i}.ff.net.2",),
+    "double_blocks_{i}_img_mod_lin": ("transformer_blocks.{i}.norm1.linear",),
+    "double_blocks_{i}_txt_attn_proj": ("transformer_blocks.{i}.attn.to_add_out",),
+    "double_blocks_{i}_txt_attn_qkv": tuple(f"transformer_blocks.{{i}}.attn.add_{p}_proj" for p in "qkv"),
+    "double_blocks_{i}_txt_mlp_0": ("transformer_blocks.{i}.ff_context.net.0.proj",),
+    "double_blocks_{i}_txt_mlp_2": ("transformer_blocks.{i}.ff_context.net.2",),
+    "double_blocks_{i}_txt_mod_lin": ("transformer_blocks.{i}.norm1_context.linear",),
+    "single_blocks_{i}_linear1": (*(f"single_transformer_blocks.{{i}}.attn.to_{p}" for p in "qkv"),
+                                  "single_transformer_blocks.{i}.proj_mlp"),
+    "single_blocks_{i}_linear2": ("single_transformer_blocks.{i}.proj_out",),
+    "single_blocks_{i}_modulation_lin": ("single_transformer_blocks.{i}.norm.linear",),
+    "img_in": ("x_embedder",), "txt_in": ("context_embedder",),
+    "time_in_in_layer": ("time_text_embed.timestep_embedder.linear_1",),
+    "time_in_out_layer": ("time_text_embed.timestep_embedder.linear_2",),
+    "vector_in_in_layer": ("time_text_embed.text_embedder.linear_1",),
+    "vector_in_out_layer": ("time_text_embed.text_embedder.linear_2",),
+    "guidance_in_in_layer": ("time_text_embed.guidance_embedder.linear_1",),
+    "guidance_in_out_layer": ("time_text_embed.guidance_embedder.linear_2",),
+    "final_layer_linear": ("proj_out",),
+    "final_layer_adaLN_modulation_1": ("norm_out.linear",),
+}
+# BFL's final modulation gives (shift, scale), diffusers' norm_out.linear (scale, shift): its rows' halves swapped.
+FLUX_BFL_SWAPPED = "final_layer_adaLN_modulation_1"
+FLUX_BFL_FIRST = re.compile(r"(double_blocks|single_blocks|img_in|txt_in|time_in|vector_in|guidance_in|final_layer)"
+                            r"(_|$)")
 TEXT_MODEL = "text_model."  # transformers' CLIPTextModel has flattened it away; LoRA files and ...WithProjection not
 # diffusers' key endings -> which of the pair (before them: the component, then the module)
 DIFFUSERS_SUFFIXES = {
@@ -87,10 +131,10 @@ Targets = Mapping[str, Mapping[str, tuple[int, ...]]]  # component -> lora_targe
 class LoraLayer:
     """One module's pair: delta = up @ down x alpha / rank."""
 
-    component: str  # unet, text_encoder, text_encoder_2
+    component: str  # unet, transformer, text_encoder, text_encoder_2
     name: str  # the module as the file names it: a dotted path, or kohya's with "_" (resolved by lora_deltas)
     down: torch.Tensor  # [rank, in] or [rank, in, kh, kw]
-    up: torch.Tensor  # [out, rank] or [out, rank, 1, 1]
+    up: torch.Tensor  # [out, rank] or [out, rank, 1, 1] (a fused BFL projection's: its modules' rows in turn)
     alpha: float | None  # None: the file's adapter config decides where it has one, else alpha = rank
 
     @property
@@ -234,6 +278,8 @@ def _key_part(key: str, prefixless: bool = False) -> tuple[str, str, str] | None
         if key.startswith(prefix):
             name, _, suffix = key[len(prefix):].partition(".")
             part = "alpha" if suffix == "alpha" else KOHYA_SUFFIXES.get(f".{suffix}")
+            if component == UNET and FLUX_BFL_FIRST.match(name):  # kohya's Flux.1 LoRAs name its transformer so
+                component = TRANSFORMER
             return (component, name, part) if part else None
     component, _, rest = key.partition(".")
     if prefixless:
@@ -286,8 +332,8 @@ def read_lora(path: str | Path) -> LoraFile:
                       f"while other keys have one ({len(unprefixed)} such keys)")
     if unknown:
         _refuse(path, f"holds keys of no LoRA format known here, such as '{unknown[0]}' ({len(unknown)} in all; "
-                      "known: diffusers/PEFT unet./text_encoder.<module>.lora_A/lora_B or lora.down/lora.up, kohya "
-                      "lora_unet_/lora_te_... with lora_down/lora_up and alpha)")
+                      "known: diffusers/PEFT unet./transformer./text_encoder.<module>.lora_A/lora_B or lora.down/"
+                      "lora.up, kohya lora_unet_/lora_transformer_/lora_te_... with lora_down/lora_up and alpha)")
     layers = []
     for (component, name), found in parts.items():
         missing = [part for part in ("down", "up") if part not in found]
@@ -322,10 +368,15 @@ def lora_targets(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def model_targets(source) -> dict[str, dict[str, tuple[int, ...]]]:
-    """lora_targets of a model's UNet and text encoders (a models.source.ModelSource's) from their configs alone: no
-    weight is read, so LoRA files are checked before the model loads, and engines know the modules."""
-    return {stage.component: lora_targets(stage(source).component_skeleton())
-            for stage in (UNetModel, CLIPModel, CLIP2Model) if stage.component in source.components}
+    """lora_targets of the components a LoRA may change in a model (a models.source.ModelSource's: those of its
+    family's lora_components it has) from their configs alone: no weight is read, so LoRA files are checked before
+    the model loads, and engines know the modules."""
+    family = source.family
+    names = (*family.text_stages, family.denoiser_stage)
+    wanted = {family.stage_component(name, STAGE_MODELS[name].component): name for name in names}
+    return {component: lora_targets(STAGE_MODELS[name](source).component_skeleton())
+            for component, name in wanted.items() if component in family.lora_components
+            and component in source.components}
 
 
 # Stability's (sgm) names of the UNet's modules that kohya's SDXL LoRAs use, beside diffusers'.
@@ -383,18 +434,40 @@ def _flat(name: str) -> str:
     return name.replace(".", "_")
 
 
-def _name_table(component: str, paths) -> dict[str, str]:
+def _flux_bfl_names(paths) -> dict[str, tuple[str, ...]]:
+    """BFL's names (FLUX_BFL_NAMES) of a Flux.1 transformer's modules (one with single_transformer_blocks: SD3's has
+    none) -> their diffusers paths, each name whose modules it has all of."""
+    if not any(path.startswith("single_transformer_blocks.") for path in paths):
+        return {}
+    present = set(paths)
+    blocks = {int(match[1]) for path in paths if (match := re.match(r"(?:single_)?transformer_blocks\.(\d+)\.", path))}
+    names = {}
+    for name, modules in FLUX_BFL_NAMES.items():
+        for index in sorted(blocks) if "{i}" in name else (None,):
+            made = tuple(module.format(i=index) for module in modules)
+            if present.issuperset(made):
+                names[name.format(i=index)] = made
+    return names
+
+
+def _name_table(component: str, paths) -> dict[str, tuple[str, ...]]:
     """Every name a LoRA file may give a target module, with "_" for ".", -> its path: the path itself; a text
-    encoder's with and without text_model.; the UNet's sgm name."""
+    encoder's with and without text_model.; the UNet's sgm name; a Flux transformer's BFL names (one of them
+    several modules: a fused projection's)."""
     sgm = _sgm_names(paths) if component == UNET else {}
     table = {}
     for path in paths:
         if component == UNET:
             aliases = [path, *([sgm[path]] if path in sgm else [])]
+        elif component == TRANSFORMER:
+            aliases = [path]
         else:
             aliases = [path, path.removeprefix(TEXT_MODEL) if path.startswith(TEXT_MODEL) else TEXT_MODEL + path]
         for alias in aliases:
-            table.setdefault(_flat(alias), path)
+            table.setdefault(_flat(alias), (path,))
+    if component == TRANSFORMER:
+        for name, modules in _flux_bfl_names(paths).items():
+            table.setdefault(name, modules)
     return table
 
 
@@ -407,30 +480,40 @@ def _scaling(lora: LoraFile, layer: LoraLayer, path: str) -> float:
     return config.alpha(path) / rank
 
 
-def _resolve(lora: LoraFile, targets: Targets, tables: Mapping[str, Mapping[str, str]]
+def _resolve(lora: LoraFile, targets: Targets, tables: Mapping[str, Mapping[str, tuple[str, ...]]]
              ) -> list[tuple[str, str, LoraLayer]]:
-    """(component, module path, layer) per layer of the file, each checked against the model's module (`tables`:
-    _name_table's, per component)."""
+    """(component, module path, layer) per module the file changes, each checked against the model's module
+    (`tables`: _name_table's, per component); a fused BFL projection's layer split over its modules, each its rows of
+    up (down shared: up's rows times down are the fused delta's rows, exactly)."""
     resolved, seen = [], {}
     for layer in lora.layers:
         if layer.component not in targets:
-            _refuse(lora.path, f"changes {layer.component}, which this model has not (a LoRA for another model?)")
-        path = tables[layer.component].get(_flat(layer.name))
-        if path is None:
+            _refuse(lora.path, f"changes {layer.component}, which a LoRA does not change in this model (its LoRAs "
+                               f"change {', '.join(targets)}: a LoRA for another model?)")
+        paths = tables[layer.component].get(_flat(layer.name))
+        if paths is None:
             why = ("its keys have no component prefix, so they are the UNet's: a text encoder's need text_encoder. or "
                    "text_encoder_2." if lora.prefixless else "a LoRA for another model?")
             _refuse(lora.path, f"{layer.component} has no Linear or Conv2d module '{layer.name}' ({why})")
-        if (layer.component, path) in seen:
-            _refuse(lora.path, f"names {layer.component} module {path} twice ({seen[layer.component, path]}, "
-                               f"{layer.name})")
-        seen[layer.component, path] = layer.name
-        weight = targets[layer.component][path]
-        made = (layer.up.shape[0], layer.down.shape[1], *layer.down.shape[2:])
-        if made != weight:
-            _refuse(lora.path, f"{layer.component} module {path} has a {list(weight)} weight; the LoRA's down "
-                               f"{list(layer.down.shape)} and up {list(layer.up.shape)} do not fit it (a LoRA for "
+        weights = [targets[layer.component][path] for path in paths]
+        rows = [weight[0] for weight in weights]
+        if any(weight[1:] != tuple(layer.down.shape[1:]) for weight in weights) or sum(rows) != layer.up.shape[0]:
+            modules = "module " + paths[0] if len(paths) == 1 else "modules " + ", ".join(paths)
+            shapes = " and ".join(str(list(weight)) for weight in weights)
+            _refuse(lora.path, f"{layer.component} {modules} {'has a' if len(paths) == 1 else 'have'} {shapes} "
+                               f"weight{'s' * (len(paths) > 1)}; the LoRA's down {list(layer.down.shape)} and up "
+                               f"{list(layer.up.shape)} do not fit {'it' if len(paths) == 1 else 'them'} (a LoRA for "
                                "another model?)")
-        resolved.append((layer.component, path, layer))
+        up = layer.up
+        if _flat(layer.name) == FLUX_BFL_SWAPPED:
+            up = torch.cat(up.chunk(2)[::-1])
+        for path, part in zip(paths, up.split(rows)):
+            if (layer.component, path) in seen:
+                _refuse(lora.path, f"names {layer.component} module {path} twice ({seen[layer.component, path]}, "
+                                   f"{layer.name})")
+            seen[layer.component, path] = layer.name
+            resolved.append((layer.component, path, LoraLayer(layer.component, layer.name, layer.down, part,
+                                                              layer.alpha)))
     return resolved
 
 

@@ -71,6 +71,12 @@ class _FlowTransformerModel(StageModel):
         inputs["timestep"] = (torch.rand((1,), generator=generator) * 1000).to(device)
         return inputs
 
+    def component_module(self, module):
+        return module.transformer
+
+    def component_skeleton(self):
+        return self.meta_module().transformer
+
 
 class SD3TransformerModel(_FlowTransformerModel):
     name = TRANSFORMER

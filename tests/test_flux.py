@@ -150,7 +150,7 @@ def test_a_scheduler_that_does_not_step_a_flow_is_refused_for_flux(dev, schedule
 @pytest.mark.parametrize("model, args, message", [
     ("tiny-flux", ["--cache-interval", "2"], "which does not support the step cache"),
     ("tiny-flux", ["--controlnet", "tiny-controlnet"], "is a ControlNet of SD 1.x/2.x models"),
-    ("tiny-flux", ["--lora", "shapes-outline"], "which does not support LoRA"),
+    ("tiny-flux", ["--lora", "shapes-outline"], "changes unet, which a LoRA does not change in this model"),  # SD's
     ("tiny-flux", ["--int8"], "which does not support INT8"),
     ("tiny-flux", ["--refiner", "tiny-xl-refiner"], "which does not support a refiner"),
     ("tiny-flux", ["--scheduler", "Euler"], "whose denoiser predicts a flow"),

@@ -429,8 +429,8 @@ def test_a_lora_of_the_other_architecture_is_refused_before_the_model_loads(sd, 
     """An SDXL LoRA on an SD 1.x model (its text_encoder_2 said first), an SD 1.x LoRA on an SDXL model."""
     from demo.cli.generate import main
 
-    for model, other, message in [(xl, "tiny", "changes text_encoder_2, which this model has not (a LoRA for another "
-                                               "model?)"),
+    for model, other, message in [(xl, "tiny", "changes text_encoder_2, which a LoRA does not change in this model "
+                                               "(its LoRAs change text_encoder, unet: a LoRA for another model?)"),
                                   (sd, "tiny-xl", "(a LoRA for another model?)")]:
         lora = write_lora(tmp_path / f"{model.source.name}.safetensors", model, form, seed=20, alphas=True)
         assert main(["a castle", "--model", other, "--lora", str(lora), "--output-dir", str(tmp_path / "out")]) == 2
@@ -471,7 +471,7 @@ def bad_files(tmp_path):
                                                        "pytorch_lora_weights.safetensors"),
         "no LoRA": (save("model.safetensors", {"conv_in.weight": torch.ones(2, 2)}),
                     "holds keys of no LoRA format known here, such as 'conv_in.weight' (1 in all; known: "
-                    "diffusers/PEFT unet./text_encoder.<module>.lora_A/lora_B"),
+                    "diffusers/PEFT unet./transformer./text_encoder.<module>.lora_A/lora_B"),
         "LoCon mid": (save("locon.safetensors", {f"{conv}.lora_down.weight": torch.ones(4, 32, 3, 3),
                                                  f"{conv}.lora_up.weight": torch.ones(32, 4, 1, 1),
                                                  f"{conv}.lora_mid.weight": torch.ones(4, 4, 3, 3)}), "lora_mid"),
@@ -501,7 +501,8 @@ def bad_files(tmp_path):
         "a prefix missing beside others": (save("mixed.safetensors", {
             f"unet.{module}.lora_A.weight": torch.ones(4, 64), f"unet.{module}.lora_B.weight": torch.ones(64, 4),
             f"{SD_UNET[1]}.lora_A.weight": torch.ones(4, 64), f"{SD_UNET[1]}.lora_B.weight": torch.ones(64, 4)}),
-            f"key '{SD_UNET[1]}.lora_A.weight' has no component prefix (unet., text_encoder., text_encoder_2.) "
+            f"key '{SD_UNET[1]}.lora_A.weight' has no component prefix (unet., transformer., text_encoder., "
+            "text_encoder_2.) "
             "while other keys have one"),
         "a text encoder without its prefix": (save("te.safetensors", {
             f"text_model.{TEXT[0]}.lora_A.weight": torch.ones(4, 32),
@@ -516,7 +517,7 @@ def bad_files(tmp_path):
         "another model's component": (save("xl.safetensors", {
             "text_encoder_2.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 32),
             "text_encoder_2.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(32, 4)}),
-            "changes text_encoder_2, which this model has not"),
+            "changes text_encoder_2, which a LoRA does not change in this model"),
         "unknown module": (save("unknown.safetensors", {"unet.no_such.module.lora_A.weight": torch.ones(4, 16),
                                                         "unet.no_such.module.lora_B.weight": torch.ones(16, 4)}),
                            "unet has no Linear or Conv2d module 'no_such.module'"),

@@ -116,7 +116,6 @@ def test_the_flow_matching_scheduler_is_refused_for_a_model_that_predicts_noise(
 @pytest.mark.parametrize("args, message", [
     (["--cache-interval", "2"], "which does not support the step cache"),
     (["--controlnet", "tiny-controlnet"], "is a ControlNet of SD 1.x/2.x models"),
-    (["--lora", "shapes-outline"], "which does not support LoRA"),
     (["--int8"], "which does not support INT8"),
     (["--refiner", "tiny-xl-refiner"], "which does not support a refiner"),
     (["--scheduler", "Euler"], "whose denoiser predicts a flow"),

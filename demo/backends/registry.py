@@ -23,15 +23,16 @@ def backend_named(name: str) -> Backend:
 
 
 def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool = True, family: Family | None = None,
-                   model: str | None = None, controlled: bool = False) -> tuple[Backend, str]:
+                   model: str | None = None, controlled: bool = False, loras: bool = False) -> tuple[Backend, str]:
     """(backend, reason) for a spec's backend on a GPU of compute capability `cc` (None: this machine's, or no GPU);
     with `runs` False, one named only needs to build here, not run. With the model's `family` (and the model's name),
     a backend its family lacks what it needs for (Backend.family_feature: TensorRT's engines; `controlled`, with
-    ControlNets: Backend.controlnet_feature, their engines) is refused where named, passed over under auto."""
+    ControlNets: Backend.controlnet_feature, their engines; with `loras`, the spec giving LoRA files,
+    Backend.lora_feature: their refit) is refused where named, passed over under auto."""
     cc = cc if cc is not None else current_cc()
     if requested != AUTO:
         backend = backend_named(requested)
-        unfit = why_not_for(backend, family, model, controlled)
+        unfit = why_not_for(backend, family, model, controlled, loras)
         if unfit:
             raise UsageError(f"{field('backend')} {backend.name}: {unfit}; use {field('backend')} {REFERENCE.name}")
         reason = backend.why_cannot_run(cc) if runs else backend.why_cannot_build()
@@ -42,7 +43,7 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
     for backend in REGISTRY.values():
         if backend is REFERENCE:  # the fallback
             continue
-        reason = why_not_for(backend, family, model, controlled)
+        reason = why_not_for(backend, family, model, controlled, loras)
         reason = f"{backend.name}: {reason}" if reason else backend.why_cannot_run(cc)
         if reason is None:
             return backend, f"auto: {backend.name} {backend.version()} runs on this GPU"
@@ -50,14 +51,19 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
     return REFERENCE, "auto: " + "; ".join(reasons)
 
 
-def why_not_for(backend: Backend, family: Family | None, model: str | None, controlled: bool = False) -> str | None:
-    """Why `backend` cannot run a model of `family` (`controlled`: with ControlNets) (None: it can, or no family is
-    given): what the backend needs that the family does not declare (its engines, or its ControlNets', not built
-    yet)."""
+def why_not_for(backend: Backend, family: Family | None, model: str | None, controlled: bool = False,
+                loras: bool = False) -> str | None:
+    """Why `backend` cannot run a model of `family` (`controlled`: with ControlNets; `loras`: with LoRA files) (None:
+    it can, or no family is given): what the backend needs that the family does not declare (its engines, or its
+    ControlNets', not built yet; their LoRA refit)."""
     if family is None:
         return None
     needed = (backend.family_feature, backend.controlnet_feature if controlled else None)
     missing = next((feature for feature in needed if feature is not None and not family.supports(feature)), None)
-    if missing is None:
-        return None
-    return f"model '{model}' is of the {family.label} family, whose {missing} are not built yet"
+    if missing is not None:
+        return f"model '{model}' is of the {family.label} family, whose {missing} are not built yet"
+    if loras and backend.lora_feature is not None and not family.supports(backend.lora_feature):
+        return (f"{field('loras')} on model '{model}' of the {family.label} family: its {backend.name} engines take "
+                f"no LoRA (refitting its {family.denoiser}'s engine is not built; the torch backend fuses LoRA files "
+                "in)")
+    return None

@@ -1,13 +1,13 @@
-"""LoRA files applied to a pipeline's UNet and text-encoder stages (models.lora), switched without reloading; how they
-apply is the stages' own (Stage.lora_applier: fused into the torch backend's modules, refitted into engines built
-refittable)."""
+"""LoRA files applied to a pipeline's denoiser and text-encoder stages (models.lora: its family's lora_components),
+switched without reloading; how they apply is the stages' own (Stage.lora_applier: fused into the torch backend's
+modules, refitted into engines built refittable)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from models.lora import COMPONENTS, LoraFile, read_lora
+from models.lora import LoraFile, read_lora
 
 if TYPE_CHECKING:
     from demo.backends.base import LoraApplier, Stage
@@ -16,10 +16,12 @@ LoraSpec = tuple[str | Path | LoraFile, float]  # a file or LoRA folder (or what
 
 
 class StageLoras:
-    """The LoRA files applied to the stages whose models LoRA files change (the UNet, the text encoders)."""
+    """The LoRA files applied to the stages whose components LoRA files change (the family's lora_components: the
+    denoiser, the CLIP text encoders)."""
 
     def __init__(self, stages: Mapping[str, Stage]):
-        self.stages = [stage for stage in stages.values() if stage.model.component in COMPONENTS]
+        self.stages = [stage for stage in stages.values()
+                       if stage.model.component in stage.model.source.family.lora_components]
         self.applier: LoraApplier | None = None  # made on first use
 
     def set(self, loras: Sequence[LoraSpec]) -> float | None:

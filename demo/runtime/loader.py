@@ -76,7 +76,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
                            vae_precision=spec.vae_precision)
     chosen = backend  # and one the model's family cannot run on (its engines not built): refused, or passed over
     backend, reason = select_backend(spec.backend, runs=runs, family=source.family, model=source.name,
-                                     controlled=bool(spec.controlnets))
+                                     controlled=bool(spec.controlnets), loras=bool(spec.loras))
     if spec.loras and backend is not chosen:
         backend.check_loras(spec_options(spec, backend))
     check_family_features(spec, source)

@@ -20,6 +20,7 @@ from models.families.base import (
     INPAINTING,
     INT8,
     LORA,
+    LORA_REFIT,
     MODES,
     NO_GUIDANCE,
     REFINER,
@@ -35,9 +36,9 @@ from models.families.sdxl import SDXL
 FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX)
 
 __all__ = ["CLASSIFIER_FREE", "CONTROLNET", "CONTROLNET_ENGINES", "EMBEDDED", "ENGINES", "FAMILIES", "FLUX",
-           "GUESS_MODE", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING", "INT8", "LORA", "MODES", "NO_GUIDANCE",
-           "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named", "family_of",
-           "family_of_denoiser"]
+           "GUESS_MODE", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING", "INT8", "LORA", "LORA_REFIT", "MODES",
+           "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named",
+           "family_of", "family_of_denoiser"]
 
 
 def family_named(name: str) -> Family:

@@ -37,6 +37,9 @@ ENGINES = "TensorRT engines"
 # Its ControlNets' stages build into engines too (TensorRT's backends ask for it where a spec has ControlNets:
 # Backend.controlnet_feature); and its ControlNet pipelines take guess mode (a request's guess_mode).
 CONTROLNET_ENGINES, GUESS_MODE = "ControlNet engines", "guess mode"
+# Its engines take LoRA files, refitted in (Backend.lora_feature); a family with LORA but not this fuses them on the
+# torch backend alone (SD3's and Flux's transformers: their engines' refit is not built).
+LORA_REFIT = "LoRA refit of its engines"
 
 
 @dataclass(frozen=True, eq=False)  # one object per family: compared by identity

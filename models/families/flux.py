@@ -5,7 +5,7 @@ image's token count (the scheduler's dynamic shifting), a 16-channel VAE whose l
 embeds none and takes no scale."""
 
 from models import CLIP, FLUX_TRANSFORMER, T5
-from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, NO_GUIDANCE, TEXT_TO_IMAGE, Family
+from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, LORA, NO_GUIDANCE, TEXT_TO_IMAGE, Family
 from models.recommended import Recommended
 
 # diffusers' FluxPipeline's own defaults (num_inference_steps, guidance_scale), and FLUX.1 [schnell]'s as diffusers'
@@ -24,12 +24,14 @@ FLUX = Family(
     diffusers_pipelines={TEXT_TO_IMAGE: ("FluxPipeline", "FluxControlNetPipeline"),
                          IMAGE_TO_IMAGE: ("FluxImg2ImgPipeline", "FluxControlNetImg2ImgPipeline"),
                          INPAINTING: ("FluxInpaintPipeline", "FluxControlNetInpaintPipeline")},
-    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET}),  # TensorRT engines (ENGINES), ...: not built yet
+    # TensorRT engines (ENGINES), their LoRA refit (LORA_REFIT) and the rest: not built yet
+    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA}),
     inpainting_denoisers=False,  # FluxInpaintPipeline blends; FLUX.1 Fill (FluxFillPipeline) is another pipeline
     denoiser="transformer",
     denoiser_stage=FLUX_TRANSFORMER,
     denoiser_classes=("FluxTransformer2DModel",),
     controlnet_class="FluxControlNetModel",
+    lora_components=("transformer", "text_encoder"),  # diffusers' FluxLoraLoaderMixin's (its CLIP; no T5)
     text_width_key="joint_attention_dim",
     pooled_text=(CLIP,),
     pooled_width_key="pooled_projection_dim",

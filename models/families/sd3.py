@@ -5,7 +5,7 @@ latents are shifted as well as scaled. Its inpainting models' transformer takes 
 the masked image's latents), as StableDiffusion3InpaintPipeline feeds it."""
 
 from models import CLIP, CLIP2, T5, TRANSFORMER
-from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Family
+from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, LORA, TEXT_TO_IMAGE, Family
 from models.recommended import Recommended
 
 # diffusers' SD3 pipelines' own defaults (num_inference_steps, guidance_scale): a model folder of each class gets them
@@ -25,10 +25,12 @@ SD3 = Family(
                          IMAGE_TO_IMAGE: ("StableDiffusion3Img2ImgPipeline", None),
                          INPAINTING: ("StableDiffusion3InpaintPipeline",
                                       "StableDiffusion3ControlNetInpaintingPipeline")},
-    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET}),  # TensorRT engines (ENGINES), ...: not built yet
+    # TensorRT engines (ENGINES), their LoRA refit (LORA_REFIT) and the rest: not built yet
+    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA}),
     denoiser="transformer",
     denoiser_stage=TRANSFORMER,
     penultimate_text=True,
+    lora_components=("transformer", "text_encoder", "text_encoder_2"),  # diffusers' SD3LoraLoaderMixin's (no T5)
     denoiser_classes=("SD3Transformer2DModel",),
     controlnet_class="SD3ControlNetModel",
     text_width_key="joint_attention_dim",
