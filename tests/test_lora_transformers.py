@@ -348,3 +348,25 @@ def test_a_flux_lora_recommends_its_steps_and_guidance_as_sd_loras_do(flux, tmp_
     assert (made.denoising_steps, made.guidance_scale) == (8, 2.5)
     made = planned(Request("a castle", seed=0, height=128, width=128, denoising_steps=5, guidance_scale=3.0))
     assert (made.denoising_steps, made.guidance_scale) == (5, 3.0)
+
+
+def test_a_loaded_pipeline_takes_loras_and_refuses_them_on_engines_without_refit(sd3, tmp_path, monkeypatch):
+    """The spec's LoRA fused at load (the Python API), switched off; set_loras on engines of a family without their
+    refit (a TensorRT backend put in its place here) is one line and changes nothing."""
+    from demo.backends.registry import REGISTRY
+    from demo.runtime.loader import load_pipeline, quiet
+
+    lora = peft_lora(tmp_path, sd3, seed=15, components=["transformer"])
+    pipeline = load_pipeline(PipelineSpec(model="tiny-sd3", backend="torch", loras=((str(lora), SCALE),)), "cpu",
+                             log=quiet, progress=quiet)
+    transformer = pipeline.stages["transformer"].model.component_module(pipeline.stages["transformer"].module)
+    fused = {key: value.clone() for key, value in transformer.state_dict().items()}
+    assert [(file.path, scale) for file, scale in pipeline.loras] == [(str(lora), SCALE)]
+    assert not all(torch.equal(sd3.base[f"transformer.{key}"], value) for key, value in fused.items())
+    monkeypatch.setattr(pipeline, "backend", REGISTRY["tensorrt"])
+    with pytest.raises(UsageError, match="^[^\n]*model 'tiny-sd3'[^\n]*$"):
+        pipeline.set_loras([(lora, 1.0)])
+    assert all(torch.equal(fused[key], value) for key, value in transformer.state_dict().items())
+    pipeline.set_loras([])  # none: always taken
+    assert all(torch.equal(sd3.base[f"transformer.{key}"], value) for key, value in transformer.state_dict().items())
+    pipeline.close()

@@ -216,9 +216,9 @@ class TorchFlags:
 class LoraFlags:
     lora: tuple[str, ...] | None = flag("fuse this LoRA (a .safetensors file of diffusers/PEFT or kohya keys, a "
                                         f"diffusers LoRA folder, or {', '.join(LORA_NAMES)}, shipped with shapes) "
-                                        "into the UNet and text encoders, its delta times SCALE (default "
-                                        "1.0); repeatable, the deltas add up; engines take it by refit, with "
-                                        "--build-enable-refit",
+                                        "into the UNet or transformer and the CLIP text encoders, its delta times "
+                                        "SCALE (default 1.0); repeatable, the deltas add up; SD's and SDXL's "
+                                        "engines take it by refit, with --build-enable-refit",
                                         metavar="PATH[:SCALE]", repeatable=True)
 
 

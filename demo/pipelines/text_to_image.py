@@ -101,7 +101,7 @@ class Text2ImagePipeline:
         return len(self.timesteps(steps, strength, explicit))
 
     def set_loras(self, loras: Sequence[LoraSpec]) -> float | None:
-        """Fuse LoRA files, (path, scale) each, added up, into the UNet and text encoders in place of those set
+        """Fuse LoRA files, (path, scale) each, added up, into the denoiser and text encoders in place of those set
         before ([]: the base weights, bit for bit), without reloading: into the torch modules, or by refit into
         engines built refittable (demo.pipelines.lora). Returns how long the engines' refit took, in ms (None:
         no engine was refitted)."""

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from core.errors import UsageError, field, render_fields
+from demo.backends.registry import why_not_for
 from demo.pipelines import ExpertsPipeline, make_pipeline, to_uint8
 from demo.pipelines.lora import LoraSpec
 from demo.pipelines.timer import StageTimer, timed_runs
@@ -224,6 +225,10 @@ class Pipeline:
         """Apply LoRA files ((path, scale) each, added up) in place of those applied before ([]: the base weights, bit
         for bit), without reloading; a refiner keeps its own weights. Returns how long refitting engines took, in ms
         (None: no engine was refitted); the report gives it too."""
+        source = self.plan.source
+        unfit = loras and why_not_for(self.backend, source.family, source.name, loras=True)
+        if unfit:  # a pipeline loaded without LoRAs on engines whose refit is not built (SD3's, Flux's)
+            raise UsageError(unfit)
         files = [(lora if isinstance(lora, LoraFile) else read_lora(lora), scale) for lora, scale in loras]
         self.lora_refit_ms = next(iter(self.families.values())).set_loras(files)  # the families share the stages
         self.loras = files
