@@ -488,8 +488,10 @@ def _resolve(lora: LoraFile, targets: Targets, tables: Mapping[str, Mapping[str,
     resolved, seen = [], {}
     for layer in lora.layers:
         if layer.component not in targets:
+            why = (f"its keys have no component prefix, so they are the UNet's: a transformer's need {TRANSFORMER}."
+                   if lora.prefixless else "a LoRA for another model?")
             _refuse(lora.path, f"changes {layer.component}, which a LoRA does not change in this model (its LoRAs "
-                               f"change {', '.join(targets)}: a LoRA for another model?)")
+                               f"change {', '.join(targets)}: {why})")
         paths = tables[layer.component].get(_flat(layer.name))
         if paths is None:
             why = ("its keys have no component prefix, so they are the UNet's: a text encoder's need text_encoder. or "

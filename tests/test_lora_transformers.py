@@ -275,6 +275,10 @@ def refusals(tmp_path, sd3: Model, flux: Model) -> list[tuple[str, object, str]]
     nothing = tmp_path / "nothing.safetensors"
     safetensors.torch.save_file({"transformer.no_such.module.lora_A.weight": torch.randn(RANK, 8),
                                  "transformer.no_such.module.lora_B.weight": torch.randn(8, RANK)}, str(nothing))
+    prefixless = tmp_path / "adapter.safetensors"  # what transformer.save_lora_adapter writes
+    safetensors.torch.save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(RANK, 16),
+                                 "transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(16, RANK)},
+                                str(prefixless))
     flux_kohya = kohya_flux(tmp_path / "bfl.safetensors", flux, {"lora_unet_double_blocks_0_img_attn_qkv": (
         ("transformer", "transformer_blocks.0.attn.to_q"), 48)}, seed=10)
     return [
@@ -292,13 +296,15 @@ def refusals(tmp_path, sd3: Model, flux: Model) -> list[tuple[str, object, str]]
                                  "for another model?)"),
         ("tiny-flux", nothing, "transformer has no Linear or Conv2d module 'no_such.module' (a LoRA for another "
                                "model?)"),
+        ("tiny-flux", prefixless, "(its LoRAs change text_encoder, transformer: its keys have no component prefix, so "
+                                  "they are the UNet's: a transformer's need transformer.)"),
     ]
 
 
 def test_a_lora_of_another_architecture_or_matching_nothing_is_one_line_before_the_model_loads(
         sd3, flux, tmp_path, capsys, no_loading):
     """A UNet LoRA on a transformer, an SD3 LoRA on Flux.1 and back (transformer_blocks' modules of other sizes), a
-    kohya Flux LoRA on SD3, keys naming no module."""
+    kohya Flux LoRA on SD3, keys naming no module, a transformer's keys without their prefix (the UNet's)."""
     from demo.cli.generate import main
 
     for model, lora, message in refusals(tmp_path, sd3, flux):
