@@ -17,9 +17,9 @@ shipped with `shapes`). The key formats (one file may mix them):
 - diffusers / PEFT: `<component>.<module>.lora_A.weight` / `.lora_B.weight`, the component `unet`, `transformer`,
   `text_encoder` or `text_encoder_2` (what the pipelines' save_lora_weights write); a text encoder's module with or
   without `text_model.`. A file none of whose keys has a component prefix is the UNet's alone (what diffusers'
-  unet.save_lora_adapter writes and unet.load_lora_adapter(prefix=None) reads; a transformer's such file is refused,
-  a UNet's). An adapter config in the file's metadata (diffusers' `lora_adapter_metadata`: lora_alpha, alpha_pattern,
-  use_rslora; unprefixed in a UNet-only file) scales as PEFT does.
+  unet.save_lora_adapter writes and unet.load_lora_adapter(prefix=None) reads; a transformer's, so read, is refused
+  on its model). An adapter config in the file's metadata (diffusers' `lora_adapter_metadata`: lora_alpha,
+  alpha_pattern, use_rslora; unprefixed in a UNet-only file) scales as PEFT does.
 - older diffusers: `.lora.down.weight` / `.lora.up.weight`, `.lora_linear_layer.down.weight` / `.up.weight`, the
   attention processors' `<attention>.processor.to_q_lora.down.weight` (to_k, to_v, to_out), and `<module>.alpha`.
 - kohya (A1111): `lora_unet_<module>`, `lora_te_` / `lora_te1_` (text_encoder), `lora_te2_` (text_encoder_2), the

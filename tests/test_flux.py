@@ -155,7 +155,7 @@ def test_a_scheduler_that_does_not_step_a_flow_is_refused_for_flux(dev, schedule
     ("tiny-flux", ["--refiner", "tiny-xl-refiner"], "which does not support a refiner"),
     ("tiny-flux", ["--scheduler", "Euler"], "whose denoiser predicts a flow"),
     ("tiny-flux", ["--input-image", "IMAGE", "--mask-image", "IMAGE", "--lora", "shapes-outline"],
-     "which does not support LoRA"),
+     "changes unet, which a LoRA does not change in this model"),
     ("tiny-flux", ["--backend", "tensorrt"], "whose TensorRT engines are not built yet"),
     ("tiny-flux-schnell", ["--guidance-scale", "3.5"], "takes no guidance scale"),
 ])
