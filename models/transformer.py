@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from models import FLUX_TRANSFORMER, TRANSFORMER
-from models.base import StageModel
+from models.base import ONNX_OPSET, StageModel
 from models.unet import LATENT
 
 # The inputs of a transformer steered by ControlNets, beside its own: the samples added to its blocks, in order
@@ -168,6 +168,47 @@ class _PackedFlowPrediction(torch.nn.Module):
         return flow.reshape(batch, channels, height, width)
 
 
+class _DecomposedRMSNorm(torch.nn.Module):
+    """torch.nn.RMSNorm as torch computes it (in float32 for half inputs, scaled by its weight, then cast back), in ops
+    that ONNX opset 17 has: aten::rms_norm exports only at opset 23 (RMSNormalization), which no TensorRT flavour
+    here takes. The same weight (the module's own parameter), so the export's initializers are the checkpoint's."""
+
+    def __init__(self, norm: torch.nn.RMSNorm):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+
+    def forward(self, x):
+        wide = x.float()
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed if self.weight is None else normed * self.weight.float()).to(x.dtype)
+
+
+def _decompose_rms_norms(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with each torch.nn.RMSNorm in it replaced by _DecomposedRMSNorm, in place."""
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.RMSNorm):
+            setattr(module, name, _DecomposedRMSNorm(child))
+        else:
+            _decompose_rms_norms(child)
+    return module
+
+
+def _traced_rotary_embedding(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+    """diffusers' apply_rotary_emb as Flux's attention calls it (real cos and sin, pairs interleaved along the last
+    axis), the pairs split by unflatten: diffusers' own reshape to `(*x.shape[:-1], -1, 2)` traces as constants, the
+    export's batch and token count baked into the graph."""
+    if not use_real or use_real_unbind_dim != -1 or sequence_dim not in (1, 2):
+        raise NotImplementedError(f"rotary embedding use_real={use_real}, unbind_dim={use_real_unbind_dim}, "
+                                  f"sequence_dim={sequence_dim}: not how Flux's attention calls it")
+    cos, sin = freqs_cis
+    cos, sin = (cos[None, :, None], sin[None, :, None]) if sequence_dim == 1 else (cos[None, None], sin[None, None])
+    pairs = x.unflatten(-1, (-1, 2))
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(3)
+    return (x.float() * cos.to(x.device) + rotated.float() * sin.to(x.device)).to(x.dtype)
+
+
 class FluxTransformerModel(_FlowTransformerModel):
     name = FLUX_TRANSFORMER
 
@@ -204,6 +245,19 @@ class FluxTransformerModel(_FlowTransformerModel):
 
         transformer = FluxTransformer2DModel.from_pretrained(self.source.component_dir(self.component))
         return _PackedFlowPrediction(transformer, self.source.family.packed_latents, self.guided, self.controls)
+
+    def export_module(self):
+        # Flux's attention normalizes its queries and keys with torch.nn.RMSNorm
+        return _decompose_rms_norms(self.load_module())
+
+    def export_onnx(self, path, device, dtype, opset=ONNX_OPSET):
+        from unittest import mock
+
+        from diffusers.models.transformers import transformer_flux
+
+        # for the trace alone: the module's attention reads the function from its module's namespace
+        with mock.patch.object(transformer_flux, "apply_rotary_emb", _traced_rotary_embedding):
+            super().export_onnx(path, device, dtype, opset)
 
     def meta_module(self):
         from diffusers import FluxTransformer2DModel

@@ -24,7 +24,8 @@ def _run_onnx(path, inputs):
 
 EXPORTS = [("tiny", stage) for stage in ("clip", "unet", "vae", "vae_encoder")] + \
     [("tiny-xl", stage) for stage in ("clip", "clip2", "unet", "vae")] + \
-    [("tiny-sd3", stage) for stage in ("t5", "transformer")]  # Flux's transformer: no opset-17 aten::rms_norm
+    [("tiny-sd3", stage) for stage in ("t5", "transformer")] + [("tiny-flux", "t5"), ("tiny-flux", "flux_transformer"),
+                                                             ("tiny-flux-schnell", "flux_transformer")]
 
 
 @pytest.mark.parametrize("builtin, stage", EXPORTS)
