@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from models import T5
-from models.base import StageModel
+from models.base import ONNX_OPSET, StageModel
 
 
 class _LastStates(torch.nn.Module):
@@ -43,10 +43,19 @@ class T5Model(StageModel):
     def integer_input_bound(self, name):
         return self.config["vocab_size"]
 
-    def load_module(self):
+    def load_module(self, attn_implementation: str | None = None):
         from transformers import T5EncoderModel
 
-        return _LastStates(T5EncoderModel.from_pretrained(self.source.component_dir(self.component)))
+        return _LastStates(T5EncoderModel.from_pretrained(self.source.component_dir(self.component),
+                                                          attn_implementation=attn_implementation))
+
+    def export_module(self):
+        # Traced through SDPA, a bf16 export casts its scale to complex128 (ONNX type 15, torch's bf16 number), which
+        # no TensorRT parses; T5's eager attention (no scale: its weights are trained unscaled) exports as it computes.
+        return self.load_module(attn_implementation="eager")
+
+    def onnx_key(self, dtype, opset=ONNX_OPSET):
+        return dict(super().onnx_key(dtype, opset), attention="eager")  # ONNX exported through SDPA before it
 
     def meta_module(self):
         from transformers import T5Config, T5EncoderModel

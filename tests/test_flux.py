@@ -156,19 +156,14 @@ def test_a_scheduler_that_does_not_step_a_flow_is_refused_for_flux(dev, schedule
     ("tiny-flux", ["--scheduler", "Euler"], "whose denoiser predicts a flow"),
     ("tiny-flux", ["--input-image", "IMAGE", "--mask-image", "IMAGE", "--lora", "shapes-outline"],
      "changes unet, which a LoRA does not change in this model"),
-    ("tiny-flux", ["--backend", "tensorrt"], "whose TensorRT engines are not built yet"),
     ("tiny-flux-schnell", ["--guidance-scale", "3.5"], "takes no guidance scale"),
 ])
-def test_what_flux_lacks_is_refused_in_one_line_exit_2(dev, schnell, model, args, message, tmp_path, capsys,
-                                                      monkeypatch):  # the built-ins made first: no note of it
+def test_what_flux_lacks_is_refused_in_one_line_exit_2(dev, schnell, model, args, message, tmp_path,
+                                                      capsys):  # the built-ins made first: no note of it
     from PIL import Image
 
-    from demo.backends.registry import REGISTRY
     from demo.cli.generate import main
 
-    if "--backend" in args:  # as on a GPU with TensorRT (tests/test_sd3.py proves no work begins)
-        monkeypatch.setattr(REGISTRY["tensorrt"], "why_cannot_run", lambda cc: None)
-        monkeypatch.setattr(REGISTRY["tensorrt"], "version", lambda: "10.x")
     if "IMAGE" in args:
         Image.new("RGB", (SIZE, SIZE), "red").save(tmp_path / "in.png")
         args = [str(tmp_path / "in.png") if arg == "IMAGE" else arg for arg in args]

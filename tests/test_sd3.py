@@ -188,60 +188,6 @@ def test_the_text_conditioning_is_diffusers_own(tiny_sd3, stages):
     assert torch.allclose(ours[1], torch.cat([negative_pooled, pooled]), atol=1e-5)
 
 
-@pytest.fixture
-def tensorrt_here(monkeypatch):
-    """As on a machine whose GPU runs both TensorRT flavours (installed there), where nothing may be built or loaded
-    for this test: an SD3 model must be refused before."""
-    from demo.backends.registry import REGISTRY
-    from demo.backends.tensorrt.backend import TensorRTBackend
-    from demo.runtime.loader import PipelinePlan
-
-    def no_work(*_, **__):
-        raise AssertionError("engine work began before the backend was checked against the model's family")
-
-    for name in ("tensorrt", "tensorrt-rtx"):
-        monkeypatch.setattr(REGISTRY[name], "why_cannot_run", lambda cc: None)
-        monkeypatch.setattr(REGISTRY[name], "why_cannot_build", lambda: None)
-        monkeypatch.setattr(REGISTRY[name], "version", lambda: "10.x")
-    for method in ("settings", "prepare", "create_stages"):
-        monkeypatch.setattr(TensorRTBackend, method, no_work)
-    monkeypatch.setattr(PipelinePlan, "load", no_work)
-    monkeypatch.setattr(PipelinePlan, "build", no_work)
-
-
-@pytest.mark.parametrize("command", ["demo-diffusion", "build-engines"])
-@pytest.mark.parametrize("backend", ["tensorrt", "tensorrt-rtx"])
-def test_tensorrt_is_refused_for_sd3_in_one_line_before_any_work(tiny_sd3, tensorrt_here, command, backend, tmp_path,
-                                                                 capsys):
-    """The family declares no TensorRT engines (models.families' ENGINES, which TensorRT's backends ask for): a
-    TensorRT backend named for an SD3 model is one line, exit 2, before anything is exported, built or loaded."""
-    from demo.cli.build_engines import main as build_engines
-    from demo.cli.generate import main as generate
-
-    dirs = ["--onnx-dir", str(tmp_path / "onnx"), "--engine-dir", str(tmp_path / "engine")]
-    if command == "demo-diffusion":
-        status = generate(["a prompt", "--model", "tiny-sd3", "--backend", backend, "--output-dir",
-                           str(tmp_path / "out"), *dirs])
-    else:
-        status = build_engines(["--model", "tiny-sd3", "--backend", backend, *dirs])
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(lines) == 1 and lines[0].startswith(f"{command}: error: "), lines
-    assert (f"--backend {backend}: model 'tiny-sd3' is of the SD3 family, whose TensorRT engines are not built yet; "
-            "use --backend torch") in lines[0]
-    assert not any(tmp_path.iterdir())
-
-
-def test_auto_passes_over_tensorrt_for_sd3_and_says_why(tensorrt_here):
-    from demo.backends.registry import select_backend
-    from models.families import SD
-
-    backend, reason = select_backend("auto", cc=(8, 9), family=SD3, model="tiny-sd3")
-    assert backend.name == "torch" and "tensorrt-rtx: model 'tiny-sd3' is of the SD3 family, whose TensorRT engines" \
-                                       " are not built yet" in reason
-    assert select_backend("auto", cc=(8, 9), family=SD, model="tiny")[0].name == "tensorrt"  # SD's are built
-    assert select_backend("tensorrt-rtx", cc=(8, 9), family=SD, model="tiny")[0].name == "tensorrt-rtx"
-
-
 @pytest.fixture(scope="module")
 def sd3_sized(tiny_sd3, tmp_path_factory):
     """tiny-sd3 with SD3's own size multiple (its VAE's config 8x, as SD3's: configs only, refused before loading)."""

@@ -96,6 +96,7 @@ def build(flags) -> int:
     spec = build_spec(flags)
     spec.check()
     # The runtime loads torch (seconds): what needs no model is answered above, without it.
+    from demo.backends.tensorrt.build import engine_dtype
     from demo.runtime.loader import plan_pipeline
     from demo.runtime.report import precision_name
 
@@ -106,6 +107,12 @@ def build(flags) -> int:
     quantized = [model.name for model, stage in zip(plan.base.models, settings)
                  if stage.int8 is not None and model.takes_int8]
     precision = precision_name(plan.dtype)
+    others: dict = {}  # the stages built in another precision than the pipeline's (Family.bf16_engines, an upcast VAE)
+    for model, stage in zip(plan.base.models, settings):
+        built_in = engine_dtype(model, stage, plan.dtype)
+        if built_in != plan.dtype:
+            others.setdefault(precision_name(built_in), []).append(model.name)
+    precision += "".join(f", {name} {', '.join(names)}" for name, names in others.items())
     if quantized:
         precision += f", int8 {', '.join(quantized)}"
     first = settings[0]

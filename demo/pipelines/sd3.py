@@ -53,7 +53,9 @@ class SD3Pipeline(FlowPipeline):
         texts = self._texts(batch)
         states, pooled = self.stage(CLIPModel).call(self._token_ids(texts))
         states_2, pooled_2 = self.stage(CLIP2Model).call(self._token_ids(texts, self.tokenizer_2))
-        t5 = self.t5_states(texts)
-        clip = torch.cat([states, states_2], dim=-1).to(t5.dtype)
+        # each in the pipeline's precision first: T5's engine may run in another (bf16, fp32: Family.bf16_engines),
+        # whose rounding the CLIPs' states must not go through
+        t5 = self.t5_states(texts).to(self.dtype)
+        clip = torch.cat([states, states_2], dim=-1).to(self.dtype)
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
-        return torch.cat([clip, t5], dim=-2).to(self.dtype), torch.cat([pooled, pooled_2], dim=-1).to(self.dtype)
+        return torch.cat([clip, t5], dim=-2), torch.cat([pooled, pooled_2], dim=-1).to(self.dtype)

@@ -24,7 +24,7 @@ from core.errors import UsageError, field
 from demo.backends.base import Backend, Workload
 from demo.backends.registry import select_backend
 from demo.pipelines import PIPELINES
-from demo.request import TEXT_TO_IMAGE, Request, check_image_size, check_mode, modes_of
+from demo.request import INPAINTING, TEXT_TO_IMAGE, Request, check_image_size, check_mode, modes_of
 from demo.runtime.calibrate import calibration_spec, record_unet_activations
 from demo.runtime.loaded import Pipeline
 from demo.runtime.logs import configure_library_logging
@@ -33,7 +33,7 @@ from demo.runtime.plan import Log, PipelinePlan, StagePlan, resolve_request
 from demo.runtime.report import DTYPES
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from models.controlnet import resolve_controlnet
-from models.families import CLASSIFIER_FREE, CONTROLNET, INT8, LORA, REFINER, STEP_CACHE
+from models.families import CLASSIFIER_FREE, CONTROLNET, ENGINES, INT8, LORA, REFINER, STEP_CACHE
 from models.lora import check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
 from models.stages import (
@@ -79,7 +79,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
                                      controlled=bool(spec.controlnets), loras=bool(spec.loras))
     if spec.loras and backend is not chosen:
         backend.check_loras(spec_options(spec, backend))
-    check_family_features(spec, source)
+    check_family_features(spec, source, backend)
     if spec.cache_branch != PipelineSpec.cache_branch:  # a branch the UNet lacks is wrong, the cache on or not
         Branches.of(source.denoiser_config).check(spec.cache_branch)
     controlnets = [(resolve_controlnet(name, source), scale) for name, scale in spec.controlnets]
@@ -96,8 +96,13 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     modes = spec.modes or (modes_of(source) if runs else (TEXT_TO_IMAGE,))
     if controlnets:
         modes = controlled_modes(source, modes, chosen=bool(spec.modes))
+    if not spec.modes and backend.family_feature == ENGINES:  # none asked: those its engines take
+        modes = tuple(mode for mode in modes if mode == TEXT_TO_IMAGE or source.family.engines_take(mode))
     for mode in modes if runs else ():
         check_mode(source, mode)
+        if mode != TEXT_TO_IMAGE and backend.family_feature == ENGINES:
+            source.family.require_on_engines(mode, source.name, field("mask" if mode == INPAINTING else "image"),
+                                             f"{field('backend')} {backend.name}")
     refiner = resolve_refiner(spec, source, modes)
     if loras:
         check_loras(loras, model_targets(source))
@@ -144,10 +149,10 @@ def checked_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def check_family_features(spec: PipelineSpec, source: ModelSource) -> None:
-    """A UsageError naming the family where the spec asks for what the model's family lacks (before a ControlNet is
-    resolved: a built-in one is made then; each is checked against the model with it:
-    models.stages.check_controlnets), or a precision it does not run in."""
+def check_family_features(spec: PipelineSpec, source: ModelSource, backend: Backend) -> None:
+    """A UsageError naming the family where the spec asks for what the model's family lacks, or what its engines do
+    not take on a backend that builds them (before a ControlNet is resolved: a built-in one is made then; each is
+    checked against the model with it: models.stages.check_controlnets), or a precision it does not run in."""
     family = source.family
     if spec.precision != "auto":
         family.check_precision(spec.precision, source.name)
@@ -157,6 +162,8 @@ def check_family_features(spec: PipelineSpec, source: ModelSource) -> None:
     for feature, name, asked in wanted:
         if asked:
             family.require(feature, source.name, field(name))
+            if backend.family_feature == ENGINES:
+                family.require_on_engines(feature, source.name, field(name), f"{field('backend')} {backend.name}")
 
 
 def controlled_modes(source: ModelSource, modes, chosen: bool) -> tuple[str, ...]:

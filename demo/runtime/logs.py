@@ -27,4 +27,6 @@ def configure_library_logging(verbose: bool) -> None:
     transformers.utils.logging.disable_progress_bar()
     G_LOGGER.module_severity = G_LOGGER.WARNING
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    # the optimizer's shape inference cannot decide the bounds of SD3's position-embedding crop: a warning a dimension
+    logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.ERROR)
     onnxruntime.set_default_logger_severity(3)

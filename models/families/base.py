@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from core import errors
 from core.errors import UsageError
 from models import UNET
 from models.recommended import Recommended
@@ -103,6 +104,13 @@ class Family:
     # latents a side of its native size where the denoiser's config has no sample_size (Flux's transformer:
     # diffusers' FluxPipeline's default_sample_size)
     default_sample_size: int | None = None
+    # stage -> what its engine is built in where the pipeline runs in fp16: bf16 where the TensorRT flavour builds bf16
+    # (what the family's models are trained and published in), else this precision (models.source.VAE_PRECISIONS'
+    # name: T5 overflows fp16 in its feed-forward, so fp32 there)
+    bf16_engines: Mapping[str, str] = field(default_factory=dict)
+    # the features (and modes) its engines take too (None: all of its own); a TensorRT backend asked for another one is
+    # refused naming it, the torch backend runs it
+    engine_features: frozenset[str] | None = None
 
     # ---- which models are of it -----------------------------------------------------------------------------------
     def runs_pipeline(self, class_name: str) -> bool:
@@ -167,6 +175,17 @@ class Family:
         if feature not in self.features:
             raise UsageError(f"{given}: model '{model}' is of the {self.label} family, which does not support "
                              f"{feature}")
+
+    def engines_take(self, feature: str) -> bool:
+        """Whether its TensorRT engines take `feature` (a mode among them), where the family has it."""
+        return self.engine_features is None or feature in self.engine_features
+
+    def require_on_engines(self, feature: str, model: str, given: str, backend: str) -> None:
+        """A UsageError, naming the family and the backend, where a backend that builds engines (`backend`: its name,
+        as core.errors.field gives it) is asked for a feature (`given`: the field) its engines do not take yet."""
+        if not self.engines_take(feature):
+            raise UsageError(f"{given} on {backend}: model '{model}' is of the {self.label} family, whose {ENGINES} "
+                             f"do not take {feature} yet; use {errors.field('backend')} torch")
 
     def diffusers_pipeline(self, mode: str, controlled: bool = False) -> str:
         """diffusers' pipeline class name for `mode` (with ControlNets: its ControlNet twin)."""

@@ -5,7 +5,16 @@ image's token count (the scheduler's dynamic shifting), a 16-channel VAE whose l
 embeds none and takes no scale."""
 
 from models import CLIP, FLUX_TRANSFORMER, T5
-from models.families.base import CONTROLNET, IMAGE_TO_IMAGE, INPAINTING, LORA, NO_GUIDANCE, TEXT_TO_IMAGE, Family
+from models.families.base import (
+    CONTROLNET,
+    ENGINES,
+    IMAGE_TO_IMAGE,
+    INPAINTING,
+    LORA,
+    NO_GUIDANCE,
+    TEXT_TO_IMAGE,
+    Family,
+)
 from models.recommended import Recommended
 
 # diffusers' FluxPipeline's own defaults (num_inference_steps, guidance_scale), and FLUX.1 [schnell]'s as diffusers'
@@ -24,9 +33,12 @@ FLUX = Family(
     diffusers_pipelines={TEXT_TO_IMAGE: ("FluxPipeline", "FluxControlNetPipeline"),
                          IMAGE_TO_IMAGE: ("FluxImg2ImgPipeline", "FluxControlNetImg2ImgPipeline"),
                          INPAINTING: ("FluxInpaintPipeline", "FluxControlNetInpaintPipeline")},
-    # TensorRT engines (ENGINES), their LoRA refit (LORA_REFIT) and the rest: not built yet
-    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA}),
+    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA, ENGINES}),
     inpainting_denoisers=False,  # FluxInpaintPipeline blends; FLUX.1 Fill (FluxFillPipeline) is another pipeline
+    # bf16 where TensorRT builds it (10+, TensorRT for RTX); TensorRT 8.6 builds the transformer in fp16, T5 in fp32
+    bf16_engines={T5: "fp32", FLUX_TRANSFORMER: "fp16"},
+    # on engines: image-to-image; inpainting, the step cache, LoRA (refit), ControlNets, INT8 not yet
+    engine_features=frozenset({IMAGE_TO_IMAGE}),
     denoiser="transformer",
     denoiser_stage=FLUX_TRANSFORMER,
     denoiser_classes=("FluxTransformer2DModel",),

@@ -24,7 +24,7 @@ from core.errors import RunFailure, UsageError, field
 from demo.backends.tensorrt.flavour import TensorRTAPI, current_cc
 from models.base import Range, StageModel
 from models.quantize import INT8_INFIX, Int8Request
-from models.source import ModelSource
+from models.source import VAE_PRECISIONS, ModelSource
 from models.stages import stage_batch
 from plugins.contract import OURS
 from plugins.trt_plugins import load_plugin_library
@@ -349,7 +349,20 @@ class EngineSettings:
     # False: a missing or stale engine is an error, not a build (runs of engines built elsewhere, e.g.
     # by the ablation's build jobs, must not quietly spend minutes building on the GPU they time).
     build_missing: bool = True
+    bfloat16: bool = False  # the flavour builds bf16 engines (TensorRTAPI.bfloat16): the families' bf16 stages take it
     stats: dict = dataclasses.field(default_factory=dict)
+
+
+def engine_dtype(model: StageModel, settings: EngineSettings, dtype: torch.dtype) -> torch.dtype:
+    """What the engine of `model` is built and runs in, for a pipeline in `dtype`: the stage's own precision, except
+    where an fp16 pipeline's stage is one its family builds in bf16 (Family.bf16_engines): bf16 where the flavour
+    builds it, else the family's fallback for it (T5's fp32). The pipeline hands it its inputs in its own precision,
+    converted as the engine's buffers take them (Engine.run), and casts what it reads back."""
+    stage_dtype = model.stage_dtype(dtype)
+    fallback = model.source.family.bf16_engines.get(model.name)
+    if stage_dtype != torch.float16 or fallback is None:
+        return stage_dtype
+    return torch.bfloat16 if settings.bfloat16 else getattr(torch, VAE_PRECISIONS[fallback])
 
 
 def stage_plugins(settings: EngineSettings, stage_dtype: torch.dtype) -> tuple[str, ...]:
@@ -368,7 +381,7 @@ def stage_onnx(model: StageModel, settings: EngineSettings, device: str | torch.
                log: Callable[[str], None] = print) -> ContextManager[Path]:
     """The optimized ONNX the engine of `model` is built from, for a pipeline in `dtype`, through the artifact cache
     (made where missing or stale, or forced by the settings), locked until the block ends."""
-    stage_dtype = model.stage_dtype(dtype)
+    stage_dtype = engine_dtype(model, settings, dtype)
     return model.optimized_onnx(settings.onnx_dir, device, stage_dtype, settings.force_onnx_export,
                                 settings.force_onnx_optimize, log, stage_plugins(settings, stage_dtype),
                                 settings.plugin_convention, stage_int8(settings, model))
@@ -397,16 +410,16 @@ def prepare_stage_engines(models: list[StageModel], settings: EngineSettings | S
         settings = settings_of(model)
         stat: dict = {"onnx_bytes": None, "onnx_s": None}
 
-        model_dtype = model.stage_dtype(dtype)
+        model_dtype = engine_dtype(model, settings, dtype)
         plugins = stage_plugins(settings, model_dtype)
         if plugins != settings.plugins:
             progress(f"[plugins] {model.name}: none (it runs in {str(model_dtype).removeprefix('torch.')}, our "
                      "TensorRT plugins in float16)")
 
         @contextlib.contextmanager
-        def make_onnx(model=model, stat=stat, settings=settings) -> Iterator[Path]:
+        def make_onnx(model=model, stat=stat, settings=settings, model_dtype=model_dtype) -> Iterator[Path]:
             start = time.perf_counter()
-            progress(f"[build] {model.name}: exporting and optimizing ONNX ({model.stage_dtype(dtype)}) ...")
+            progress(f"[build] {model.name}: exporting and optimizing ONNX ({model_dtype}) ...")
             with stage_onnx(model, settings, device, dtype, log) as path:
                 stat.update(onnx_bytes=artifact_bytes(path), onnx_s=time.perf_counter() - start)
                 yield path

@@ -21,7 +21,7 @@ import torch
 
 from core.errors import RunFailure, UsageError, field
 from demo.backends.base import LoraApplier, Stage
-from demo.backends.tensorrt.build import EngineSettings, SettingsOf, register_plugins, settings_for
+from demo.backends.tensorrt.build import EngineSettings, SettingsOf, engine_dtype, register_plugins, settings_for
 from demo.backends.tensorrt.flavour import TensorRTAPI
 from demo.backends.tensorrt.refit import RefittedLoras
 from models.base import StageModel
@@ -413,7 +413,7 @@ def create_engine_stages(models: list[StageModel], engines: dict[str, Path], api
     loaded = {}
     for model in models:
         engine = Engine(api, engines[model.name], model.name, torch.device(device), settings_of(model).use_cuda_graph)
-        engine.check_model(model, model.stage_dtype(dtype))
+        engine.check_model(model, engine_dtype(model, settings_of(model), dtype))
         loaded[model.name] = engine
     size = max(e.device_memory_size for e in loaded.values())
     block = torch.empty(max(size, 1), dtype=torch.uint8, device=device)

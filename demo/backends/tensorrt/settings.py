@@ -79,7 +79,7 @@ def engine_settings(options: EngineOptions, source: ModelSource, flavour: str, w
                                                          source.family.tuned_key),
                           plugin_convention=options.plugin_convention,
                           int8=int8_settings(options, source, workload, record_activations),
-                          build_missing=options.build_missing)
+                          build_missing=options.build_missing, bfloat16=api.bfloat16)
 
 
 def int8_settings(options: EngineOptions, source: ModelSource, workload: Workload, record_activations):
@@ -108,8 +108,12 @@ def engine_plugins(text: str, flavour: str, convention: str = OURS, family: str 
 
 
 def check_engine_image_size(source: ModelSource, height: int, width: int) -> None:
-    """The exported UNet upsamples by plain factors of 2: latents must divide by 2**upsamplers."""
-    multiple = source.vae_scale_factor * 2 ** (len(source.denoiser_config["block_out_channels"]) - 1)
+    """The exported UNet upsamples by plain factors of 2: latents must divide by 2**upsamplers. A transformer cuts
+    the latents into patches, whatever their count: the model's own multiple (its requests are checked by it)."""
+    if source.latent_patch:
+        multiple = source.image_size_multiple
+    else:
+        multiple = source.vae_scale_factor * 2 ** (len(source.denoiser_config["block_out_channels"]) - 1)
     for name, value in (("height", height), ("width", width)):
         if value % multiple:
             raise UsageError(f"{field(name)} {value}: engines of model '{source.name}' need a multiple of {multiple}")
