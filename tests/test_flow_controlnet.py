@@ -6,7 +6,6 @@ what cannot run refused in one line: another family's ControlNet, guess mode, SD
 different depths together, the kinds not supported yet, and TensorRT's backends where the family's ControlNet engines
 are not built."""
 
-import dataclasses
 
 import diffusers
 import numpy as np
@@ -19,7 +18,7 @@ from demo.request import IMAGE_TO_IMAGE, TEXT_TO_IMAGE, Request
 from demo.runtime.loader import load_pipeline, plan_pipeline
 from demo.runtime.spec import PipelineSpec
 from models.controlnet import resolve_controlnet
-from models.families import ENGINES, FLUX, SD3
+from models.families import FLUX, SD3
 from models.source import resolve_model
 
 CPU = torch.device("cpu")
@@ -199,24 +198,26 @@ def test_what_their_pipelines_lack_is_refused_in_one_line(nets, tmp_path):
 
 
 def test_tensorrt_refuses_controlnets_where_the_family_has_no_controlnet_engines(nets, monkeypatch):
-    """A family whose engines are built but not its ControlNets' (as SD3's and Flux's, once their engines are):
+    """A family whose engines are built but not its ControlNets' (SD3's and Flux's):
     TensorRT is refused where named, passed over under auto, in one line naming what is missing."""
+    from core.errors import field
     from demo.backends.registry import REGISTRY, select_backend, why_not_for
 
     tensorrt = REGISTRY["tensorrt"]
     for family in (SD3, FLUX):
-        with_engines = dataclasses.replace(family, features=family.features | {ENGINES})
+        with_engines = family  # its engines are built, not its ControlNets'
         assert why_not_for(tensorrt, with_engines, "m") is None
         assert why_not_for(tensorrt, with_engines, "m", controlled=True) == (
-            f"model 'm' is of the {family.label} family, whose ControlNet engines are not built yet")
+            f"{field('controlnets')}: model 'm' is of the {family.label} family, whose TensorRT engines do not take ControlNets "
+            "yet")
         monkeypatch.setattr(tensorrt, "why_cannot_run", lambda cc: None)
         monkeypatch.setattr(tensorrt, "version", lambda: "10.x")
-        with pytest.raises(UsageError, match="backend tensorrt: model 'm' is of the .* family, whose ControlNet "
-                                             "engines are not built yet; use backend torch"):
+        with pytest.raises(UsageError, match="backend tensorrt: controlnets: model 'm' is of the .* family, whose "
+                                             "TensorRT engines do not take ControlNets yet; use backend torch"):
             select_backend("tensorrt", family=with_engines, model="m", controlled=True)
         assert select_backend("auto", family=with_engines, model="m", controlled=True)[0] is not tensorrt
         assert select_backend("auto", family=with_engines, model="m")[0] is tensorrt
-    with pytest.raises(UsageError, match="whose TensorRT engines are not built yet"):  # today's: no engines at all
+    with pytest.raises(UsageError, match="whose TensorRT engines do not take ControlNets yet"):
         plan("tiny-sd3", [(nets["sd3-a"], 1.0)], backend="tensorrt")
 
 

@@ -4,7 +4,6 @@ give the weights and the image diffusers' load_lora_weights + fuse_lora gives (t
 scale 0 is no LoRA, two add up, switching restores the weights bit for bit, a LoRA's recommended steps are taken; a
 LoRA of another architecture, one matching nothing and one on TensorRT engines are refused in one line (exit 2)."""
 
-import dataclasses
 import json
 
 import numpy as np
@@ -16,7 +15,7 @@ from core.errors import UsageError
 from demo.pipelines import StageTimer, make_pipeline, to_uint8
 from demo.request import TEXT_TO_IMAGE, Request
 from demo.runtime.spec import PipelineSpec
-from models.families import ENGINES, SD3
+from models.families import SD3
 from models.lora import lora_deltas, lora_targets, model_targets, read_lora
 from models.source import resolve_model
 from tests.parity import CPU, diffusers_images, torch_stages
@@ -321,14 +320,13 @@ def test_a_lora_on_tensorrt_engines_of_a_transformer_is_refused_naming_it():
     from demo.backends.registry import select_backend
     from models.families import SD
 
-    built = dataclasses.replace(SD3, features=SD3.features | {ENGINES})
+    built = SD3  # its engines are built, their refit not
     with pytest.raises(UsageError) as refused:
         select_backend("tensorrt", cc=(8, 9), family=built, model="tiny-sd3", loras=True)
-    assert str(refused.value) == (
-        "backend tensorrt: loras on model 'tiny-sd3' of the SD3 family: its tensorrt engines take no LoRA "
-        "(refitting its transformer's engine is not built; the torch backend fuses LoRA files in); use backend torch")
+    assert str(refused.value) == ("backend tensorrt: loras: model 'tiny-sd3' is of the SD3 family, whose TensorRT "
+                                  "engines do not take LoRA yet; use backend torch")
     backend, reason = select_backend("auto", cc=(8, 9), family=built, model="tiny-sd3", loras=True)
-    assert backend.name == "torch" and "take no LoRA" in reason
+    assert backend.name == "torch" and "do not take LoRA yet" in reason
     assert select_backend("auto", cc=(8, 9), family=built, model="tiny-sd3")[0].name != "torch"
     assert select_backend("tensorrt-rtx", cc=(8, 9), family=SD, model="tiny", loras=True)[0].name == "tensorrt-rtx"
 

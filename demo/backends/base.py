@@ -102,12 +102,6 @@ class Backend(abc.ABC):
     # What a model's family must declare (models.families' Family.features) for this backend to run it (None: any
     # family runs on it): TensorRT's, that the family's engines are built (ENGINES).
     family_feature: str | None = None
-    # And what it must declare for this backend to run its ControlNets (None: any family's that runs on it):
-    # TensorRT's, that the family's ControlNet stages build into engines (CONTROLNET_ENGINES).
-    controlnet_feature: str | None = None
-    # And what it must declare for this backend to take LoRA files for its models (None: any family's): TensorRT's,
-    # that the family's engines are refitted (LORA_REFIT).
-    lora_feature: str | None = None
 
     @abc.abstractmethod
     def why_cannot_run(self, cc: tuple[int, int] | None) -> str | None:

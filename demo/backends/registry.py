@@ -9,7 +9,7 @@ from demo.backends.base import Backend
 from demo.backends.tensorrt.backend import TensorRTBackend
 from demo.backends.tensorrt.flavour import FLAVOURS, current_cc
 from demo.backends.torch.backend import TorchBackend
-from models.families import Family
+from models.families import CONTROLNET, LORA, Family
 
 REGISTRY: dict[str, Backend] = {backend.name: backend
                                 for backend in (TorchBackend(), *(TensorRTBackend(name) for name in FLAVOURS))}
@@ -27,8 +27,8 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
     """(backend, reason) for a spec's backend on a GPU of compute capability `cc` (None: this machine's, or no GPU);
     with `runs` False, one named only needs to build here, not run. With the model's `family` (and the model's name),
     a backend its family lacks what it needs for (Backend.family_feature: TensorRT's engines; `controlled`, with
-    ControlNets: Backend.controlnet_feature, their engines; with `loras`, the spec giving LoRA files,
-    Backend.lora_feature: their refit) is refused where named, passed over under auto."""
+    ControlNets, and `loras`, with LoRA files: what those engines take, Family.engines_take) is refused where named,
+    passed over under auto."""
     cc = cc if cc is not None else current_cc()
     if requested != AUTO:
         backend = backend_named(requested)
@@ -54,16 +54,14 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
 def why_not_for(backend: Backend, family: Family | None, model: str | None, controlled: bool = False,
                 loras: bool = False) -> str | None:
     """Why `backend` cannot run a model of `family` (`controlled`: with ControlNets; `loras`: with LoRA files) (None:
-    it can, or no family is given): what the backend needs that the family does not declare (its engines, or its
-    ControlNets', not built yet; their LoRA refit)."""
-    if family is None:
+    it can, or no family is given): what the backend needs that the family does not declare (its engines not built
+    yet, or not taking ControlNets or LoRA yet)."""
+    if family is None or backend.family_feature is None:
         return None
-    needed = (backend.family_feature, backend.controlnet_feature if controlled else None)
-    missing = next((feature for feature in needed if feature is not None and not family.supports(feature)), None)
-    if missing is not None:
-        return f"model '{model}' is of the {family.label} family, whose {missing} are not built yet"
-    if loras and backend.lora_feature is not None and not family.supports(backend.lora_feature):
-        return (f"{field('loras')} on model '{model}' of the {family.label} family: its {backend.name} engines take "
-                f"no LoRA (refitting its {family.denoiser}'s engine is not built; the torch backend fuses LoRA files "
-                "in)")
+    if not family.supports(backend.family_feature):
+        return f"model '{model}' is of the {family.label} family, whose {backend.family_feature} are not built yet"
+    for feature, name, asked in ((CONTROLNET, "controlnets", controlled), (LORA, "loras", loras)):
+        if asked and not family.engines_take(feature):
+            return (f"{field(name)}: model '{model}' is of the {family.label} family, whose {backend.family_feature} "
+                    f"do not take {feature} yet")
     return None

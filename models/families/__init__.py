@@ -11,7 +11,6 @@ from core.errors import UsageError
 from models.families.base import (
     CLASSIFIER_FREE,
     CONTROLNET,
-    CONTROLNET_ENGINES,
     EMBEDDED,
     ENGINES,
     GUESS_MODE,
@@ -20,7 +19,6 @@ from models.families.base import (
     INPAINTING,
     INT8,
     LORA,
-    LORA_REFIT,
     MODES,
     NO_GUIDANCE,
     REFINER,
@@ -35,10 +33,9 @@ from models.families.sdxl import SDXL
 
 FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX)
 
-__all__ = ["CLASSIFIER_FREE", "CONTROLNET", "CONTROLNET_ENGINES", "EMBEDDED", "ENGINES", "FAMILIES", "FLUX",
-           "GUESS_MODE", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING", "INT8", "LORA", "LORA_REFIT", "MODES",
-           "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named",
-           "family_of", "family_of_denoiser"]
+__all__ = ["CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "ENGINES", "FAMILIES", "FLUX", "GUESS_MODE", "GUIDANCE_KINDS",
+           "IMAGE_TO_IMAGE", "INPAINTING", "INT8", "LORA", "MODES", "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL",
+           "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named", "family_of", "family_of_denoiser"]
 
 
 def family_named(name: str) -> Family:

@@ -35,12 +35,8 @@ STEP_CACHE, CONTROLNET, REFINER, LORA, INT8 = "the step cache", "ControlNets", "
 # Its stages build into TensorRT engines (the backends that build them ask for it: Backend.family_feature); a family
 # without it runs on the torch backend only, its engines not built yet.
 ENGINES = "TensorRT engines"
-# Its ControlNets' stages build into engines too (TensorRT's backends ask for it where a spec has ControlNets:
-# Backend.controlnet_feature); and its ControlNet pipelines take guess mode (a request's guess_mode).
-CONTROLNET_ENGINES, GUESS_MODE = "ControlNet engines", "guess mode"
-# Its engines take LoRA files, refitted in (Backend.lora_feature); a family with LORA but not this fuses them on the
-# torch backend alone (SD3's and Flux's transformers: their engines' refit is not built).
-LORA_REFIT = "LoRA refit of its engines"
+# Its ControlNet pipelines take guess mode (a request's guess_mode).
+GUESS_MODE = "guess mode"
 
 
 @dataclass(frozen=True, eq=False)  # one object per family: compared by identity
@@ -108,8 +104,8 @@ class Family:
     # (what the family's models are trained and published in), else this precision (models.source.VAE_PRECISIONS'
     # name: T5 overflows fp16 in its feed-forward, so fp32 there)
     bf16_engines: Mapping[str, str] = field(default_factory=dict)
-    # the features (and modes) its engines take too (None: all of its own); a TensorRT backend asked for another one is
-    # refused naming it, the torch backend runs it
+    # the features (and modes) its engines take too (None: all of its own: ControlNet engines, LoRA refitted in, ...);
+    # a TensorRT backend asked for another one is refused naming it (passed over under auto), the torch backend runs it
     engine_features: frozenset[str] | None = None
 
     # ---- which models are of it -----------------------------------------------------------------------------------

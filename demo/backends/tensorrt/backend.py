@@ -15,15 +15,13 @@ from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.tensorrt.refit import ENGINES_NEED_REFIT
 from demo.backends.tensorrt.runtime import create_engine_stages
 from demo.backends.tensorrt.settings import check_engine_request, engine_settings
-from models.families import CONTROLNET_ENGINES, ENGINES, LORA_REFIT
+from models.families import ENGINES
 
 
 class TensorRTBackend(Backend):
     capabilities = Capabilities(artifacts=True, refit=True, cuda_graphs=True, layer_timings=True, cpu=False)
     options_type = EngineOptions
     family_feature = ENGINES
-    controlnet_feature = CONTROLNET_ENGINES
-    lora_feature = LORA_REFIT
 
     def __init__(self, flavour: str):
         self.name = FLAVOURS[flavour].name
