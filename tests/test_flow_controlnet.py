@@ -208,8 +208,8 @@ def test_tensorrt_refuses_controlnets_where_the_family_has_no_controlnet_engines
         with_engines = family  # its engines are built, not its ControlNets'
         assert why_not_for(tensorrt, with_engines, "m") is None
         assert why_not_for(tensorrt, with_engines, "m", controlled=True) == (
-            f"{field('controlnets')}: model 'm' is of the {family.label} family, whose TensorRT engines do not take ControlNets "
-            "yet")
+            f"{field('controlnets')}: model 'm' is of the {family.label} family, whose TensorRT engines do not take "
+            "ControlNets yet")
         monkeypatch.setattr(tensorrt, "why_cannot_run", lambda cc: None)
         monkeypatch.setattr(tensorrt, "version", lambda: "10.x")
         with pytest.raises(UsageError, match="backend tensorrt: controlnets: model 'm' is of the .* family, whose "
