@@ -788,9 +788,16 @@ def _tensorrt_seq2spatial(b: _Builder, inputs: list[gs.Tensor], spatial: gs.Tens
 
 # ---- RMSNorm (SD3.5's and Flux's Q/K norms) -------------------------------------------------------------
 
-def _rms_norm_ops(one_cast: bool) -> dict[str, Op]:
+def _rms_norm_ops(one_cast: bool, weighted_in_float32: bool = False) -> dict[str, Op]:
     """x * (1 / sqrt(mean(x^2) + epsilon)) * weight, as diffusers' RMSNorm exports: in float32 (one Cast up, read by
-    the square and the product, where `one_cast`; fp16 exports cast twice), then back to the weight's precision."""
+    the square and the product, where `one_cast`; fp16 exports cast twice), then back to the weight's precision; or,
+    `weighted_in_float32`, as torch.nn.RMSNorm computes it (models.transformer's export of Flux's): the weight's
+    product in float32 too, cast back last."""
+    if weighted_in_float32:
+        last = {"weighted": Op("Mul", ("normalized", "weight")), "output": Op("Cast", ("weighted",))}
+    else:
+        last = {"downcast": Op("Cast", ("normalized",), optional="normalized"),
+                "output": Op("Mul", ("downcast", "weight"))}
     return {
         "upcast": Op("Cast", ("x",), optional="x"),
         "squared": Op("Pow", ("upcast", "two")),
@@ -800,15 +807,15 @@ def _rms_norm_ops(one_cast: bool) -> dict[str, Op]:
         "inverse": Op("Div", ("one", "root")),
         **({} if one_cast else {"upcast_x": Op("Cast", ("x",), optional="x")}),
         "normalized": Op("Mul", ("upcast" if one_cast else "upcast_x", "inverse")),
-        "downcast": Op("Cast", ("normalized",), optional="normalized"),
-        "output": Op("Mul", ("downcast", "weight")),
+        **last,
     }
 
 
 RMS_NORM_PATTERNS = tuple(
-    Pattern(name, _rms_norm_ops(one_cast), "output", frozenset({"two", "epsilon", "one", "weight"}),
+    Pattern(name, _rms_norm_ops(one_cast, weighted), "output", frozenset({"two", "epsilon", "one", "weight"}),
             where=lambda m: _close(m.tensor("two"), 2.0) and _close(m.tensor("one"), 1.0))
-    for name, one_cast in (("rms-norm", True), ("rms-norm-two-casts", False)))
+    for name, one_cast, weighted in (("rms-norm-weighted-in-float32", True, True), ("rms-norm", True, False),
+                                     ("rms-norm-two-casts", False, False)))
 
 
 def _rewrite_rms_norm(graph: gs.Graph, match: Match, convention: str, provenance: Provenance | None) -> None:

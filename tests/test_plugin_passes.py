@@ -816,6 +816,21 @@ def test_flux_transformer_rewrites_every_pattern_and_computes_the_same(monkeypat
     assert_same_outputs(exported, rewritten, {k: v.numpy() for k, v in inputs.items()})
 
 
+def test_flux_transformer_as_the_stage_exports_it_in_fp16_has_every_rms_norm_taken(tmp_path):
+    """The Flux stage's own export (models.transformer: torch.nn.RMSNorm written out as torch computes it, the weight's
+    product in float32 and one cast back): in fp16 the pass takes every Q/K norm, none skipped."""
+    from models.source import resolve_model
+    from models.transformer import FluxTransformerModel
+
+    model = FluxTransformerModel(resolve_model("tiny-flux"))
+    model.export_onnx(tmp_path / "transformer.onnx", "cpu", torch.float16)
+    optimizer = GraphOptimizer(onnx.load(str(tmp_path / "transformer.onnx")), "transformer")
+    optimizer.run(optimizer.base_passes() + optimizer.plugin_passes(ALL))
+    norms = sum(isinstance(m, torch.nn.RMSNorm) for m in model.load_module().modules())
+    report = optimizer.plugin_report["RMSNorm"]
+    assert norms > 0 and (report["replaced"], report["skipped"]) == (norms, 0)
+
+
 def test_tensorrt_convention_has_no_transformer_plugins(sd3_transformers):
     """TensorRT's bundled plugins have none of the three: every match is skipped with that reason (the optimizer
     does not even run those passes for the convention), and its fMHA_V2 has no kernel for head size 8."""
