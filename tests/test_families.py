@@ -17,6 +17,7 @@ from demo.request import Request
 from models.families import CLASSIFIER_FREE, EMBEDDED, NO_GUIDANCE, SD, SDXL
 from models.source import resolve_model
 from models.stages import stage_models, text_to_image_stages
+from models.step_cache import StepCache
 from models.unet import TIMESTEP_COND, UNetModel
 from tests.parity import check_parity, diffusers_images, reference_unet, torch_stages
 
@@ -96,7 +97,7 @@ def test_the_step_cache_keeps_the_guidance_embedding(embedded):
     request = Request("a red circle", denoising_steps=6, seed=5, guidance_scale=6.0).resolved(embedded)
     models = stage_models(embedded, text_to_image_stages(embedded), cache_branch=1)
     stages = REFERENCE.create_stages(models, lambda _: FALLBACK, CPU, torch.float32, QUIET, QUIET)
-    ours = to_uint8(make_pipeline(embedded, stages, "DDIM", CPU, torch.float32, cache_interval=2)(request,
+    ours = to_uint8(make_pipeline(embedded, stages, "DDIM", CPU, torch.float32, cache=StepCache(2))(request,
                                                                                                 StageTimer(CPU)))
     theirs = diffusers_images(embedded, "DDIM", request, unet=reference_unet(embedded, 2, 1))
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 2 and ours.std() > 5

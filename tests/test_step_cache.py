@@ -24,6 +24,7 @@ from demo.runtime.loader import load_pipeline
 from demo.runtime.spec import PipelineSpec
 from models import UNET_SHALLOW, image_to_image_stages, stage_models
 from models.source import resolve_model
+from models.step_cache import StepCache
 from models.unet import UNetModel, UNetShallowModel
 from models.unet_cache import Branches
 from tests.fake_tensorrt import stand_in_pipeline
@@ -75,7 +76,7 @@ def test_both_passes_compile_to_one_graph_each(model):
 def our_images(source, request: Request, interval: int, branch: int, scheduler: str) -> np.ndarray:
     models = stage_models(source, image_to_image_stages(source), branch if interval > 1 else None)
     stages = REFERENCE.create_stages(models, lambda _: FALLBACK, CPU, torch.float32, QUIET, QUIET)
-    pipeline = make_pipeline(source, stages, scheduler, CPU, torch.float32, request.mode, interval)
+    pipeline = make_pipeline(source, stages, scheduler, CPU, torch.float32, request.mode, StepCache(interval))
     return to_uint8(pipeline(request, StageTimer(CPU)))
 
 

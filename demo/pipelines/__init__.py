@@ -51,6 +51,7 @@ from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
 from models import is_controlnet_stage
 from models.families import FLUX, SD, SD3, SDXL
 from models.source import ModelSource
+from models.step_cache import NO_CACHE, StepCache
 
 # family name -> mode -> (its pipeline, the same with ControlNets)
 PIPELINES = {
@@ -83,10 +84,10 @@ __all__ = ["PIPELINES", "Batch", "ExpertsPipeline", "FluxImage2ImagePipeline", "
 
 
 def make_pipeline(source: ModelSource, stages: dict[str, Stage], scheduler, device: torch.device,
-                  dtype: torch.dtype, mode: str = TEXT_TO_IMAGE, cache_interval: int = 1) -> Text2ImagePipeline:
+                  dtype: torch.dtype, mode: str = TEXT_TO_IMAGE, cache: StepCache = NO_CACHE) -> Text2ImagePipeline:
     """The pipeline this model's family runs `mode` (a request's) with, over `stages` (with ControlNet stages: its
-    ControlNet pipeline), with `scheduler` (a diffusers scheduler, or our name of one) and the step cache's interval
-    (used where `stages` has the shallow UNet)."""
+    ControlNet pipeline), with `scheduler` (a diffusers scheduler, or our name of one) and the step cache (used where
+    `stages` has the shallow UNet)."""
     controlled = any(map(is_controlnet_stage, stages))
     pipeline = PIPELINES[source.family.name][mode][int(controlled)]
-    return pipeline(source, stages, scheduler, device, dtype, cache_interval)
+    return pipeline(source, stages, scheduler, device, dtype, cache)

@@ -12,6 +12,7 @@ from demo.pipelines.sd3 import FlowPipeline
 from demo.schedulers import dynamic_shift
 from models import CLIPModel, T5Model
 from models.source import ModelSource
+from models.step_cache import NO_CACHE, StepCache
 from models.transformer import GUIDANCE
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ class FluxPipeline(FlowPipeline):
     transformer's stage packs them into tokens), sigmas from 1 down to 1/steps shifted by the image's token count."""
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
-                 device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
-        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
+                 device: torch.device, dtype: torch.dtype, cache: StepCache = NO_CACHE):
+        super().__init__(source, stages, scheduler, device, dtype, cache)
         self.tokenizer_2 = source.t5_tokenizer
 
     def encode_prompt(self, batch: Batch) -> tuple[torch.Tensor, ...]:

@@ -17,6 +17,7 @@ from demo.pipelines.sd3 import SD3Pipeline
 from demo.pipelines.sdxl import SDXLPipeline
 from demo.pipelines.text_to_image import Text2ImagePipeline
 from models.source import ModelSource
+from models.step_cache import NO_CACHE, StepCache
 from models.vae import VAEEncoderModel
 
 if TYPE_CHECKING:
@@ -31,10 +32,10 @@ class Image2ImagePipeline(Text2ImagePipeline):
     encodes_image = True
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
-                 device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
+                 device: torch.device, dtype: torch.dtype, cache: StepCache = NO_CACHE):
         from diffusers.image_processor import VaeImageProcessor
 
-        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
+        super().__init__(source, stages, scheduler, device, dtype, cache)
         self.image_processor = VaeImageProcessor(vae_scale_factor=source.vae_scale_factor)
 
     def preprocess(self, batch: Batch) -> torch.Tensor:
@@ -78,10 +79,10 @@ class InpaintPipeline(Image2ImagePipeline):
     is put back after each step, noised to the next timestep (the latent blend)."""
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
-                 device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
+                 device: torch.device, dtype: torch.dtype, cache: StepCache = NO_CACHE):
         from diffusers.image_processor import VaeImageProcessor
 
-        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
+        super().__init__(source, stages, scheduler, device, dtype, cache)
         self.mask_processor = VaeImageProcessor(vae_scale_factor=source.vae_scale_factor, do_normalize=False,
                                                 do_binarize=True, do_convert_grayscale=True)
         self.masking: MaskLatents | None = None  # the run's, from prepare_latents

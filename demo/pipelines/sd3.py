@@ -10,6 +10,7 @@ from demo.pipelines.batch import Batch
 from demo.pipelines.text_to_image import Text2ImagePipeline
 from models import CLIP2Model, CLIPModel, T5Model
 from models.source import ModelSource
+from models.step_cache import NO_CACHE, StepCache
 
 if TYPE_CHECKING:
     from demo.backends.base import Stage
@@ -33,10 +34,10 @@ class SD3Pipeline(FlowPipeline):
     by side; the flow's latents (FlowPipeline)."""
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
-                 device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
+                 device: torch.device, dtype: torch.dtype, cache: StepCache = NO_CACHE):
         from transformers import CLIPTokenizer
 
-        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
+        super().__init__(source, stages, scheduler, device, dtype, cache)
         self.tokenizer_2 = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer_2")
         self.tokenizer_3 = source.t5_tokenizer if T5Model.name in stages else None
 

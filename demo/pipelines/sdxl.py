@@ -16,6 +16,7 @@ from demo.pipelines.timer import StageTimer
 from demo.request import Request
 from models import CLIP2Model, CLIPModel
 from models.source import ModelSource
+from models.step_cache import NO_CACHE, StepCache
 
 if TYPE_CHECKING:
     from demo.backends.base import Stage
@@ -26,10 +27,10 @@ class SDXLPipeline(Text2ImagePipeline):
     concatenated, and the UNet's added conditions (the second encoder's pooled embeddings and the time ids)."""
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
-                 device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
+                 device: torch.device, dtype: torch.dtype, cache: StepCache = NO_CACHE):
         from transformers import CLIPTokenizer
 
-        super().__init__(source, stages, scheduler, device, dtype, cache_interval)
+        super().__init__(source, stages, scheduler, device, dtype, cache)
         self.tokenizer_2 = CLIPTokenizer.from_pretrained(source.path, subfolder="tokenizer_2")
         self.tokenizer = self.tokenizer or self.tokenizer_2  # a refiner has only the second
         # No negative prompt given: zero embeddings instead of an empty prompt's (SDXL's pipeline config).

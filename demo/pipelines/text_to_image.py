@@ -25,6 +25,7 @@ from demo.schedulers import first_step, make_scheduler
 from models import CLIPModel, VAEDecoderModel, stage_batch
 from models.base import StageModel
 from models.source import ModelSource
+from models.step_cache import NO_CACHE, StepCache
 from models.unet import LATENT, TIMESTEP_COND, UNetShallowModel
 from models.unet_cache import DEEP_FEATURES
 
@@ -41,14 +42,14 @@ class Text2ImagePipeline:
     encodes_image: ClassVar[bool] = False
 
     def __init__(self, source: ModelSource, stages: dict[str, Stage], scheduler,
-                 device: torch.device, dtype: torch.dtype, cache_interval: int = 1):
+                 device: torch.device, dtype: torch.dtype, cache: StepCache = NO_CACHE):
         """`scheduler`: a diffusers scheduler, our name of one (demo.schedulers), or None: set before each call (a
-        loaded pipeline sets its request's, demo.runtime.loaded). `cache_interval`: with the step cache's shallow UNet
-        among `stages`, every cache_interval-th UNet call of a run (the first included) runs whole and the others the
-        shallow pass from its deep features."""
+        loaded pipeline sets its request's, demo.runtime.loaded). `cache`: with the step cache's shallow UNet among
+        `stages`, the calls its schedule says run whole (models.step_cache) and the others the shallow pass from the
+        last whole call's deep features."""
         from transformers import CLIPTokenizer
 
-        self.cache_interval = cache_interval
+        self.cache = cache
         self.source = source
         self.stages = stages
         self.scheduler = make_scheduler(scheduler, source) if isinstance(scheduler, str) else scheduler
@@ -210,7 +211,7 @@ class Text2ImagePipeline:
         unet, shallow = self.denoiser, self.stages.get(UNetShallowModel.name)
         step_kwargs = self._step_kwargs(generator, batch.head.eta)
         guidance = self.guidance_embedding(batch)
-        features = None
+        features, schedule = None, self.cache.schedule()
         # The scheduler steps on the host's copy of the timesteps: DDIM and PNDM index host tables with the timestep
         # and compare it with 0, which for a timestep on the GPU waits for the GPU every step. The stages take theirs
         # from the device's copy, so the loop never waits and the GPU never idles between steps.
@@ -219,7 +220,7 @@ class Text2ImagePipeline:
             model_input = torch.cat([latents] * 2) if batch.head.guided else latents
             model_input = self.scaled_input(model_input, t)
             timestep = unet_timesteps[i]
-            whole = shallow is None or i % self.cache_interval == 0
+            whole = shallow is None or schedule.whole()
             extra = self.unet_extra(i, len(timesteps), model_input, timestep, conditioning, batch, whole)
             inputs = (self.unet_sample(model_input).to(self.dtype), timestep, *conditioning)
             feed = dict(zip(unet.model.input_names, inputs), **guidance, **extra)  # by name: stages take what they read

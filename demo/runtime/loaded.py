@@ -99,13 +99,13 @@ class Pipeline:
         try:
             with on_device:
                 self.stages = self._create(plan.base)
-                interval = plan.spec.cache_interval
+                cache = plan.spec.step_cache
                 self.families = {mode: make_pipeline(plan.source, self.stages, None, self.device, self.dtype,
-                                                     mode, interval) for mode in plan.modes}
+                                                     mode, cache) for mode in plan.modes}
                 if plan.refiner is not None:
                     self.refiner_stages = self._create(plan.refiner)
                     refiner = make_pipeline(plan.refiner.source, self.refiner_stages, None, self.device,
-                                            self.dtype, cache_interval=interval)
+                                            self.dtype, cache=cache)
                     self.families = {TEXT_TO_IMAGE: ExpertsPipeline(self.families[TEXT_TO_IMAGE], refiner,
                                                                     plan.spec.high_noise_frac)}
                 if plan.loras:

@@ -20,6 +20,7 @@ from models import check_stage_names
 from models.families import FAMILIES
 from models.single_file import PREDICTION_TYPES as SINGLE_FILE_PREDICTIONS
 from models.source import VAE_PRECISIONS
+from models.step_cache import DEFAULT_MAX_SKIPS, StepCache
 
 # auto: the backend's own (engines fp16; torch fp16 on a GPU, fp32 on a CPU); else what some family runs in (a model
 # of another family is refused in one line: models.families Family.check_precision)
@@ -73,6 +74,10 @@ class PipelineSpec:
     controlnets: tuple[tuple[str, float], ...] = ()  # ControlNets (a built-in name or folder) and their scales
     cache_interval: int = 1  # the step cache: every Nth UNet call runs whole, the rest the shallow pass (1: off)
     cache_branch: int = 0  # the skip branch whose deep features the cached calls reuse (models.unet_cache)
+    # the adaptive step cache (models.step_cache): a call runs whole where its indicator moved more than this since the
+    # last whole call (0: off), and after cache_max_skips cached calls in a row
+    cache_threshold: float = 0.0
+    cache_max_skips: int = DEFAULT_MAX_SKIPS
     stage_overrides: tuple[StageOverride, ...] = ()
     verbose: bool = False  # library logs and build details
 
@@ -90,6 +95,11 @@ class PipelineSpec:
     def cached_branch(self) -> int | None:
         """The step cache's branch where the cache is on (cache_interval above 1), else None."""
         return self.cache_branch if self.cache_interval > 1 else None
+
+    @property
+    def step_cache(self) -> StepCache:
+        """The pipelines' step cache: the fixed schedule, the adaptive one, or none."""
+        return StepCache(self.cache_interval, self.cache_threshold, self.cache_max_skips)
 
     def check(self) -> None:
         """The spec's own values, before anything is resolved, read or loaded: a UsageError naming the field (what
@@ -109,6 +119,13 @@ class PipelineSpec:
         at_least("batch_size", self.batch_size, 1)
         at_least("cache_interval", self.cache_interval, 1)
         at_least("cache_branch", self.cache_branch, 0)
+        if not math.isfinite(self.cache_threshold) or self.cache_threshold < 0:
+            raise UsageError(f"{field('cache_threshold')} must be a finite number at least 0, got "
+                             f"{self.cache_threshold}")
+        at_least("cache_max_skips", self.cache_max_skips, 1)
+        if self.cache_threshold > 0 and self.cache_interval > 1:
+            raise UsageError(f"{field('cache_threshold')} and {field('cache_interval')} are two step caches: ask for "
+                             "one (the adaptive cache decides each call itself)")
         for name in ("loras", "controlnets"):
             for entry, scale in getattr(self, name):
                 if not math.isfinite(scale):
