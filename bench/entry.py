@@ -20,8 +20,8 @@ def loadtest() -> int:
     return run_main("loadtest", "bench.loadtest")
 
 
-def profile_unet() -> int:
-    return run_main("profile_unet", "bench.profile_unet")
+def profile_denoiser() -> int:
+    return run_main("profile_denoiser", "bench.profile_denoiser")
 
 
 def bench_plugins() -> int:

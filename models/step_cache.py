@@ -18,8 +18,10 @@ says what it costs).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the spec reads this module, and a spec is checked before torch is imported
+    import torch
 
 DEFAULT_MAX_SKIPS = 3  # cached calls in a row at most: a long cached run drifts however small each change looks
 

@@ -92,7 +92,7 @@ def test_a_signal_during_the_imports_ends_with_one_line(signum, status, tmp_path
 @pytest.mark.parametrize("module", ["demo.cli.generate", "demo.cli.build_engines", "demo.cli.export_onnx",
                                     "demo.cli.compare_backends", "demo.cli.serve", "demo.cli.client",
                                     "demo.cli.refit_names", "bench.benchmark", "bench.ablation", "bench.gpu_report",
-                                    "bench.profile_unet", "bench.kernels", "bench.loadtest", "bench.quality"])
+                                    "bench.profile_denoiser", "bench.kernels", "bench.loadtest", "bench.quality"])
 def test_every_help_description_is_whole_sentences(module, capsys):
     """--help's description ends where its sentence does (compare-backends' once stopped mid-sentence)."""
     import importlib

@@ -1,9 +1,9 @@
-"""bench.profile_unet without a GPU: kernel names as the profiler reports them, sorted into families;
+"""bench.profile_denoiser without a GPU: kernel names as the profiler reports them, sorted into families;
 the summary and its table; and the refusal to run where there is no GPU."""
 
 import pytest
 
-from bench.profile_unet import FAMILIES, is_ours, kernel_family, main, markdown, summarize
+from bench.profile_denoiser import FAMILIES, is_ours, kernel_family, main, markdown, summarize
 
 KERNELS = {
     "gemm": [
@@ -136,7 +136,7 @@ def test_a_step_runs_the_controlnets_and_the_unet_on_their_residuals():
     therefore differs from the UNet's alone on the same inputs); without ControlNets, the UNet's alone."""
     import torch
 
-    from bench.profile_unet import denoiser_step
+    from bench.profile_denoiser import denoiser_step
     from demo.runtime.loader import load_pipeline
     from demo.runtime.spec import PipelineSpec
 
@@ -145,7 +145,22 @@ def test_a_step_runs_the_controlnets_and_the_unet_on_their_residuals():
                                          controlnets=(("tiny-controlnet", 1.0),)), cpu)
     plain = load_pipeline(PipelineSpec(model="tiny", backend="torch", precision="fp32", stages=("unet",)), cpu)
     assert sorted(steered.stages) == ["controlnet0", "controlnet0_image", "unet"]  # the image's: once per call
-    with_residuals = denoiser_step(steered.stages, 2, 64, 64, cpu, torch.float32)()["latent"]
-    alone = denoiser_step(plain.stages, 2, 64, 64, cpu, torch.float32)()["latent"]
+    with_residuals = denoiser_step(steered.stages, "unet", 2, 64, 64, cpu, torch.float32)()["latent"]
+    alone = denoiser_step(plain.stages, "unet", 2, 64, 64, cpu, torch.float32)()["latent"]
     assert with_residuals.shape == alone.shape and alone.shape[:2] == (2, 4)
     assert not torch.allclose(with_residuals, alone)
+
+
+def test_a_transformer_step_runs_the_family_denoiser_at_its_batch():
+    """A Flux model's profiled step is its transformer's call (one half: Flux's guidance is embedded)."""
+    import torch
+
+    from bench.profile_denoiser import denoiser_step
+    from demo.runtime.loader import load_pipeline
+    from demo.runtime.spec import PipelineSpec
+
+    cpu = torch.device("cpu")
+    flux = load_pipeline(PipelineSpec(model="tiny-flux", backend="torch", precision="fp32",
+                                      stages=("flux_transformer",)), cpu)
+    out = denoiser_step(flux.stages, "flux_transformer", 1, 64, 64, cpu, torch.float32)()["latent"]
+    assert out.shape[0] == 1 and torch.isfinite(out).all() and out.abs().sum() > 0

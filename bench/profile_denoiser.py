@@ -1,20 +1,23 @@
-"""Where the UNet's GPU time goes at one torch-backend setting, kernel family by family.
+"""Where the denoiser's GPU time goes (a UNet's, or SD3's and Flux's transformer's) at one torch-backend setting,
+kernel family by family.
 
-torch.profiler over N guided UNet steps: the CUDA kernels grouped by family (attention, GEMM, convolution,
-normalization, elementwise/other, memcpy), each family's share of kernel time, and the busiest kernels. With
---controlnet, a step is each ControlNet's call and then the UNet's on their residuals, as the pipeline runs them.
+torch.profiler over N denoiser steps at the batch the pipeline gives it (both guidance halves for classifier-free
+guidance): the CUDA kernels grouped by family (attention, GEMM, convolution, normalization, elementwise/other,
+memcpy), each family's share of kernel time, and the busiest kernels. With --controlnet (UNets), a step is each
+ControlNet's call and then the UNet's on their residuals, as the pipeline runs them.
 
-    python scripts/profile_unet.py --steps 10 [--plugins all] [--channels-last] [--use-cuda-graph]
-        [--compile default] [--controlnet DIR[:SCALE] ...]
+    python scripts/profile_denoiser.py --steps 10 [--plugins all] [--channels-last] [--use-cuda-graph]
+        [--compile default] [--precision auto] [--controlnet DIR[:SCALE] ...]
 
-The settings flags are the torch backend's (demo-diffusion's), defaults included (the tuned torch defaults).
-Writes profile-unet-<gpu>-<label>.md and .json into --results-dir. Kernels inside CUDA graphs are listed
-one by one (CUPTI traces graph launches kernel by kernel). Our kernels (namespace sdp::) are counted in their
-family and also on their own.
+The settings flags are the torch backend's (demo-diffusion's), defaults included (the tuned torch defaults; the
+family's precision). Writes profile-<stage>-<gpu>-<label>.md and .json into --results-dir. Kernels inside CUDA
+graphs are listed one by one (CUPTI traces graph launches kernel by kernel). Our kernels (namespace sdp::) are
+counted in their family and also on their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import re
@@ -25,13 +28,14 @@ from pathlib import Path
 
 from bench.common import ResultsFlags, log, slug
 from core.atomic import atomic_write_bytes, check_writable_directory
-from core.errors import UsageError, at_least
+from core.errors import UsageError, at_least, field
 from demo.cli.command import run_command
 from demo.cli.flags import (
     ControlNetFlags,
     EngineFlags,
     ModelFlags,
     Parser,
+    PrecisionFlags,
     RequestFlags,
     TorchFlags,
     add_flags,
@@ -41,9 +45,11 @@ from demo.cli.flags import (
     summary,
 )
 from demo.cli.to_spec import spec_from_flags
+from models import FLUX_TRANSFORMER, TRANSFORMER, UNET
 
-PROG = "profile_unet"
+PROG = "profile_denoiser"
 say = partial(log, PROG)
+STAGE_TITLES = {UNET: "UNet", TRANSFORMER: "SD3 transformer", FLUX_TRANSFORMER: "Flux transformer"}
 FAMILIES = ("attention", "gemm", "conv", "norm", "elementwise/other", "memcpy")
 
 # Tried in this order: attention before conv (cuDNN's SDPA kernels say "fprop") and conv before gemm
@@ -110,9 +116,11 @@ def summarize(kernels: list[tuple[str, float, int]], steps: int, elapsed_ms: flo
 
 
 def markdown(profile: dict, top: int = 25) -> str:
-    lines = [f"UNet profile on {profile['gpu']}: {profile['model']}, {profile['workload']}, torch backend with "
-             f"{profile['settings_text']}; "
-             f"{profile['steps']} guided UNet steps; torch {profile['torch']}.", "",
+    stage = profile.get("stage", UNET)  # profiles written before transformers were profiled are UNets', in fp16
+    title = STAGE_TITLES.get(stage, stage)
+    lines = [f"{title} profile on {profile['gpu']}: {profile['model']}, {profile['workload']}, "
+             f"{profile.get('precision', 'fp16')}, torch backend with {profile['settings_text']}; "
+             f"{profile['steps']} {title} steps; torch {profile['torch']}.", "",
              f"Per step: {profile['elapsed_ms_per_step']:.2f} ms elapsed (without the profiler), "
              f"{profile['kernel_ms_per_step']:.2f} ms in kernels"
              + (f" (GPU busy {profile['gpu_busy']:.0%})" if profile["gpu_busy"] else "")
@@ -131,16 +139,16 @@ def markdown(profile: dict, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
-def denoiser_step(stages: dict, batch: int, height: int, width: int, device, dtype):
+def denoiser_step(stages: dict, denoiser: str, batch: int, height: int, width: int, device, dtype):
     """A denoising step on fixed random inputs, as the pipeline runs it: each ControlNet stage's call, their residuals
-    added up, then the UNet's on them (the UNet's alone without ControlNets). Returns a function giving the UNet's
-    outputs."""
+    added up, then the UNet's on them (the denoiser stage's alone without ControlNets). Returns a function giving the
+    denoiser's outputs."""
     import torch
 
     from demo.pipelines.controlnet import controlnet_residuals
     from models import is_controlnet_stage
 
-    unet = stages["unet"]
+    unet = stages[denoiser]
     feed = unet.model.sample_inputs(batch, height, width, device, dtype, torch.Generator().manual_seed(0))
     steering = [(stage, stage.model.sample_inputs(batch, height, width, device, dtype,
                                                   torch.Generator().manual_seed(1)))
@@ -156,9 +164,9 @@ def denoiser_step(stages: dict, batch: int, height: int, width: int, device, dty
 class ProfileFlags:
     height: int | None = same_as(RequestFlags, "height")
     width: int | None = same_as(RequestFlags, "width")
-    batch_size: int = same_as(RequestFlags, "batch_size")  # the UNet sees twice as many (guidance)
-    steps: int = flag("UNet steps profiled (default: %(default)s)", 10)
-    warmup_steps: int = flag("UNet steps before profiling (default: %(default)s)", 3)
+    batch_size: int = same_as(RequestFlags, "batch_size")  # a guided denoiser sees twice as many
+    steps: int = flag("denoiser steps profiled (default: %(default)s)", 10)
+    warmup_steps: int = flag("denoiser steps before profiling (default: %(default)s)", 3)
     plugins: str = same_as(EngineFlags, "plugins")
     use_cuda_graph: bool | None = same_as(EngineFlags, "use_cuda_graph")
     label: str | None = flag("name of this setting in the output file names (default: from the settings)")
@@ -169,18 +177,22 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog=PROG, description=summary(__doc__))
     add_flags(p, ModelFlags, model="sd1.5-arch")
     add_flags(p, ProfileFlags)
+    add_flags(p, PrecisionFlags)
     add_flags(p, ControlNetFlags, "ControlNet", description="profile each ControlNet's call with the UNet's")
     add_flags(p, TorchFlags, "PyTorch backend")
-    return run_command(PROG, lambda: profile_unet(parse_flags(p, argv)))
+    return run_command(PROG, lambda: profile_denoiser(parse_flags(p, argv)))
 
 
-def profile_unet(flags) -> int:
+def profile_denoiser(flags) -> int:
     # torch and the runtime load here: --help and the flags' own errors answer without them.
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from demo.runtime.loader import load_pipeline
+    from demo.runtime.report import precision_name
+    from models.families import CLASSIFIER_FREE
+    from models.source import resolve_model
     from models.stages import stage_batch
 
     options = flags[ProfileFlags]
@@ -188,21 +200,29 @@ def profile_unet(flags) -> int:
     at_least("warmup_steps", options.warmup_steps, 0)
     at_least("batch_size", options.batch_size, 1)
     if not torch.cuda.is_available():
-        raise UsageError("profile_unet profiles CUDA kernels and needs a CUDA GPU; none is visible")
+        raise UsageError(f"{PROG} profiles CUDA kernels and needs a CUDA GPU; none is visible")
     check_writable_directory("results directory", Path(options.results_dir))
     device = torch.device("cuda")
-    spec = spec_from_flags(flags, backend="torch", precision="fp16", plugins=options.plugins,
-                           use_cuda_graph=options.use_cuda_graph, stages=("unet",), height=options.height,
-                           width=options.width, batch_size=options.batch_size)
+    spec = spec_from_flags(flags, backend="torch", precision=flags[PrecisionFlags].precision, plugins=options.plugins,
+                           use_cuda_graph=options.use_cuda_graph, height=options.height, width=options.width,
+                           batch_size=options.batch_size)
+    spec.check()
+    family = resolve_model(spec.model, config=spec.model_config).family  # which stage denoises: the family says
+    denoiser = family.denoiser_stage
+    if spec.controlnets and denoiser != UNET:
+        raise UsageError(f"{field('controlnets')}: {PROG} profiles ControlNets with UNets only ({family.label} "
+                         f"denoises with a {denoiser})")
+    spec = dataclasses.replace(spec, stages=(denoiser,))
     pipeline = load_pipeline(spec, device, progress=lambda line: print(line, flush=True))
     plan = pipeline.plan
-    source, settings, reason = plan.source, plan.base.settings["unet"], plan.base.reason
+    source, settings, reason = plan.source, plan.base.settings[denoiser], plan.base.reason
     height, width = plan.spec.height or source.native_image_size, plan.spec.width or source.native_image_size
-    batch = stage_batch("unet", options.batch_size, guided=True)
+    batch = stage_batch(denoiser, options.batch_size, guided=source.guidance == CLASSIFIER_FREE)
     controlnet_names = [Path(name).name for name, _ in plan.spec.controlnets]
     model_name = " + ".join([source.name, *controlnet_names])
-    say(f"UNet of {model_name}, {width}x{height}, batch {batch}: {settings.describe()} ({reason})")
-    step = denoiser_step(pipeline.stages, batch, height, width, device, torch.float16)
+    precision = precision_name(pipeline.dtype)
+    say(f"{denoiser} of {model_name}, {width}x{height}, batch {batch}, {precision}: {settings.describe()} ({reason})")
+    step = denoiser_step(pipeline.stages, denoiser, batch, height, width, device, pipeline.dtype)
     say(f"getting ready (compiling, capturing) and {options.warmup_steps} warm-up steps ...")
     for ready in pipeline.stages.values():
         ready.prepare(batch, height, width)
@@ -231,11 +251,12 @@ def profile_unet(flags) -> int:
     if not kernels:
         raise RuntimeError("the profiler recorded no CUDA kernels (is CUPTI available?)")
     gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "model": model_name, "workload": f"{width}x{height}, UNet batch {batch}",
+    result = {"gpu": gpu, "model": model_name, "stage": denoiser, "precision": precision,
+              "workload": f"{width}x{height}, {STAGE_TITLES.get(denoiser, denoiser)} batch {batch}",
               "settings": settings.as_dict(), "settings_text": settings.describe(), "settings_reason": reason,
               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
               **summarize(kernels, options.steps, elapsed_ms)}
-    stem = "-".join(["profile-unet", slug(gpu), options.label or slug(settings.describe()),
+    stem = "-".join([f"profile-{denoiser}", slug(gpu), options.label or slug(settings.describe()),
                      *map(slug, controlnet_names)])
     table = markdown(result)
     results = Path(options.results_dir)
