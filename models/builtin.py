@@ -14,6 +14,7 @@ import json
 import re
 import sys
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -485,10 +486,41 @@ def unigram_t5_tokenizer(corpus: str = _CORPUS):
     return T5TokenizerFast(vocab=pieces, extra_ids=0)
 
 
+def _drawn_parts(makers: dict[str, Callable], spec: dict) -> dict:
+    """Each part of a transformer family's built-in drawn (seed 0, in order) and cast to the dtype it is saved in
+    (`spec`'s "dtype"), one at a time: FLUX.1's 17B parameters would take 68 GB in fp32. A full-size built-in (saved
+    in 16 bits) is drawn in fp16 (a CPU draws bf16 seven times slower: 48 against 6.6 s for 1.3B on two cores) and on
+    the GPU where one is visible and the part fits there (SD3.5 Medium's 8B parameters: 3.5 minutes on 16 CPU cores,
+    36 s with the save on an H200), so its random values depend on where it was drawn, which timing does not see; a
+    tiny one is drawn in fp32 on the CPU, the same everywhere. Returned on the CPU, to be saved."""
+    import torch
+
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    full_size = dtype != torch.float32
+    where = "cuda" if full_size and torch.cuda.is_available() else "cpu"
+    generator_state, default_dtype = torch.random.get_rng_state(), torch.get_default_dtype()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float16 if full_size else dtype)
+    try:
+        parts = {}
+        for name, make in makers.items():
+            try:
+                with torch.device(where):
+                    parts[name] = make().to(device="cpu", dtype=dtype)
+            except torch.OutOfMemoryError:  # a GPU smaller than the part: drawn on the CPU
+                torch.cuda.empty_cache()
+                parts[name] = make().to(dtype)
+            if where == "cuda":
+                torch.cuda.empty_cache()
+        return parts
+    finally:
+        torch.random.set_rng_state(generator_state)
+        torch.set_default_dtype(default_dtype)
+
+
 def build_sd3_model(spec: dict, directory: Path) -> None:
     """Write an SD3 built-in (its `spec`, as BUILTIN_MODELS' "tiny-sd3") as StableDiffusion3Pipeline saves it."""
     import diffusers
-    import torch
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     tokenizer = _tokenizer(spec, EOS)
@@ -497,18 +529,12 @@ def build_sd3_model(spec: dict, directory: Path) -> None:
     special["pad_token_id"] = special["eos_token_id"]
     tokenizer_3 = unigram_t5_tokenizer()
     t5 = {"vocab_size": len(tokenizer_3), **spec["text_encoder_3"]}  # a published vocabulary's size where given
-    # Each part in the saved dtype as soon as it is drawn: T5-XXL alone is 19 GB in fp32.
-    dtype = getattr(torch, spec.get("dtype", "float32"))
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    try:
-        parts = {name: CLIPTextModelWithProjection(CLIPTextConfig(**spec[name], **special)).to(dtype)
-                 for name in ("text_encoder", "text_encoder_2")}
-        parts["text_encoder_3"] = T5EncoderModel(T5Config(**t5)).to(dtype)
-        parts["transformer"] = diffusers.SD3Transformer2DModel(**spec["transformer"]).to(dtype)
-        parts["vae"] = diffusers.AutoencoderKL(**spec["vae"]).to(dtype)
-    finally:
-        torch.random.set_rng_state(generator_state)
+    parts = _drawn_parts({
+        **{name: partial(CLIPTextModelWithProjection, CLIPTextConfig(**spec[name], **special))
+           for name in ("text_encoder", "text_encoder_2")},
+        "text_encoder_3": lambda: T5EncoderModel(T5Config(**t5)),
+        "transformer": lambda: diffusers.SD3Transformer2DModel(**spec["transformer"]),
+        "vae": lambda: diffusers.AutoencoderKL(**spec["vae"])}, spec)
     pipe = getattr(diffusers, SD3.diffusers_pipeline(TEXT_TO_IMAGE))(
         **parts, tokenizer=tokenizer, tokenizer_2=_tokenizer(spec, XL_PAD), tokenizer_3=tokenizer_3,
         scheduler=scheduler_from(spec["scheduler"]))
@@ -518,7 +544,6 @@ def build_sd3_model(spec: dict, directory: Path) -> None:
 def build_flux_model(spec: dict, directory: Path) -> None:
     """Write a Flux built-in (its `spec`, as BUILTIN_MODELS' "tiny-flux") as FluxPipeline saves it."""
     import diffusers
-    import torch
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     tokenizer = _tokenizer(spec, EOS)
@@ -527,21 +552,10 @@ def build_flux_model(spec: dict, directory: Path) -> None:
     special["pad_token_id"] = special["eos_token_id"]
     tokenizer_2 = unigram_t5_tokenizer()
     t5 = {"vocab_size": len(tokenizer_2), **spec["text_encoder_2"]}  # a published vocabulary's size where given
-    generator_state, default_dtype = torch.random.get_rng_state(), torch.get_default_dtype()
-    torch.manual_seed(0)
-    # Drawn in 16 bits, each part then cast to the saved dtype: FLUX.1's 17B parameters would take 68 GB in fp32, and
-    # a CPU draws bf16 seven times slower than fp16 (48 against 6.6 s for 1.3B on two cores)
-    dtype = getattr(torch, spec.get("dtype", "float32"))
-    torch.set_default_dtype(torch.float16 if dtype == torch.bfloat16 else dtype)
-    try:
-        parts = {"text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)),
-                 "text_encoder_2": lambda: T5EncoderModel(T5Config(**t5)),
-                 "transformer": lambda: diffusers.FluxTransformer2DModel(**spec["transformer"]),
-                 "vae": lambda: diffusers.AutoencoderKL(**spec["vae"])}
-        parts = {name: make().to(dtype) for name, make in parts.items()}
-    finally:
-        torch.random.set_rng_state(generator_state)
-        torch.set_default_dtype(default_dtype)
+    parts = _drawn_parts({"text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**spec["text_encoder"], **special)),
+                          "text_encoder_2": lambda: T5EncoderModel(T5Config(**t5)),
+                          "transformer": lambda: diffusers.FluxTransformer2DModel(**spec["transformer"]),
+                          "vae": lambda: diffusers.AutoencoderKL(**spec["vae"])}, spec)
     pipe = getattr(diffusers, FLUX.diffusers_pipeline(TEXT_TO_IMAGE))(
         **parts, tokenizer=tokenizer, tokenizer_2=tokenizer_2, scheduler=scheduler_from(spec["scheduler"]))
     pipe.save_pretrained(directory)
