@@ -329,3 +329,30 @@ def test_a_prompt_longer_than_t5_reads_is_one_line(model, limit):
     if source.guidance == CLASSIFIER_FREE:  # SD3's negative prompt is read at a scale above 1
         with pytest.raises(UsageError, match="negative_prompt"):
             Request(words, negative_prompt=long, seed=0, guidance_scale=7.0).resolved(source).check(source)
+
+
+def test_t5_in_fp16_keeps_its_feed_forward_output_projections_in_fp32_as_transformers_does(tiny_sd3):
+    """The torch backend's T5 stage in fp16 keeps `wo` in fp32 (T5EncoderModel._keep_in_fp32_modules): with
+    feed-forward outputs past fp16's range (T5-XXL's real activations are), its states stay near fp32's, where the
+    whole module cast to fp16 saturates them."""
+    from demo.backends.torch.stage import TorchStage
+    from models import T5Model
+
+    def states(dtype, cast_whole=False):
+        stage = TorchStage(T5Model(tiny_sd3), torch.device("cpu"), dtype)
+        module = stage.module.half() if cast_whole else stage.module
+        blocks = module.encoder.encoder.block
+        with torch.no_grad():
+            for block in blocks:
+                block.layer[-1].DenseReluDense.wo.weight.mul_(4e4)  # outputs of 1e5 and more: past fp16's 65504
+        ids = torch.randint(0, 100, (1, tiny_sd3.family.t5_length), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            return module(ids.int()).float(), blocks
+
+    exact, _ = states(torch.float32)
+    kept, blocks = states(torch.float16)
+    whole, _ = states(torch.float16, cast_whole=True)
+    feed_forwards = [block.layer[-1].DenseReluDense for block in blocks]
+    assert all(ff.wo.weight.dtype == torch.float32 and ff.wi_0.weight.dtype == torch.float16 for ff in feed_forwards)
+    error = lambda states: ((states - exact).abs().max() / exact.abs().max()).item()  # noqa: E731
+    assert error(kept) < 1e-2 < error(whole)

@@ -23,6 +23,21 @@ from models.lora import LoraFusion
 from plugins.diffusers_modules import repack_qkv, substitute
 
 
+def keep_float32_modules(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` cast to fp16 with the modules its models name in `_keep_in_fp32_modules` back in fp32, as
+    from_pretrained(torch_dtype=float16) keeps them (transformers' rule: a name component matches). T5 v1.1's
+    feed-forward output projections (`wo`) overflow fp16 with real weights (inf, then NaN text states); T5 casts their
+    input to their dtype, so the product runs in fp32. Our stages load in fp32 and cast whole, hence this."""
+    if dtype != torch.float16:
+        return module
+    for model in module.modules():
+        kept = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+        for name, child in model.named_modules() if kept else ():
+            if kept & set(name.split(".")):
+                child.float()
+    return module
+
+
 class TorchStage(Stage):
     """Runs the diffusers/transformers module itself (the same module the ONNX export traces), with what
     `settings` asks for (settings.py): our kernels substituted into it, channels-last memory,
@@ -39,7 +54,7 @@ class TorchStage(Stage):
             self.module = model.wrap(whole.model.component_module(whole.module))
             self.substitution = whole.substitution
         else:
-            self.module = model.load_module().to(device=device, dtype=dtype).eval()
+            self.module = keep_float32_modules(model.load_module().to(device=device, dtype=dtype), dtype).eval()
             plant(model, self.module, settings)  # test-only faults the settings carry (planted.py); none otherwise
             self.substitution = None
             if settings.plugins:
