@@ -207,37 +207,41 @@ def _check_tokenizer_files(folder: Path, component: str, subject: str) -> None:
 def _check_text_width(path: Path, configs: dict[str, dict], family: Family) -> None:
     """The denoiser attends to text as wide as its text encoders make it (a model without text encoders, or a width
     its configs leave out, is not checked): a UNet to the CLIPs' states side by side; a denoiser of a family with a T5
-    stage (SD3's transformer, `joint_attention_dim`) to the T5's states (`d_model`), the CLIPs' side by side padded to
-    that width (so no wider), and the CLIPs' pooled projections side by side (`projection_dim`) as the pooled text it
-    takes (the family's pooled_width_key: `pooled_projection_dim`)."""
+    stage (SD3's and Flux's transformers, `joint_attention_dim`) to the T5's states (`d_model`), the CLIPs' side by
+    side padded to that width (so no wider), and the CLIPs' pooled outputs side by side as the pooled text it takes
+    (the family's pooled_width_key: `pooled_projection_dim`; their `projection_dim`s where the family projects them,
+    SD3's, else their `hidden_size`s, Flux's)."""
     denoiser, key = family.denoiser, family.text_width_key
     file = path / denoiser / COMPONENTS[denoiser][0]
-    widths = {name: configs[name].get("hidden_size") for name in TEXT_ENCODERS if name in configs}
+    t5_component = family.stage_component(T5, T5_ENCODER) if T5 in family.text_stages else None
+    widths = {name: configs[name].get("hidden_size") for name in TEXT_ENCODERS
+              if name in configs and name != t5_component}
     attends = configs[denoiser].get(key)
     if not widths or not all(isinstance(width, int) for width in (*widths.values(), attends)):
         return  # a width left out (the library's default then) or not a number: not for this check
     made = " + ".join(f"{width} ({name})" for name, width in widths.items())
-    if T5 not in family.text_stages:
+    if t5_component is None:
         if attends != sum(widths.values()):
             raise UsageError(f"component '{denoiser}': {file} attends to text {attends} wide ({key}), but its text "
                              f"encoders' states are {made} wide (hidden_size)")
         return
-    t5 = configs.get(T5_ENCODER, {}).get("d_model")
+    t5 = configs.get(t5_component, {}).get("d_model")
     if isinstance(t5, int) and attends != t5:
         raise UsageError(f"component '{denoiser}': {file} attends to text {attends} wide ({key}), but its T5's "
-                         f"states are {t5} wide ({T5_ENCODER} d_model)")
+                         f"states are {t5} wide ({t5_component} d_model)")
     if sum(widths.values()) > attends:
         raise UsageError(f"component '{denoiser}': {file} attends to text {attends} wide ({key}), but its CLIP text "
                          f"encoders' states, side by side, are {made} wide (hidden_size): wider than the text they "
                          "are padded to")
     pooled = configs[denoiser].get(family.pooled_width_key) if family.pooled_width_key else None
-    projections = {name: configs[name].get("projection_dim") for name in widths}
+    pooled_key = "projection_dim" if family.projected_pooled else "hidden_size"
+    projections = {name: configs[name].get(pooled_key) for name in widths}
     if isinstance(pooled, int) and all(isinstance(width, int) for width in projections.values()) and \
             pooled != sum(projections.values()):
         given = " + ".join(f"{width} ({name})" for name, width in projections.items())
         raise UsageError(f"component '{denoiser}': {file} takes pooled text {pooled} wide "
-                         f"({family.pooled_width_key}), but its text encoders' pooled projections are {given} wide "
-                         "(projection_dim)")
+                         f"({family.pooled_width_key}), but its text encoders' pooled outputs are {given} wide "
+                         f"({pooled_key})")
 
 
 def validate_controlnet_folder(folder: Path, subject: str) -> dict:

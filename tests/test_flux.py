@@ -205,3 +205,22 @@ def test_a_request_left_to_the_model_gets_diffusers_flux_defaults(dev, schnell, 
     (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxImg2ImgPipeline"}))
     resolved = Request("a cat").resolved(resolve_model(str(folder)))
     assert (resolved.denoising_steps, resolved.guidance_scale) == (28, 7.0)
+
+
+@pytest.mark.parametrize("transformer, message", [
+    ({"joint_attention_dim": 128},
+     r"attends to text 128 wide \(joint_attention_dim\), but its T5's states are 32 wide \(text_encoder_2 d_model\)$"),
+    ({"pooled_projection_dim": 48},
+     r"takes pooled text 48 wide \(pooled_projection_dim\), but its text encoders' pooled outputs are 32 "
+     r"\(text_encoder\) wide \(hidden_size\)$"),
+])
+def test_a_flux_folder_whose_transformer_misfits_its_text_encoders_is_refused_at_load(dev, tmp_path, transformer,
+                                                                                      message):
+    """Flux's T5 is its text_encoder_2 and its pooled text CLIP's unprojected pooler output: checked as SD3's are."""
+    folder = tmp_path / "model"
+    shutil.copytree(dev.path, folder, ignore=shutil.ignore_patterns("manifest*"))
+    resolve_model(str(folder))  # the copy, unchanged, is fine
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, **transformer}))
+    with pytest.raises(UsageError, match=r"^component 'transformer': .*transformer/config.json " + message):
+        resolve_model(str(folder))

@@ -279,7 +279,7 @@ def sd3_folder_with(source, tmp_path, drop_t5: bool = False, **transformer):
      r"attends to text 48 wide \(joint_attention_dim\), but its CLIP text encoders' states, side by side, are 32 "
      r"\(text_encoder\) \+ 32 \(text_encoder_2\) wide \(hidden_size\): wider than the text they are padded to$"),
     ({"pooled_projection_dim": 48}, False,
-     r"takes pooled text 48 wide \(pooled_projection_dim\), but its text encoders' pooled projections are 32 "
+     r"takes pooled text 48 wide \(pooled_projection_dim\), but its text encoders' pooled outputs are 32 "
      r"\(text_encoder\) \+ 32 \(text_encoder_2\) wide \(projection_dim\)$"),
 ])
 def test_an_sd3_folder_whose_transformer_misfits_its_text_encoders_is_refused_at_load(tiny_sd3, tmp_path, transformer,
