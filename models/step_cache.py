@@ -45,6 +45,11 @@ class StepCache:
     def adaptive(self) -> bool:
         return self.threshold > 0
 
+    @property
+    def on(self) -> bool:
+        """Whether any call may be cached (a fixed interval above 1, or a threshold)."""
+        return self.interval > 1 or self.adaptive
+
     def schedule(self) -> FixedSchedule | AdaptiveSchedule:
         """A fresh schedule for one denoising loop."""
         return AdaptiveSchedule(self.threshold, self.max_skips) if self.adaptive else FixedSchedule(self.interval)

@@ -255,7 +255,8 @@ class ControlImageFlags:
 
 @dataclass(frozen=True)
 class CacheFlags:
-    """The step cache (docs/step-cache.md): the UNet's deep features reused between full calls."""
+    """The step cache (docs/step-cache.md): the UNet's deep features reused between full calls, every Nth call whole
+    or where the adaptive cache decides."""
 
     cache_interval: int = flag("step cache: every Nth UNet call runs the whole UNet and keeps its deep features, the "
                                "calls between run only the shallow path from them (default: %(default)s, no cache)",
@@ -263,6 +264,13 @@ class CacheFlags:
     cache_branch: int = flag("with --cache-interval above 1: the skip branch (0 = the shallowest, as DeepCache's "
                              "cache_branch_id) from which the cached calls recompute; higher is slower and closer to "
                              "the uncached image (default: %(default)s)", SPEC.cache_branch, metavar="K")
+    cache_threshold: float = flag("the adaptive step cache: each UNet call after the first runs the shallow path, and "
+                                  "the whole UNet too where the shallow prediction moved more than T (relative mean "
+                                  "absolute change) since the last whole call; higher caches more (default: "
+                                  "%(default)s, no cache; not with --cache-interval)", SPEC.cache_threshold,
+                                  metavar="T")
+    cache_max_skips: int = flag("with --cache-threshold: at most M cached calls in a row (default: %(default)s)",
+                                SPEC.cache_max_skips, metavar="M")
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,9 @@ def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
         values["controlnets"] = tuple(parse_lora_spec(text, "controlnets", CONTROLNET_NAMES)
                                       for text in flags[ControlNetFlags].controlnet or ())
     if CacheFlags in flags:
-        values.update(cache_interval=flags[CacheFlags].cache_interval, cache_branch=flags[CacheFlags].cache_branch)
+        cache = flags[CacheFlags]
+        values.update(cache_interval=cache.cache_interval, cache_branch=cache.cache_branch,
+                      cache_threshold=cache.cache_threshold, cache_max_skips=cache.cache_max_skips)
     if RefinerFlags in flags:
         refiner = flags[RefinerFlags]
         values.update(refiner=refiner.refiner, high_noise_frac=refiner.high_noise_frac)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from demo.schedulers import first_step, make_scheduler
 from models import CLIPModel, VAEDecoderModel, stage_batch
 from models.base import StageModel
 from models.source import ModelSource
-from models.step_cache import NO_CACHE, StepCache
+from models.step_cache import NO_CACHE, AdaptiveSchedule, FixedSchedule, StepCache
 from models.unet import LATENT, TIMESTEP_COND, UNetShallowModel
 from models.unet_cache import DEEP_FEATURES
 
@@ -62,6 +62,7 @@ class Text2ImagePipeline:
         # The latents the VAE decodes are scaled and, in families whose pipelines shift them (SD3), shifted too.
         self.shift_factor = (vae.get("shift_factor") or 0.0) if source.family.shifts_latents else 0.0
         self.loras = StageLoras(stages)
+        self.last_schedule: FixedSchedule | AdaptiveSchedule | None = None  # the last run's (its calls, whole ones)
 
     def stage(self, model: type[StageModel]) -> Stage:
         return self.stages[model.name]
@@ -204,6 +205,35 @@ class Text2ImagePipeline:
         an ordinary UNet puts the kept part of the image back here."""
         return latents
 
+    def step_cache_call(self, schedule: FixedSchedule | AdaptiveSchedule) -> Callable[[dict], torch.Tensor] | None:
+        """The denoiser's call under the adaptive cache (`schedule` an AdaptiveSchedule, the shallow UNet among the
+        stages): from the denoiser's whole feed, its prediction by the rule (models.step_cache). The first call runs
+        whole (the full pass, keeping its deep features); each later one runs the shallow pass from them, whose
+        prediction is the indicator: where the schedule says so the full pass runs too (its prediction is used, and
+        refreshes the features and the reference), else the shallow prediction is. None where no adaptive cache
+        applies: denoise calls the stages itself (the fixed cache decides before the feed is made, which ControlNets'
+        shallow residuals need)."""
+        shallow = self.stages.get(UNetShallowModel.name)
+        if shallow is None or not isinstance(schedule, AdaptiveSchedule):
+            return None
+        unet, kept = self.denoiser, {}
+
+        def call(feed: dict) -> torch.Tensor:
+            if DEEP_FEATURES in kept:
+                prediction = shallow({**feed, DEEP_FEATURES: kept[DEEP_FEATURES]})[LATENT]
+                if not schedule.whole(prediction):
+                    return prediction
+            else:
+                schedule.whole(None)  # the first call: nothing kept yet, so whole
+            # The full pass's outputs stay valid as the features and the reference until its next run, which comes
+            # after the next decision: no copy needed even where a stage reuses its output buffers (CUDA graphs).
+            outputs = unet(feed)
+            kept[DEEP_FEATURES] = outputs[DEEP_FEATURES]
+            schedule.ran_whole(outputs[LATENT])
+            return outputs[LATENT]
+
+        return call
+
     def denoise(self, batch: Batch, latents: torch.Tensor, conditioning: tuple[torch.Tensor, ...],
                 generator: torch.Generator, timesteps: torch.Tensor, progress=None) -> torch.Tensor:
         """The scheduler's loop over `timesteps`, guided as the request is (classifier-free: both halves in one batch;
@@ -212,6 +242,9 @@ class Text2ImagePipeline:
         step_kwargs = self._step_kwargs(generator, batch.head.eta)
         guidance = self.guidance_embedding(batch)
         features, schedule = None, self.cache.schedule()
+        self.last_schedule = schedule  # what this run's cache did, for the report
+        cached_call = self.step_cache_call(schedule)
+        fixed = shallow is not None and cached_call is None  # the fixed cache: each call's pass known before it
         # The scheduler steps on the host's copy of the timesteps: DDIM and PNDM index host tables with the timestep
         # and compare it with 0, which for a timestep on the GPU waits for the GPU every step. The stages take theirs
         # from the device's copy, so the loop never waits and the GPU never idles between steps.
@@ -220,15 +253,18 @@ class Text2ImagePipeline:
             model_input = torch.cat([latents] * 2) if batch.head.guided else latents
             model_input = self.scaled_input(model_input, t)
             timestep = unet_timesteps[i]
-            whole = shallow is None or schedule.whole()
+            whole = not fixed or schedule.whole()  # ControlNets' residuals for the pass that runs
             extra = self.unet_extra(i, len(timesteps), model_input, timestep, conditioning, batch, whole)
             inputs = (self.unet_sample(model_input).to(self.dtype), timestep, *conditioning)
             feed = dict(zip(unet.model.input_names, inputs), **guidance, **extra)  # by name: stages take what they read
-            if shallow is None:
+            if cached_call is not None:
+                prediction = cached_call(feed)
+            elif not fixed:
                 prediction = unet(feed)[LATENT]
             elif whole:  # both guidance halves' features, kept together
                 outputs = unet(feed)
                 prediction, features = outputs[LATENT], outputs[DEEP_FEATURES]
+                schedule.ran_whole()
             else:
                 prediction = shallow({**feed, DEEP_FEATURES: features})[LATENT]
             prediction = prediction.float()

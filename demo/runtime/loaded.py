@@ -65,6 +65,11 @@ class Result:
         return np.stack([np.asarray(image) for image in self.images])
 
 
+def denoising_parts(family) -> tuple:
+    """The family pipelines that denoise in `family`'s run: an ensemble's base and refiner, else itself."""
+    return (family.base, family.refiner) if isinstance(family, ExpertsPipeline) else (family,)
+
+
 def serialised(method):
     """The pipeline's calls one at a time (its stages, schedulers and step cache hold one call's state: two threads at
     once would draw each other's images), and none once it is closed."""
@@ -187,7 +192,7 @@ class Pipeline:
     def _use_scheduler(self, family, request: Request) -> None:
         """The request's scheduler on the family's pipelines (a refiner's too), one object per name and options
         (Request.scheduler_key): a call sets its timesteps anew."""
-        for pipeline in (family.base, family.refiner) if isinstance(family, ExpertsPipeline) else (family,):
+        for pipeline in denoising_parts(family):
             key = (id(pipeline), request.scheduler_key)
             if key not in self._schedulers:
                 self._schedulers[key] = request.make_scheduler(pipeline.source)
@@ -207,6 +212,12 @@ class Pipeline:
         self._use_scheduler(family, request)
         return family.unet_calls(request.denoising_steps, 1.0 if request.strength is None else request.strength,
                                  request.timesteps)
+
+    @serialised
+    def cache_whole_calls(self, request: Request) -> int:
+        """How many denoiser calls ran whole in the last run of the request's mode under the step cache, as its
+        schedules counted them (a refiner's included: it counts its own)."""
+        return sum(pipeline.last_schedule.whole_calls for pipeline in denoising_parts(self.family(request.mode)))
 
     @serialised
     def refiner_unet_calls(self, request: Request) -> int:
@@ -252,6 +263,9 @@ class Pipeline:
             latency_ms=timer.milliseconds(), versions=library_versions(self.backend),
             plugins=list(described.plugins), options=list(described.options), options_reason=plan.base.reason,
             cache_interval=plan.spec.cache_interval, cache_branch=plan.spec.cached_branch,
+            cache_threshold=plan.spec.cache_threshold,
+            cache_max_skips=plan.spec.cache_max_skips if plan.spec.step_cache.adaptive else None,
+            cache_whole_calls=self.cache_whole_calls(request) if plan.spec.step_cache.on else None,
             strength=None if request.mode == TEXT_TO_IMAGE else request.strength,
             scheduler_options=request.scheduler_options,
             high_noise_frac=None if plan.refiner is None else plan.spec.high_noise_frac,

@@ -33,7 +33,7 @@ from demo.runtime.plan import Log, PipelinePlan, StagePlan, resolve_request
 from demo.runtime.report import DTYPES
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from models.controlnet import resolve_controlnet
-from models.families import CLASSIFIER_FREE, CONTROLNET, ENGINES, INT8, LORA, REFINER, STEP_CACHE
+from models.families import ADAPTIVE_CACHE, CLASSIFIER_FREE, CONTROLNET, ENGINES, INT8, LORA, REFINER, STEP_CACHE
 from models.lora import check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
 from models.stages import (
@@ -86,6 +86,9 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     check_controlnets(source, controlnets)
     if controlnets and (spec.refiner is not None or spec.engine.int8):
         raise UsageError(f"{field('controlnets')} run without {field('refiner' if spec.refiner else 'int8')} for now")
+    if controlnets and spec.step_cache.adaptive:  # a cached call would want their shallow residuals before deciding
+        raise UsageError(f"{field('controlnets')} run without {field('cache_threshold')} (the adaptive step cache) for "
+                         f"now: use {field('cache_interval')}")
     device = checked_device(device)
     dtype = backend.default_dtype(device, source.family) if spec.precision == "auto" else DTYPES[spec.precision]
     if request is not None:
@@ -157,7 +160,8 @@ def check_family_features(spec: PipelineSpec, source: ModelSource, backend: Back
     if spec.precision != "auto":
         family.check_precision(spec.precision, source.name)
     wanted = ((LORA, "loras", bool(spec.loras)), (REFINER, "refiner", spec.refiner is not None),
-              (INT8, "int8", spec.engine.int8), (STEP_CACHE, "cache_interval", spec.cached_branch is not None),
+              (INT8, "int8", spec.engine.int8), (STEP_CACHE, "cache_interval", spec.cache_interval > 1),
+              (ADAPTIVE_CACHE, "cache_threshold", spec.step_cache.adaptive),
               (CONTROLNET, "controlnets", bool(spec.controlnets)))
     for feature, name, asked in wanted:
         if asked:
@@ -253,7 +257,8 @@ def unused_notes(spec: PipelineSpec, backend: Backend) -> list[str]:
     if spec.refiner is None and spec.high_noise_frac != DEFAULT_HIGH_NOISE_FRAC:
         notes.append(f"{field('high_noise_frac')} unused without {field('refiner')}")
     if spec.cached_branch is None and spec.cache_branch != PipelineSpec.cache_branch:
-        notes.append(f"{field('cache_branch')} unused with {field('cache_interval')} 1 (no step cache)")
+        notes.append(f"{field('cache_branch')} unused with {field('cache_interval')} 1 and no "
+                     f"{field('cache_threshold')} (no step cache)")
     return notes
 
 

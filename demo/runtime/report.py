@@ -11,7 +11,6 @@ import torch
 
 from demo.backends.base import Backend
 from demo.pipelines.sdxl import REFINER_CLIP, REFINER_UNET
-from models.unet_cache import whole_calls
 
 
 @dataclass
@@ -47,6 +46,9 @@ class LatencyReport:
     refiner_unet_calls: int | None = None  # with a refiner: its part of unet_calls (latency_ms splits the same way)
     cache_interval: int = 1  # the step cache: every Nth UNet call ran whole, the others the shallow pass (1: none)
     cache_branch: int | None = None  # its branch (None: no cache)
+    cache_threshold: float = 0.0  # the adaptive step cache's threshold (0: none), and its cap on cached calls in a row
+    cache_max_skips: int | None = None
+    cache_whole_calls: int | None = None  # under either cache: how many denoiser calls ran whole, as counted in the run
     loras: list[dict] = field(default_factory=list)  # the LoRA files fused in: path and scale each
     lora_refit_ms: float | None = None  # engines: how long refitting them for the LoRAs took (None: no refit)
     images: list[str] = field(default_factory=list)
@@ -79,11 +81,12 @@ class LatencyReport:
         ran = " ".join(filter(None, (self.backend, self.versions.get(self.backend))))
         plugins = f", plugins {','.join(self.plugins)}" if self.plugins else ""
         options = "".join(f", {option}" for option in self.options)
-        if self.cache_branch is not None:
-            calls = (self.unet_calls - (self.refiner_unet_calls or 0), self.refiner_unet_calls or 0)
-            whole = sum(whole_calls(count, self.cache_interval) for count in calls)
-            options += (f", step cache every {self.cache_interval} (branch {self.cache_branch}): {whole} of "
-                        f"{self.unet_calls} UNet calls whole")
+        if self.cache_threshold > 0:
+            options += (f", adaptive step cache (threshold {self.cache_threshold:g}, at most {self.cache_max_skips} "
+                        f"cached in a row): {self.cache_whole_calls} of {self.unet_calls} calls whole")
+        elif self.cache_branch is not None:
+            options += (f", step cache every {self.cache_interval} (branch {self.cache_branch}): "
+                        f"{self.cache_whole_calls} of {self.unet_calls} UNet calls whole")
         out.append(f"Backend: {ran} on {self.device}, {self.precision}{plugins}{options}")
         return "\n".join(out)
 

@@ -93,8 +93,9 @@ class PipelineSpec:
 
     @property
     def cached_branch(self) -> int | None:
-        """The step cache's branch where the cache is on (cache_interval above 1), else None."""
-        return self.cache_branch if self.cache_interval > 1 else None
+        """The step cache's branch where a cache is on (cache_interval above 1, or cache_threshold above 0: a UNet's
+        adaptive cache takes the same shallow pass), else None."""
+        return self.cache_branch if self.step_cache.on else None
 
     @property
     def step_cache(self) -> StepCache:

@@ -32,6 +32,7 @@ MODES = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
 # What a family may support (Family.features: these, and the modes beyond text-to-image); a spec or request for one
 # it lacks is refused naming the family.
 STEP_CACHE, CONTROLNET, REFINER, LORA, INT8 = "the step cache", "ControlNets", "a refiner", "LoRA", "INT8"
+ADAPTIVE_CACHE = "the adaptive step cache"
 # Its stages build into TensorRT engines (the backends that build them ask for it: Backend.family_feature); a family
 # without it runs on the torch backend only, its engines not built yet.
 ENGINES = "TensorRT engines"

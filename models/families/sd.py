@@ -3,6 +3,7 @@ guidance (or the scale embedded, where the UNet takes it: LCM)."""
 
 from models import CLIP
 from models.families.base import (
+    ADAPTIVE_CACHE,
     CONTROLNET,
     ENGINES,
     GUESS_MODE,
@@ -33,7 +34,7 @@ SD = Family(
         IMAGE_TO_IMAGE: ("StableDiffusionImg2ImgPipeline", "StableDiffusionControlNetImg2ImgPipeline"),
         INPAINTING: ("StableDiffusionInpaintPipeline", "StableDiffusionControlNetInpaintPipeline"),
     },
-    features=frozenset({ENGINES, STEP_CACHE, CONTROLNET, GUESS_MODE, INPAINTING, IMAGE_TO_IMAGE,
+    features=frozenset({ENGINES, STEP_CACHE, ADAPTIVE_CACHE, CONTROLNET, GUESS_MODE, INPAINTING, IMAGE_TO_IMAGE,
                         LORA, INT8}),
     lora_components=("unet", "text_encoder"),
     diffusers_options={"safety_checker": None, "requires_safety_checker": False},

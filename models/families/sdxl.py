@@ -4,6 +4,7 @@ fp16."""
 
 from models import CLIP, CLIP2
 from models.families.base import (
+    ADAPTIVE_CACHE,
     CONTROLNET,
     ENGINES,
     GUESS_MODE,
@@ -31,7 +32,7 @@ SDXL = Family(
         IMAGE_TO_IMAGE: ("StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLControlNetImg2ImgPipeline"),
         INPAINTING: ("StableDiffusionXLInpaintPipeline", "StableDiffusionXLControlNetInpaintPipeline"),
     },
-    features=frozenset({ENGINES, STEP_CACHE, CONTROLNET, GUESS_MODE, REFINER, INPAINTING,
+    features=frozenset({ENGINES, STEP_CACHE, ADAPTIVE_CACHE, CONTROLNET, GUESS_MODE, REFINER, INPAINTING,
                         IMAGE_TO_IMAGE, LORA, INT8}),
     penultimate_text=True,
     pooled_text=(CLIP2,),
