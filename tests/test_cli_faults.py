@@ -262,6 +262,36 @@ def test_compare_backends_compares_the_step_cache_paths_of_both(tmp_path, monkey
     assert "step cache every 2 calls from branch 0 on both" in out.splitlines()[0]
 
 
+# ---- the adaptive step cache's bad values: one line, exit 2, before any work, in every command that takes them ----
+
+COMMANDS = {  # command -> (its module, the arguments it runs with besides the cache's)
+    "demo-diffusion": ("demo.cli.generate", ["a prompt", "--model", "tiny", "--denoising-steps", "1"]),
+    "build-engines": ("demo.cli.build_engines", ["--model", "tiny", "--stages", "unet"]),
+    "compare-backends": ("demo.cli.compare_backends", ["--model", "tiny", "--denoising-steps", "1"]),
+    "sd-quality": ("bench.quality", ["--model", "tiny"]),
+    "sd-serve": ("demo.cli.serve", ["--model", "tiny"]),
+}
+BAD_THRESHOLDS = [
+    (["--cache-threshold", "-0.1"], "--cache-threshold must be a finite number at least 0, got -0.1"),
+    (["--cache-threshold", "nan"], "--cache-threshold must be a finite number at least 0, got nan"),
+    (["--cache-threshold", "abc"], "argument --cache-threshold: invalid float value: 'abc'"),
+    (["--cache-threshold", "0.1", "--cache-interval", "3"], "--cache-threshold and --cache-interval are two step caches"),
+    (["--cache-threshold", "0.1", "--cache-max-skips", "0"], "--cache-max-skips must be at least 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("args, message", BAD_THRESHOLDS, ids=[" ".join(a) for a, _ in BAD_THRESHOLDS])
+def test_a_bad_cache_threshold_is_one_line_and_exit_2(command, args, message, tmp_path, monkeypatch, capsys, tiny):
+    import importlib
+
+    module, given = COMMANDS[command]
+    monkeypatch.chdir(tmp_path)  # nothing written where the test runs
+    assert importlib.import_module(module).main([*given, *args]) == 2
+    assert message in one_error_line(capsys.readouterr().err, command)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- sd-benchmark: an option the run does not use is a note -----------------------------------------------------
 
 UNUSED = [

@@ -69,8 +69,8 @@ def make_parser() -> Parser:
     add_flags(p, BuildFlags)
     add_flags(p, ControlNetFlags, "ControlNet", description="with --controlnet, each ControlNet's engine and the "
               "UNet's that takes their residuals, in place of the plain UNet's")
-    add_flags(p, CacheFlags, "step cache", description="with --cache-interval above 1, the UNet's engines for the "
-              "cache (its full pass and its shallow pass) in place of the plain UNet's")
+    add_flags(p, CacheFlags, "step cache", description="with --cache-interval above 1 or --cache-threshold above 0, "
+              "the UNet's engines for the cache (its full pass and its shallow pass) in place of the plain UNet's")
     add_flags(p, EngineFlags, "ONNX and TensorRT engines")
     return p
 

@@ -79,7 +79,9 @@ def compare(flags) -> int:
     # Under the step cache, both run their cached path (the UNet that also returns its deep features, its shallow
     # pass): the same stages, the same calls, compared as they are.
     reference = plan_pipeline(replace(reference_spec(plan.spec), precision=precision_name(plan.dtype),
-                                      cache_interval=plan.spec.cache_interval, cache_branch=plan.spec.cache_branch),
+                                      cache_interval=plan.spec.cache_interval, cache_branch=plan.spec.cache_branch,
+                                      cache_threshold=plan.spec.cache_threshold,
+                                      cache_max_skips=plan.spec.cache_max_skips),
                               request=request)
     with reference.load() as torch_pipeline, plan.load() as engine_pipeline:
         pipelines = {"torch": torch_pipeline, plan.backend.name: engine_pipeline}
@@ -87,6 +89,7 @@ def compare(flags) -> int:
                    "height": request.height, "width": request.width, "scheduler": request.scheduler,
                    "steps": request.denoising_steps, "seed": request.seed, "guidance_scale": request.guidance_scale,
                    "cache_interval": plan.spec.cache_interval, "cache_branch": plan.spec.cached_branch,
+                   "cache_threshold": plan.spec.cache_threshold,
                    "stages": {}}
         generator = torch.Generator().manual_seed(request.seed)
         for model in plan.base.models:
@@ -111,6 +114,8 @@ def compare(flags) -> int:
                         "max_pixel_diff": int(difference.max()), "mean_pixel_diff": float(difference.mean())}
 
     cache = ("" if plan.spec.cached_branch is None else
+             f", adaptive step cache (threshold {plan.spec.cache_threshold:g}) from branch {plan.spec.cache_branch} "
+             "on both" if plan.spec.step_cache.adaptive else
              f", step cache every {plan.spec.cache_interval} calls from branch {plan.spec.cache_branch} on both")
     print(f"{plan.backend.name} vs torch on {results['device']}, {plan.source.name} {request.height}x"
           f"{request.width}, {request.scheduler} {request.denoising_steps} steps, seed {request.seed}{cache}")
