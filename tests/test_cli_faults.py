@@ -275,7 +275,8 @@ BAD_THRESHOLDS = [
     (["--cache-threshold", "-0.1"], "--cache-threshold must be a finite number at least 0, got -0.1"),
     (["--cache-threshold", "nan"], "--cache-threshold must be a finite number at least 0, got nan"),
     (["--cache-threshold", "abc"], "argument --cache-threshold: invalid float value: 'abc'"),
-    (["--cache-threshold", "0.1", "--cache-interval", "3"], "--cache-threshold and --cache-interval are two step caches"),
+    (["--cache-threshold", "0.1", "--cache-interval", "3"],
+     "--cache-threshold and --cache-interval are two step caches"),
     (["--cache-threshold", "0.1", "--cache-max-skips", "0"], "--cache-max-skips must be at least 1, got 0"),
 ]
 
