@@ -32,14 +32,23 @@ import datetime
 import json
 import sys
 import traceback
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.charts import gpu_chart
 from bench.common import KINDS, ResultsFlags, log, measuring_parser, one_line, slug
-from bench.contenders import CACHED, DEFAULT_CONTENDERS, EAGER, TRT_INT8, Contender, resolve_here, select_contenders
+from bench.contenders import (
+    CACHED,
+    DEFAULT_CONTENDERS,
+    EAGER,
+    THRESHOLD,
+    TRT_INT8,
+    Contender,
+    resolve_here,
+    select_contenders,
+)
 from bench.gpu_report import merge, read_report
 from core.atomic import atomic_write_bytes, check_writable_directory, check_writable_file
 from core.errors import UsageError, at_least, field, render_fields
@@ -94,7 +103,7 @@ def build_parser():
     add_flags(p, ControlNetFlags, "ControlNet", description="every contender's, with the request's images")
     add_flags(p, ControlImageFlags, "ControlNet inputs")
     add_flags(p, CacheFlags, "step cache", description="every contender's (default: none); a contender "
-              "<label>@cache<N> has its own interval, with --cache-branch")
+              "<label>@cache<N> has its own interval, <label>@thr<T> its own adaptive threshold, with --cache-branch")
     add_flags(p, EngineFlags, "engines (as build-engines takes them)",
               description=", ".join(option_name(item) for item in fields(EngineFlags) if item.name in PER_CONTENDER)
               + ": set per contender")
@@ -141,12 +150,14 @@ def unused_flags(flags, chosen: list[Contender]) -> list[str]:
         unused = [name for name in given if name in CALIBRATION_FLAGS]
         if unused:
             notes.append(f"{', '.join(map(field, unused))} unused without an INT8 contender ({TRT_INT8})")
-    own_interval = [c for c in chosen if c.cache_interval is not None]
-    if cache.cache_interval > 1 and len(own_interval) == len(chosen):
-        notes.append(f"{field('cache_interval')} unused: every contender has its own ({CACHED}<N>)")
-    elif cache.cache_interval == 1 and not own_interval and cache.cache_branch != CacheFlags.cache_branch:
+    own_cache = [c for c in chosen if c.own_cache]
+    given = [name for name, on in (("cache_interval", cache.cache_interval > 1), ("cache_threshold",
+                                                                                  cache.cache_threshold > 0)) if on]
+    if given and len(own_cache) == len(chosen):
+        notes.append(f"{field(given[0])} unused: every contender has its own ({CACHED}<N> or {THRESHOLD}<T>)")
+    elif not given and not own_cache and cache.cache_branch != CacheFlags.cache_branch:
         notes.append(f"{field('cache_branch')} unused without the step cache ({field('cache_interval')} 1, and no "
-                     f"contender{CACHED}<N>)")
+                     f"contender{CACHED}<N> or {THRESHOLD}<T>)")
     if output.defaults_file and not output.update_defaults:
         notes.append(f"{field('defaults_file')} unused without {field('update_defaults')}")
     return notes
@@ -285,10 +296,11 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
     if setup.spec.controlnets:
         row["controlnets"] = [{"name": name, "scale": scale} for name, scale in setup.spec.controlnets]
-    interval = contender.cache_interval or setup.spec.cache_interval
-    row.update(cache_interval=interval, cache_branch=setup.spec.cache_branch if interval > 1 else None)
+    cache = replace(setup.spec, **contender.spec_fields())
+    row.update(cache_interval=cache.cache_interval, cache_threshold=cache.cache_threshold,
+               cache_branch=cache.cached_branch)
     uncached = images_dir / f"{contender.uncached_label}.png"
-    if contender.cache_interval and uncached.is_file():  # what the cache changes in the picture
+    if contender.own_cache and uncached.is_file():  # what the cache changes in the picture
         against, largest = compare_images(load_image(image_path), load_image(uncached))
         row.update(psnr_vs_uncached_db=against, max_pixel_diff_vs_uncached=largest)
     if contender.reference:  # e.g. INT8 engines against the fp16 ones: the image too

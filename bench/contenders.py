@@ -18,6 +18,7 @@ TRT_AUTO = "tensorrt-auto"  # engines with the plugins `--plugins auto` picks, r
 TRT_INT8 = "tensorrt-int8"  # the same, with the UNet's engine --int8
 DIFFUSERS = "diffusers"  # the backend of a contender that runs diffusers' own pipeline (bench.diffusers_pipeline)
 CACHED = "@cache"  # <label>@cache<N>: that contender with the step cache every N UNet calls
+THRESHOLD = "@thr"  # <label>@thr<T>: that contender with the adaptive step cache at threshold T
 # <label>@vae:<V>: that contender with its VAE in precision V (models.source.VAE_PRECISIONS), or another VAE (a --vae
 # value: a folder, a file, a built-in such as taesdxl-arch)
 OTHER_VAE = "@vae:"
@@ -36,6 +37,8 @@ class Contender:
     skip: str | None = None  # why it cannot run here, found while resolving it (resolve_here)
     # The step cache's interval (`<label>@cache<N>`: the named contender with it); None: the command's --cache-interval
     cache_interval: int | None = None
+    # The adaptive step cache's threshold (`<label>@thr<T>`); None: the command's --cache-threshold
+    cache_threshold: float | None = None
     vae: str | None = None  # @vae:<V>: another VAE (None: the command's --vae)
     vae_precision: str | None = None  # @vae:<precision>: what its VAE runs in (None: the command's --vae-precision)
     ablates: tuple[str, ...] = ()  # the plugin families this one goes without, beside ours (ours-no-<family>)
@@ -44,7 +47,9 @@ class Contender:
         """What the contender sets in a pipeline spec (demo.runtime.spec.PipelineSpec) besides the engines' folders:
         its backend, plugins, and for the torch backend exactly its settings; its step cache and VAE where its label
         gives them."""
-        cache = {} if self.cache_interval is None else {"cache_interval": self.cache_interval}
+        # its own cache in place of the command's (either of the two: a spec takes one)
+        cache = ({"cache_interval": self.cache_interval, "cache_threshold": 0.0} if self.cache_interval is not None
+                 else {"cache_threshold": self.cache_threshold, "cache_interval": 1} if self.own_cache else {})
         cache.update({name: value for name, value in (("vae", self.vae), ("vae_precision", self.vae_precision))
                       if value is not None})
         if self.settings is None:
@@ -58,9 +63,14 @@ class Contender:
                 **cache}
 
     @property
+    def own_cache(self) -> bool:
+        """Whether its label gives it its own step cache (@cache<N> or @thr<T>)."""
+        return self.cache_interval is not None or self.cache_threshold is not None
+
+    @property
     def uncached_label(self) -> str:
-        """The label of the same contender without its own cache interval."""
-        return self.label.partition(CACHED)[0]
+        """The label of the same contender without its own step cache."""
+        return self.label.partition(CACHED)[0].partition(THRESHOLD)[0]
 
     def settings_dict(self) -> dict:
         """The settings a results row records."""
@@ -136,8 +146,11 @@ def select_contenders(text: str | None) -> list[Contender]:
             chosen.append(replace(found, label=label, what=f"{found.what}; VAE {vae}", **which))
             continue
         base, cached, interval = label.partition(CACHED)
+        thresholded, _, threshold = label.partition(THRESHOLD)
         if cached and base in known and interval.isdigit() and int(interval) >= 2:
             chosen.append(replace(known[base], label=label, cache_interval=int(interval)))
+        elif threshold and thresholded in known and positive_number(threshold):
+            chosen.append(replace(known[thresholded], label=label, cache_threshold=float(threshold)))
         elif label in known:
             chosen.append(known[label])
         elif label.startswith("ours+") and label != "ours+auto":
@@ -153,6 +166,7 @@ def select_contenders(text: str | None) -> list[Contender]:
     if unknown or not chosen:
         raise UsageError(f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}, "
                          f"all, or ours+<plugin>+<plugin>; any of them{CACHED}<N> (N >= 2) with the step cache, "
+                         f"{THRESHOLD}<T> (T above 0) with the adaptive one, "
                          f"and{OTHER_VAE}<V> with the VAE in precision V ({', '.join(VAE_PRECISIONS)}) or another "
                          "VAE V (a --vae value)")
     if len({c.label for c in chosen}) != len(chosen):
@@ -160,14 +174,25 @@ def select_contenders(text: str | None) -> list[Contender]:
     return sorted(chosen, key=lambda c: c.label != EAGER)
 
 
+def positive_number(text: str) -> bool:
+    """Whether `text` is a finite number above 0 (an @thr<T> label's T)."""
+    try:
+        return 0 < float(text) < float("inf")
+    except ValueError:
+        return False
+
+
 def resolve_here(contender: Contender, device, family: str | None = None) -> Contender:
     """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot
     run); tensorrt-auto with the plugins `--plugins auto` means here; for a family's models (its tuned key);
     any other contender as it is."""
-    if contender.cache_interval is not None:
-        uncached = resolve_here(replace(contender, label=contender.uncached_label, cache_interval=None), device, family)
+    if contender.own_cache:
+        uncached = resolve_here(replace(contender, label=contender.uncached_label, cache_interval=None,
+                                        cache_threshold=None), device, family)
+        cache = (f"step cache every {contender.cache_interval}" if contender.cache_interval is not None
+                 else f"adaptive step cache at {contender.cache_threshold:g}")
         return replace(uncached, label=contender.label, cache_interval=contender.cache_interval,
-                       what=f"{uncached.what}; step cache every {contender.cache_interval}")
+                       cache_threshold=contender.cache_threshold, what=f"{uncached.what}; {cache}")
     if contender.label in (TRT_AUTO, TRT_INT8):
         plugins = parse_plugin_set("auto", family=family)
         return replace(contender, plugins=plugins, what=f"{contender.what}: {', '.join(plugins) or 'none'}")

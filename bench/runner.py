@@ -164,12 +164,12 @@ def why_skip(setup: Setup, contender: Contender, workload: Workload, first: Work
     if contender.ablates and not any(plugin_matches(setup.source)[key] for key in contender.ablates):
         return (f"{'/'.join(contender.ablates)}: nothing in {setup.source.name}'s stages for their kernels, so it "
                 "would run as ours does")
-    interval = contender.cache_interval or setup.spec.cache_interval
-    if contender.backend == DIFFUSERS and interval > 1:
+    cached = replace(setup.spec, **contender.spec_fields()).step_cache.on
+    if contender.backend == DIFFUSERS and cached:
         return "diffusers' pipeline has no step cache"
     if contender.settings is None and setup.engines_from_ablation:  # contender_spec runs the ablation's engines
         lacking = [what for what, wanted in (("INT8", contender.int8), ("ControlNet", bool(setup.spec.controlnets)),
-                                             ("step cache", interval > 1)) if wanted]
+                                             ("step cache", cached)) if wanted]
         if lacking:
             return (f"sd-ablation builds no {', '.join(lacking)} engines ({flag_name('engines_from_ablation')} runs "
                     "its engines)")

@@ -323,11 +323,14 @@ def test_the_load_test_writes_into_loadtest_not_the_results_archive(tmp_path, mo
 def test_cached_contenders_run_beside_their_uncached_selves(tmp_path):
     """`<label>@cache<N>`: the same contender with the step cache, its row saying so, its picture compared with the
     uncached one's; --cache-branch is the cached rows'; the defaults never come from a cached row."""
-    with pytest.raises(UsageError, match="@cache<N>"):
-        select_contenders("ours@cache1")
+    for label in ("ours@cache1", "ours@thr0", "ours@thrnan", "ours@thr-1", "ours@thrx"):
+        with pytest.raises(UsageError, match="@cache<N>.*@thr<T>"):
+            select_contenders(label)
+    adaptive = select_contenders("ours@thr0.25")[0]
+    assert adaptive.spec_fields()["cache_threshold"] == 0.25 and adaptive.spec_fields()["cache_interval"] == 1
     steps = ["--denoising-steps", "6"]
     status, data, _ = run(tmp_path, "--runs", "1", "--cache-branch", "2", "--contenders",
-                          "diffusers-eager,diffusers-eager@cache3,ours-defaults@cache2",
+                          "diffusers-eager,diffusers-eager@cache3,ours-defaults@cache2,diffusers-eager@thr1e9",
                           common=[*COMMON[:COMMON.index("--denoising-steps")], *steps,
                                   *COMMON[COMMON.index("--denoising-steps") + 2:]])
     assert status == 0 and not data["failed"]
@@ -338,6 +341,9 @@ def test_cached_contenders_run_beside_their_uncached_selves(tmp_path):
     assert cached["max_pixel_diff_vs_uncached"] == cached["max_pixel_diff_vs_eager"] > 0
     assert rows["ours-defaults@cache2"]["cache_interval"] == 2
     assert "psnr_vs_uncached_db" not in rows["ours-defaults@cache2"]  # ours-defaults itself did not run
+    thresholded = rows["diffusers-eager@thr1e9"]  # every call under the cap cached: not the uncached picture
+    assert (thresholded["cache_threshold"], thresholded["cache_interval"], thresholded["cache_branch"]) == (1e9, 1, 2)
+    assert thresholded["max_pixel_diff_vs_uncached"] > 0
     # the floor counts what each row's pipeline runs: 2 full and 4 shallow calls at N=3, 3 and 3 at N=2
     flops = {label: row["denoiser_gflop_per_step"] for label, row in rows.items()}
     assert flops["diffusers-eager"] > flops["ours-defaults@cache2"] > flops["diffusers-eager@cache3"] > 0
