@@ -132,10 +132,10 @@ class QualityFlags:
                              "run is flagged where it differs from the reference more than the floor does, by more "
                              "than a metric's margin (paired bootstrap, 95%%)", metavar="REPORT.json")
     sensitivity: str | None = flag("scenes: render an fp32 reference and an fp32 floor at half the batch, then each "
-                                   "of these comma-listed paths against them (fp16, cache:N[:K], vae:P, "
-                                   "compile, cuda-graphs, plugins, engines, engines-no-plugins), and write a table "
-                                   "and chart of their fidelity with intervals, each flagged or not (docs/quality.md)",
-                                   metavar="ROW,...")
+                                   "of these comma-listed paths against them (fp16, cache:N[:K], threshold:T[:K], "
+                                   "vae:P, compile, cuda-graphs, plugins, engines, engines-no-plugins), and write a "
+                                   "table and chart of their fidelity with intervals, each flagged or not "
+                                   "(docs/quality.md)", metavar="ROW,...")
 
 
 @dataclass(frozen=True)
@@ -395,7 +395,9 @@ def run_title(report: dict, detailed: bool) -> str:
             + (f", guidance {settings['guidance_scale']}" if detailed else "")
             + (f", LoRA {loras}" if loras else "")
             + "".join(f", ControlNet {Path(name).name} x {scale}" for name, scale in settings.get("controlnets", ()))
-            + (f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
+            + (f", adaptive step cache at {settings['cache_threshold']:g} (branch {settings['cache_branch']})"
+               if settings.get("cache_threshold") else
+               f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
                if settings.get("cache_branch") is not None else ""))
 
 
@@ -983,7 +985,7 @@ def calls_of(requests: list[Request], most: int) -> list[list[Request]]:
 # What ran, as demo-diffusion's report of the first call gives it.
 SETTINGS = ("backend", "backend_reason", "device", "precision", "scheduler", "scheduler_options", "steps", "unet_calls",
             "guidance_scale", "negative_prompt", "height", "width", "plugins", "options", "options_reason", "loras",
-            "lora_refit_ms", "cache_interval", "cache_branch")
+            "lora_refit_ms", "cache_interval", "cache_branch", "cache_threshold", "cache_whole_calls")
 
 
 def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | None, command: str,
@@ -1076,7 +1078,8 @@ def output_stem(report: dict) -> str:
              *(["int8"] if INT8_UNET in settings["options"] else []),
              *(f"lora-{Path(lora['path']).stem}" for lora in settings["loras"]),
              *(f"controlnet-{Path(name).name}-x{scale:g}" for name, scale in settings.get("controlnets", ())),
-             *([f"cache{settings['cache_interval']}-b{settings['cache_branch']}"]
+             *([f"thr{settings['cache_threshold']:g}-b{settings['cache_branch']}"] if settings.get("cache_threshold")
+               else [f"cache{settings['cache_interval']}-b{settings['cache_branch']}"]
                if settings.get("cache_branch") is not None else [])]
     return "-".join(slug(part) for part in parts)
 

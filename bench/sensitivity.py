@@ -8,6 +8,7 @@ more than a metric's margin (bench.fidelity). Rows:
 
     fp16                 the exact path in fp16
     cache:N[:K]          the step cache, every Nth UNet call whole, branch K (default 0)
+    threshold:T[:K]      the adaptive step cache at threshold T, branch K (default 0)
     vae:P                the VAE in precision P (fp32, bf16, fp16), the rest in fp16
     compile              torch.compile (mode default)
     cuda-graphs          the torch backend's CUDA graphs
@@ -69,6 +70,8 @@ def parse_rows(text: str) -> list[str]:
             if not (1 <= len(numbers) <= 2 and all(n.isdigit() for n in numbers) and int(numbers[0]) >= 2):
                 raise UsageError(f"--sensitivity: a cache row is cache:N or cache:N:K (N 2 or more), got '{item}'")
             item = f"cache:{int(numbers[0])}:{int(numbers[1]) if len(numbers) == 2 else 0}"
+        elif item.startswith("threshold:"):
+            item = threshold_row(item)
         elif item.startswith("vae:"):
             from models.source import VAE_PRECISIONS
 
@@ -84,6 +87,7 @@ def parse_rows(text: str) -> list[str]:
                                  f"{', '.join(planted_faults())}")
         elif item not in FIXED_ROWS:
             raise UsageError(f"--sensitivity: unknown row '{item}'; rows are {', '.join(FIXED_ROWS)}, cache:N[:K], "
+                             "threshold:T[:K], "
                              "vae:P and (test-only) planted:NAME")
         if item in rows:
             raise UsageError(f"--sensitivity: row '{item}' given twice")
@@ -91,6 +95,19 @@ def parse_rows(text: str) -> list[str]:
     if not rows:
         raise UsageError("--sensitivity names no row")
     return [BASELINE_ROW, *(row for row in rows if row != BASELINE_ROW)]
+
+
+def threshold_row(item: str) -> str:
+    """A threshold:T[:K] row, checked (T a finite number above 0, K a branch), as threshold:T:K."""
+    parts = item.split(":")[1:]
+    try:
+        threshold = float(parts[0])
+    except ValueError:
+        threshold = float("nan")
+    if not (1 <= len(parts) <= 2 and 0 < threshold < float("inf") and all(n.isdigit() for n in parts[1:])):
+        raise UsageError(f"--sensitivity: an adaptive cache row is threshold:T or threshold:T:K (T above 0), got "
+                         f"'{item}'")
+    return f"threshold:{threshold:g}:{int(parts[1]) if len(parts) == 2 else 0}"
 
 
 def row_spec(exact, row: str):
@@ -103,6 +120,9 @@ def row_spec(exact, row: str):
     if row.startswith("cache:"):
         _, interval, branch = row.split(":")
         spec = dataclasses.replace(spec, cache_interval=int(interval), cache_branch=int(branch))
+    elif row.startswith("threshold:"):
+        _, threshold, branch = row.split(":")
+        spec = dataclasses.replace(spec, cache_threshold=float(threshold), cache_branch=int(branch))
     elif row.startswith("planted:"):
         fault = row.split(":", 1)[1]
     elif row.startswith("vae:"):
@@ -125,7 +145,8 @@ def exact_spec(spec):
     from demo.backends.torch.options import TorchOptions
 
     return dataclasses.replace(spec, backend=TORCH, precision="fp32", plugins="none", use_cuda_graph=False,
-                               torch=TorchOptions(channels_last=False, compile="none"), cache_interval=1)
+                               torch=TorchOptions(channels_last=False, compile="none"), cache_interval=1,
+                               cache_threshold=0.0)
 
 
 def sensitivity_summary(reference: dict, floor: tuple[dict, str], rows: list[tuple[str, dict, str]],
@@ -136,6 +157,7 @@ def sensitivity_summary(reference: dict, floor: tuple[dict, str], rows: list[tup
         return {"row": name, "report": path, "baseline": baseline,
                 "settings": {k: report["settings"][k] for k in ("backend", "precision", "plugins", "options",
                                                                "cache_interval", "cache_branch")},
+                "cache_threshold": report["settings"].get("cache_threshold", 0.0),
                 "exact_match": report["summary"]["text-to-image"]["exact_match"],
                 "images_per_s": report["images_per_s"], "fidelity": report["reference"]["fidelity"]["summary"]}
 

@@ -179,3 +179,14 @@ def test_what_the_adaptive_cache_does_not_take_is_one_line(fields, message):
     with pytest.raises(UsageError) as raised:
         load_pipeline(PipelineSpec(backend="torch", **fields), CPU, progress=QUIET)
     assert message in raised.value.render()
+
+
+def test_a_sensitivity_row_renders_with_the_adaptive_cache_and_the_reference_without():
+    from bench.sensitivity import exact_spec, parse_rows, row_spec
+
+    rows = parse_rows("threshold:0.20:1,threshold:0.3")
+    assert rows[1:] == ["threshold:0.2:1", "threshold:0.3:0"]
+    exact = exact_spec(PipelineSpec(model="tiny", cache_threshold=0.5))
+    assert exact.cache_threshold == 0.0
+    spec, fault = row_spec(exact, rows[1])
+    assert (spec.cache_threshold, spec.cache_branch, spec.precision, fault) == (0.2, 1, "fp16", None)
