@@ -182,8 +182,8 @@ def race(pipeline, calls: list[dict]) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("fields, call", [
     ({}, {}), (dict(controlnets=(("tiny-controlnet", 1.0),)), dict(control_images=(control_image(),))),
-    (dict(cache_interval=2), {}),
-], ids=["plain", "controlnet", "step-cache"])
+    (dict(cache_interval=2), {}), (dict(cache_threshold=0.3), {}),
+], ids=["plain", "controlnet", "step-cache", "adaptive-step-cache"])
 def test_two_threads_on_one_pipeline_get_their_lone_images(pipe, fields, call):
     calls = [dict(call, seed=seed, denoising_steps=STEPS) for seed in (1, 2)]
     with load(**fields) if fields else contextlib.nullcontext(pipe) as pipeline:
