@@ -25,6 +25,7 @@ from models.flow_controlnet import (
 )
 from models.t5 import T5Model
 from models.transformer import FluxTransformerModel, SD3TransformerModel
+from models.transformer_cache import CACHED_TRANSFORMERS, HEAD, OUT, TAIL, cached_transformer_stages, part_stage
 from models.unet import UNetModel, UNetShallowModel
 from models.vae import VAEDecoderModel, VAEEncoderModel
 
@@ -32,8 +33,10 @@ STAGE_MODELS: dict[str, type[StageModel]] = {
     cls.name: cls for cls in (CLIPModel, CLIP2Model, T5Model, UNetModel, SD3TransformerModel, FluxTransformerModel,
                               VAEDecoderModel, VAEEncoderModel)
 }
-# Under classifier-free guidance these run the unconditional and conditional halves in one batch.
-GUIDED_STAGES = (CLIP, CLIP2, T5, UNET, UNET_SHALLOW, TRANSFORMER)
+# Under classifier-free guidance these run the unconditional and conditional halves in one batch (SD3's transformer
+# as its adaptive step cache's parts too).
+GUIDED_STAGES = (CLIP, CLIP2, T5, UNET, UNET_SHALLOW, TRANSFORMER,
+                 *(part_stage(TRANSFORMER, part) for part in (HEAD, TAIL, OUT)))
 # These see one image whatever the batch: the input image (and inpainting's masked one) is encoded once and its
 # latents repeated, as diffusers does with one image for several prompts.
 SINGLE_IMAGE_STAGES = (VAE_ENCODER,)
@@ -56,12 +59,14 @@ def image_to_image_stages(source) -> tuple[str, ...]:
     return (*text_to_image_stages(source), VAEEncoderModel.name)
 
 
-def stage_models(source, names, cache_branch: int | None = None, controlnets=()) -> list[StageModel]:
+def stage_models(source, names, cache_branch: int | None = None, controlnets=(),
+                 adaptive_cache: bool = False) -> list[StageModel]:
     """The stage models of `names` for `source`; with a step-cache branch (models.unet_cache), the UNet's returns its
     deep features there and the shallow pass's stage follows it; with ControlNets ((ControlNetSource, scale) each),
     the UNet (and its shallow pass) takes their residuals and their stages follow it, each with its shallow pass
     under the cache and its conditioning image's; a transformer takes their block samples, their stages follow it,
-    and the VAE encoder makes their control images' latents (added where `names` lack it)."""
+    and the VAE encoder makes their control images' latents (added where `names` lack it). With `adaptive_cache`, a
+    transformer's three parts follow it (models.transformer_cache)."""
     models = []
     transformer_controlled = controlnets and source.family.denoiser_stage in CONTROLNET_STAGE_MODELS
     if transformer_controlled and source.family.denoiser_stage in names and VAE_ENCODER not in names:
@@ -77,6 +82,8 @@ def stage_models(source, names, cache_branch: int | None = None, controlnets=())
                 if cache_branch is not None:
                     models.append(ShallowControlNetStageModel(source, controlnet, index, cache_branch, scale))
                 models.append(ControlNetImageModel(source, controlnet, index))
+        elif name == source.family.denoiser_stage and adaptive_cache and name in CACHED_TRANSFORMERS:
+            models.extend(cached_transformer_stages(source, controlnets))
         elif name == source.family.denoiser_stage and controlnets:
             models.extend(controlled_transformer_stages(source, controlnets))
         else:

@@ -124,6 +124,13 @@ def packed(latents: torch.Tensor, patch: int) -> torch.Tensor:
     return tokens.reshape(batch, rows * columns, channels * p * p)
 
 
+def unpacked(tokens: torch.Tensor, shape: torch.Size, patch: int) -> torch.Tensor:
+    """Tokens [B, H/p * W/p, C * p * p] back to latents of `shape` [B, C, H, W], as FluxPipeline's _unpack_latents."""
+    batch, channels, height, width = shape
+    latents = tokens.view(batch, height // patch, width // patch, channels, patch, patch).permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(batch, channels, height, width)
+
+
 def flux_positions(latents: torch.Tensor, text: torch.Tensor, patch: int) -> dict[str, torch.Tensor]:
     """The positions of the image's tokens (their row and column) and the text's (zeros), as FluxPipeline makes them
     and Flux's transformer and ControlNets take them."""
@@ -155,8 +162,7 @@ class _PackedFlowPrediction(torch.nn.Module):
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, *rest):
         guidance, controls = (rest[0], rest[1:]) if self.guided else (None, rest)
-        batch, channels, height, width = hidden_states.shape
-        p, rows, columns = self.patch, height // self.patch, width // self.patch
+        p = self.patch
         flow = self.transformer(
             hidden_states=packed(hidden_states, p), **flux_time(timestep, hidden_states, guidance),
             pooled_projections=pooled_projections, encoder_hidden_states=encoder_hidden_states,
@@ -164,8 +170,7 @@ class _PackedFlowPrediction(torch.nn.Module):
             controlnet_block_samples=[controls[index] for index in self.blocks] or None,
             controlnet_single_block_samples=[controls[index] for index in self.single_blocks] or None,
             return_dict=False)[0]
-        flow = flow.view(batch, rows, columns, channels, p, p).permute(0, 3, 1, 4, 2, 5)
-        return flow.reshape(batch, channels, height, width)
+        return unpacked(flow, hidden_states.shape, p)
 
 
 class _DecomposedRMSNorm(torch.nn.Module):

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from demo.pipelines.batch import Batch
 from demo.pipelines.text_to_image import Text2ImagePipeline
-from models import CLIP2Model, CLIPModel, T5Model
+from models import CLIP2Model, CLIPModel, T5Model, stage_batch
 from models.source import ModelSource
-from models.step_cache import NO_CACHE, StepCache
+from models.step_cache import NO_CACHE, AdaptiveSchedule, FixedSchedule, StepCache
+from models.transformer_cache import HEAD, INDICATOR, OUT, TAIL, TAIL_RESIDUAL, part_stage
+from models.unet import LATENT
 
 if TYPE_CHECKING:
     from demo.backends.base import Stage
@@ -26,6 +28,43 @@ class FlowPipeline(Text2ImagePipeline):
 
     def scaled_input(self, model_input, timestep):
         return model_input
+
+    def cached_parts(self) -> tuple[Stage, Stage, Stage] | None:
+        """The adaptive step cache's head, tail and out parts of the transformer (models.transformer_cache), where
+        they are among the stages (planned with a cache threshold above 0); else None."""
+        names = [part_stage(self.source.family.denoiser_stage, part) for part in (HEAD, TAIL, OUT)]
+        return tuple(self.stages[name] for name in names) if names[0] in self.stages else None
+
+    def prepare(self, batch: Batch) -> None:
+        """Each stage gets ready, but the whole transformer where its parts run in its place (it holds their
+        weights, and is never called: readied, it would hold a CUDA graph's memory for nothing)."""
+        idle = self.source.family.denoiser_stage if self.cached_parts() else None
+        for name, stage in self.stages.items():
+            if name != idle:
+                stage.prepare(stage_batch(name, batch.batch_size, batch.head.guided), batch.head.height,
+                              batch.head.width)
+
+    def step_cache_call(self, schedule: FixedSchedule | AdaptiveSchedule) -> Callable[[dict], torch.Tensor] | None:
+        """The transformer's calls under the adaptive step cache's `schedule` (First Block Cache: models.step_cache,
+        models.transformer_cache): each takes the transformer's feed and returns its prediction (LATENT). Every
+        call runs the head; where the schedule says whole, the tail, whose residual is kept; else the out part on
+        the first block's tokens and the kept residual. None where the parts are not planned (no cache)."""
+        parts = self.cached_parts()
+        if parts is None:
+            return None
+        head, tail, out = parts
+        kept = {}  # the last whole call's tail residual
+
+        def call(feed: dict[str, torch.Tensor]) -> torch.Tensor:
+            first = head(feed)
+            if not schedule.whole(first[INDICATOR]):
+                return out({**feed, **first, **kept})[LATENT]
+            outputs = tail({**feed, **first})
+            kept[TAIL_RESIDUAL] = outputs[TAIL_RESIDUAL]
+            schedule.ran_whole(first[INDICATOR])
+            return outputs[LATENT]
+
+        return call
 
 
 class SD3Pipeline(FlowPipeline):

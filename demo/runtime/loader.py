@@ -232,7 +232,7 @@ def stage_plan(backend: Backend, spec: PipelineSpec, source: ModelSource, names,
     overrides = {override.stage: override for override in spec.stage_overrides}
     made: dict[tuple, tuple[object, str]] = {}  # one settings object per distinct choice, shared by its stages
     settings = {}
-    models = stage_models(source, names, spec.cached_branch, controlnets)
+    models = stage_models(source, names, spec.cached_branch, controlnets, spec.step_cache.adaptive)
     for model in models:
         override = overrides.get(model.part_of or model.name)
         plugins = spec.plugins if override is None or override.plugins is None else override.plugins

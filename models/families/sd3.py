@@ -5,7 +5,16 @@ latents are shifted as well as scaled. Its inpainting models' transformer takes 
 the masked image's latents), as StableDiffusion3InpaintPipeline feeds it."""
 
 from models import CLIP, CLIP2, T5, TRANSFORMER
-from models.families.base import CONTROLNET, ENGINES, IMAGE_TO_IMAGE, INPAINTING, LORA, TEXT_TO_IMAGE, Family
+from models.families.base import (
+    ADAPTIVE_CACHE,
+    CONTROLNET,
+    ENGINES,
+    IMAGE_TO_IMAGE,
+    INPAINTING,
+    LORA,
+    TEXT_TO_IMAGE,
+    Family,
+)
 from models.recommended import Recommended
 
 # diffusers' SD3 pipelines' own defaults (num_inference_steps, guidance_scale): a model folder of each class gets them
@@ -25,10 +34,10 @@ SD3 = Family(
                          IMAGE_TO_IMAGE: ("StableDiffusion3Img2ImgPipeline", None),
                          INPAINTING: ("StableDiffusion3InpaintPipeline",
                                       "StableDiffusion3ControlNetInpaintingPipeline")},
-    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA, ENGINES}),
+    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA, ENGINES, ADAPTIVE_CACHE}),
     # bf16 where TensorRT builds it (10+, TensorRT for RTX); TensorRT 8.6 builds the transformer in fp16, T5 in fp32
     bf16_engines={T5: "fp32", TRANSFORMER: "fp16"},
-    # on engines: image-to-image; inpainting, the step cache, LoRA (refit), ControlNets, INT8 not yet
+    # on engines: image-to-image; inpainting, the step caches, LoRA (refit), ControlNets, INT8 not yet
     engine_features=frozenset({IMAGE_TO_IMAGE}),
     denoiser="transformer",
     denoiser_stage=TRANSFORMER,

@@ -1,0 +1,221 @@
+"""The adaptive step cache on SD3's and Flux's transformers (models.transformer_cache, FlowPipeline.step_cache_call):
+planned only with a threshold above 0; every call whole through its parts is the plain transformer's image bit for
+bit; a cached run is diffusers' own pipeline with diffusers' First Block Cache on its transformer (apply_first_block_
+cache; SD3's last block patched so that diffusers' hook runs at all), same seed, within 2/255, with as many whole
+calls; the cap on cached calls in a row against diffusers' hook with its decision capped alike; image-to-image; the
+refusals (engines, ControlNets) in one line. On the CPU in fp32, on tiny-sd3, tiny-flux and tiny-flux-schnell."""
+
+import types
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
+from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+from core.errors import UsageError
+from demo.backends.registry import REFERENCE
+from demo.backends.torch.settings import FALLBACK
+from demo.pipelines import StageTimer, make_pipeline, to_uint8
+from demo.pipelines.text_to_image import Text2ImagePipeline
+from demo.request import IMAGE_TO_IMAGE, Request
+from demo.runtime.loader import plan_pipeline
+from demo.runtime.spec import PipelineSpec
+from models import VAE_ENCODER, text_to_image_stages
+from models.families import ADAPTIVE_CACHE, FLUX, SD3
+from models.source import resolve_model
+from models.stages import stage_models
+from models.step_cache import StepCache
+from models.transformer import unpacked
+from models.transformer_cache import HEAD, OUT, TAIL, part_stage
+from models.unet import LATENT
+from tests.parity import CPU, QUIET, diffusers_images
+
+SIZES = {SD3.name: 64, FLUX.name: 128}
+UNCAPPED = 1000  # max_skips no run reaches: diffusers' hook has no cap
+
+
+@pytest.fixture(scope="module")
+def sources():
+    return {name: resolve_model(name) for name in ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")}
+
+
+@pytest.fixture(scope="module")
+def cached_stages(sources):
+    """Each model's stages as planned with the adaptive cache (the image-to-image ones), on the torch backend."""
+    made = {}
+    for name, source in sources.items():
+        models = stage_models(source, (*text_to_image_stages(source), VAE_ENCODER), adaptive_cache=True)
+        made[name] = REFERENCE.create_stages(models, lambda _: FALLBACK, CPU, torch.float32, QUIET, QUIET)
+    return made
+
+
+def request(source, **given) -> Request:
+    size = SIZES[source.family.name]
+    guided = {"guidance_scale": 5.0, "negative_prompt": "blurry"} if source.family is SD3 else {}
+    resolved = Request("a photo of a cat on a table", **{"denoising_steps": 6, "seed": 11, "height": size,
+                                                          "width": size, **guided, **given}).resolved(source)
+    resolved.check(source)
+    return resolved
+
+
+class _Calls:
+    """The transformer stage as today's denoising loop calls it, answering through step_cache_call: stands in while
+    Text2ImagePipeline.denoise does not ask step_cache_call itself (the UNets' half of the adaptive cache makes it)."""
+
+    def __init__(self, model, call):
+        self.model, self.call = model, call
+
+    def __call__(self, feed):
+        return {LATENT: self.call(feed)}
+
+
+class _Recorded:
+    """A stage whose predictions (LATENT) are appended to `predictions`, in call order."""
+
+    def __init__(self, stage, predictions: list):
+        self.stage, self.model, self.predictions = stage, stage.model, predictions
+
+    def prepare(self, *args):
+        self.stage.prepare(*args)
+
+    def __call__(self, feed):
+        outputs = self.stage(feed)
+        self.predictions.append(outputs[LATENT])
+        return outputs
+
+
+def ours(source, stages, made: Request, cache: StepCache, predictions: list | None = None):
+    """Our image under `cache` and the run's schedule (its calls and whole calls); each call's prediction appended to
+    `predictions` (from the tail or the out part)."""
+    if predictions is not None:
+        ends = [part_stage(source.family.denoiser_stage, part) for part in (TAIL, OUT)]
+        stages = {name: _Recorded(stage, predictions) if name in ends else stage for name, stage in stages.items()}
+    pipeline = make_pipeline(source, stages, made.scheduler, CPU, torch.float32, made.mode, cache)
+    schedule = cache.schedule()
+    call = pipeline.step_cache_call(schedule)
+    if call is not None and not hasattr(Text2ImagePipeline, "step_cache_call"):
+        pipeline.stages = {**stages, pipeline.denoiser.name: _Calls(pipeline.denoiser.model, call)}
+    image = to_uint8(pipeline(made, StageTimer(CPU)))
+    return image, getattr(pipeline, "last_schedule", schedule)
+
+
+def fbc_transformer(source, threshold: float, max_skips: int = UNCAPPED):
+    """diffusers' transformer with diffusers' First Block Cache at `threshold`, its decision capped at `max_skips`
+    cached calls in a row, counting its whole calls (`.whole_calls`). SD3's: its last block (context_pre_only) returns
+    no text stream, from which diffusers' tail hook subtracts (a TypeError): the stream it was given in its place
+    (nothing reads it after the last block); and StableDiffusion3Pipeline sets no cache context: one, once."""
+    denoiser = getattr(diffusers, source.family.denoiser_classes[0])
+    transformer = denoiser.from_pretrained(source.component_dir("transformer"))
+    if source.family is SD3:
+        last = transformer.transformer_blocks[-1]
+        block_forward = last.forward
+
+        def with_text_stream(self, hidden_states, encoder_hidden_states, temb, **kwargs):
+            text, hidden = block_forward(hidden_states, encoder_hidden_states, temb, **kwargs)
+            return encoder_hidden_states if text is None else text, hidden
+
+        last.forward = types.MethodType(with_text_stream, last)
+    apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
+    hook = HookRegistry.check_if_exists_or_initialize(transformer.transformer_blocks[0]).get_hook(
+        "fbc_leader_block_hook")
+    decide, row = hook._should_compute_remaining_blocks, {"skipped": 0}
+    transformer.whole_calls = 0
+
+    def capped(residual):
+        whole = decide(residual) or row["skipped"] >= max_skips
+        row["skipped"] = 0 if whole else row["skipped"] + 1
+        transformer.whole_calls += whole
+        return whole
+
+    hook._should_compute_remaining_blocks = capped
+    if source.family is SD3:
+        _set_cache_context(transformer, CacheContext("cond"))
+    transformer.predictions, transformer_forward = [], transformer.forward
+
+    def recorded(*args, **kwargs):
+        output = transformer_forward(*args, **kwargs)
+        transformer.predictions.append(output[0])
+        return output
+
+    transformer.forward = recorded
+    return transformer
+
+
+def check_against_diffusers(source, stages, made: Request, threshold: float, max_skips: int = UNCAPPED):
+    """Our cached run against diffusers' pipeline with its First Block Cache: as many whole calls, each call's
+    prediction diffusers' (to float32's rounding: the tiny models' images move little with the cache), the image
+    within 2/255."""
+    predictions = []
+    image, schedule = ours(source, stages, made, StepCache(threshold=threshold, max_skips=max_skips), predictions)
+    transformer = fbc_transformer(source, threshold, max_skips)
+    theirs = diffusers_images(source, made.scheduler, made, transformer=transformer)
+    assert 0 < schedule.whole_calls < schedule.calls, "both whole and cached calls"  # else the test tests nothing
+    assert schedule.whole_calls == transformer.whole_calls
+    assert len(predictions) == len(transformer.predictions) == schedule.calls
+    for call, (made_here, made_there) in enumerate(zip(predictions, transformer.predictions)):
+        if source.family is FLUX:  # diffusers' in tokens
+            made_there = unpacked(made_there, made_here.shape, source.family.packed_latents)
+        assert (made_here - made_there).abs().max() <= 1e-5 * made_there.abs().max(), call
+    assert np.abs(image.astype(int) - theirs.astype(int)).max() <= 2 and image.std() > 5
+    return schedule
+
+
+def test_threshold_0_plans_todays_stages_and_a_threshold_the_parts(sources):
+    for source in sources.values():
+        assert ADAPTIVE_CACHE in source.family.features and not source.family.engines_take(ADAPTIVE_CACHE)
+        names = text_to_image_stages(source)
+        plain = plan_pipeline(PipelineSpec(model=source.name, backend="torch"), CPU, runs=False)
+        assert [model.name for model in plain.base.models] == list(names)
+        cached = plan_pipeline(PipelineSpec(model=source.name, backend="torch", cache_threshold=0.1), CPU, runs=False)
+        denoiser = source.family.denoiser_stage
+        parts = [part_stage(denoiser, part) for part in (HEAD, TAIL, OUT)]
+        assert [model.name for model in cached.base.models] == [*names[:-1], *parts, names[-1]]
+        assert all(model.part_of == denoiser for model in cached.base.models[-4:-1])
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux"])
+def test_every_call_whole_through_the_parts_is_the_plain_image_bit_for_bit(sources, cached_stages, name):
+    """max_skips 0: every call whole (head, then tail), as a threshold that is never reached; the plain transformer
+    stage draws the same image."""
+    source, stages = sources[name], cached_stages[name]
+    made = request(source, denoising_steps=3)
+    image, schedule = ours(source, stages, made, StepCache(threshold=0.5, max_skips=0))
+    assert schedule.whole_calls == schedule.calls == 3
+    plain = {name: stage for name, stage in stages.items() if not name.endswith((HEAD, TAIL, OUT))}
+    assert np.array_equal(image, ours(source, plain, made, StepCache())[0])
+
+
+@pytest.mark.parametrize("name, threshold", [("tiny-sd3", 0.3), ("tiny-flux", 0.3), ("tiny-flux-schnell", 0.3)])
+def test_a_cached_run_is_diffusers_first_block_cache(sources, cached_stages, name, threshold):
+    check_against_diffusers(sources[name], cached_stages[name], request(sources[name]), threshold)
+
+
+def test_the_cap_on_cached_calls_in_a_row(sources, cached_stages):
+    """A threshold that caches every call after the first but for the cap: whole every max_skips + 1 calls."""
+    source = sources["tiny-flux"]
+    schedule = check_against_diffusers(source, cached_stages["tiny-flux"], request(source), 10.0, max_skips=2)
+    assert (schedule.calls, schedule.whole_calls) == (6, 2)
+
+
+def test_image_to_image_under_the_cache(sources, cached_stages):
+    from PIL import Image
+
+    source = sources["tiny-sd3"]
+    pixels = np.random.default_rng(3).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    made = request(source, image=Image.fromarray(pixels), strength=0.9, denoising_steps=8)
+    assert made.mode == IMAGE_TO_IMAGE
+    check_against_diffusers(source, cached_stages["tiny-sd3"], made, 0.3)
+
+
+def test_engines_and_controlnets_are_refused_naming_cache_threshold(sources, tmp_path):
+    from tests.test_flow_controlnet import flux_controlnet
+
+    with pytest.raises(UsageError, match="cache_threshold on backend tensorrt-rtx.*not take the adaptive step cache"):
+        plan_pipeline(PipelineSpec(model="tiny-flux", backend="tensorrt-rtx", cache_threshold=0.1), CPU, runs=False)
+    net = flux_controlnet(tmp_path / "net", 1)
+    with pytest.raises(UsageError, match="cache_threshold.*controlnets") as refused:
+        plan_pipeline(PipelineSpec(model="tiny-flux", backend="torch", cache_threshold=0.1, controlnets=(net,)), CPU,
+                      runs=False)
+    assert "\n" not in str(refused.value)
