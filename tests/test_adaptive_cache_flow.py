@@ -19,7 +19,7 @@ from demo.backends.registry import REFERENCE
 from demo.backends.torch.settings import FALLBACK
 from demo.pipelines import StageTimer, make_pipeline, to_uint8
 from demo.pipelines.text_to_image import Text2ImagePipeline
-from demo.request import IMAGE_TO_IMAGE, Request
+from demo.request import IMAGE_TO_IMAGE, INPAINTING, Request
 from demo.runtime.loader import plan_pipeline
 from demo.runtime.spec import PipelineSpec
 from models import VAE_ENCODER, text_to_image_stages
@@ -105,7 +105,8 @@ def fbc_transformer(source, threshold: float, max_skips: int = UNCAPPED):
     """diffusers' transformer with diffusers' First Block Cache at `threshold`, its decision capped at `max_skips`
     cached calls in a row, counting its whole calls (`.whole_calls`). SD3's: its last block (context_pre_only) returns
     no text stream, from which diffusers' tail hook subtracts (a TypeError): the stream it was given in its place
-    (nothing reads it after the last block); and StableDiffusion3Pipeline sets no cache context: one, once."""
+    (nothing reads it after the last block). StableDiffusion3Pipeline and FluxInpaintPipeline set no cache context (the
+hooks' state's key): one, once."""
     denoiser = getattr(diffusers, source.family.denoiser_classes[0])
     transformer = denoiser.from_pretrained(source.component_dir("transformer"))
     if source.family is SD3:
@@ -130,8 +131,7 @@ def fbc_transformer(source, threshold: float, max_skips: int = UNCAPPED):
         return whole
 
     hook._should_compute_remaining_blocks = capped
-    if source.family is SD3:
-        _set_cache_context(transformer, CacheContext("cond"))
+    _set_cache_context(transformer, CacheContext("cond"))  # for pipelines that set none (FluxPipeline sets its own)
     transformer.predictions, transformer_forward = [], transformer.forward
 
     def recorded(*args, **kwargs):
@@ -207,6 +207,40 @@ def test_image_to_image_under_the_cache(sources, cached_stages):
     made = request(source, image=Image.fromarray(pixels), strength=0.9, denoising_steps=8)
     assert made.mode == IMAGE_TO_IMAGE
     check_against_diffusers(source, cached_stages["tiny-sd3"], made, 0.3)
+
+
+def test_inpainting_under_the_cache_two_images_a_call(sources, cached_stages):
+    from tests.test_flow_inpainting import a_mask, an_image
+
+    source = sources["tiny-flux"]
+    made = request(source, image=an_image(128), mask=a_mask(128), strength=1.0, batch_size=2, guidance_scale=3.5)
+    assert made.mode == INPAINTING
+    check_against_diffusers(source, cached_stages["tiny-flux"], made, 0.3)
+
+
+def test_sd35s_transformer_under_the_cache(tiny_sd35):
+    """SD3.5's Q/K RMSNorms and MMDiT-X's second attention in the first block: the head's."""
+    models = stage_models(tiny_sd35, text_to_image_stages(tiny_sd35), adaptive_cache=True)
+    stages = REFERENCE.create_stages(models, lambda _: FALLBACK, CPU, torch.float32, QUIET, QUIET)
+    check_against_diffusers(tiny_sd35, stages, request(tiny_sd35), 0.3)
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux"])
+def test_each_part_makes_the_shapes_and_takes_the_inputs_it_declares(sources, cached_stages, name):
+    """What the torch backend sizes a part's CUDA graph by (input_shapes, sample_inputs) is what its module takes
+    and makes, in a batch of 2 at another size than the native."""
+    source, stages = sources[name], cached_stages[name]
+    size = SIZES[source.family.name] * 3 // 2
+    feed = stages[source.family.denoiser_stage].model.sample_inputs(2, size, size)
+    for part in (HEAD, TAIL, OUT):
+        stage = stages[part_stage(source.family.denoiser_stage, part)]
+        assert stage.model.input_shapes(2, size, size) == {name: tuple(feed[name].shape)
+                                                          for name in stage.model.input_names}
+        assert set(stage.model.sample_inputs(2, size, size)) == set(stage.model.input_names)
+        outputs = stage(feed)
+        assert {name: tuple(value.shape) for name, value in outputs.items()} == stage.model.output_shapes(2, size,
+                                                                                                          size)
+        feed = {**feed, **outputs}
 
 
 def test_engines_and_controlnets_are_refused_naming_cache_threshold(sources, tmp_path):
