@@ -216,6 +216,6 @@ def cached_transformer_stages(source, controlnets=()) -> list[StageModel]:
     whole = CACHED_TRANSFORMERS[source.family.denoiser_stage](source)
     blocks = whole.config.get("num_layers", 0) + whole.config.get("num_single_layers", 0)
     if blocks < 2:
-        raise UsageError(f"{field('cache_threshold')}: model '{source.name}''s transformer has {blocks} block, which "
-                         "the adaptive step cache runs every call; drop it")
+        raise UsageError(f"{field('cache_threshold')}: the transformer of model '{source.name}' has {blocks} block; "
+                         "the adaptive step cache skips all but the first, so needs two at least")
     return [whole, *(TransformerPartModel(whole, part) for part in (HEAD, TAIL, OUT))]

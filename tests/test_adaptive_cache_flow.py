@@ -253,3 +253,13 @@ def test_engines_and_controlnets_are_refused_naming_cache_threshold(sources, tmp
         plan_pipeline(PipelineSpec(model="tiny-flux", backend="torch", cache_threshold=0.1, controlnets=(net,)), CPU,
                       runs=False)
     assert "\n" not in str(refused.value)
+
+
+def test_a_transformer_of_one_block_is_refused_naming_cache_threshold(tmp_path):
+    from models.builtin import BUILTIN_MODELS, build_sd3_model
+
+    spec = BUILTIN_MODELS["tiny-sd3"]
+    build_sd3_model({**spec, "transformer": {**spec["transformer"], "num_layers": 1}}, tmp_path / "model")
+    with pytest.raises(UsageError, match="^cache_threshold: the transformer of model .* has 1 block; .* two at least$"):
+        plan_pipeline(PipelineSpec(model=str(tmp_path / "model"), backend="torch", cache_threshold=0.1), CPU,
+                      runs=False)
