@@ -148,7 +148,7 @@ class TransformerPartModel(StageModel):
     component = "transformer"
 
     def __init__(self, whole: SD3TransformerModel | FluxTransformerModel, part: str):
-        self.name, self.part_of, self.label = part_stage(whole.name, part), whole.name, whole.label
+        self.name, self.part_of = part_stage(whole.name, part), whole.name
         super().__init__(whole.source)
         self.whole, self.part = whole, part
         streams = (FIRST_HIDDEN, FIRST_CONTEXT, TEMB)
