@@ -83,7 +83,7 @@ def stage_models(source, names, cache_branch: int | None = None, controlnets=(),
                     models.append(ShallowControlNetStageModel(source, controlnet, index, cache_branch, scale))
                 models.append(ControlNetImageModel(source, controlnet, index))
         elif name == source.family.denoiser_stage and adaptive_cache and name in CACHED_TRANSFORMERS:
-            models.extend(cached_transformer_stages(source, controlnets))
+            models.extend(cached_transformer_stages(source))
         elif name == source.family.denoiser_stage and controlnets:
             models.extend(controlled_transformer_stages(source, controlnets))
         else:

@@ -206,13 +206,11 @@ class TransformerPartModel(StageModel):
 CACHED_TRANSFORMERS = {TRANSFORMER: SD3TransformerModel, FLUX_TRANSFORMER: FluxTransformerModel}
 
 
-def cached_transformer_stages(source, controlnets=()) -> list[StageModel]:
+def cached_transformer_stages(source) -> list[StageModel]:
     """The transformer stage (it holds the weights) and its three parts, for the adaptive step cache; a UsageError
-    naming cache_threshold with ControlNets (their samples go into every block: a cached call would add them to
-    blocks it skips) or for a transformer of one block (nothing to skip)."""
-    if controlnets:
-        raise UsageError(f"{field('cache_threshold')}: the adaptive step cache does not take {field('controlnets')} "
-                         f"on a transformer yet; drop one")
+    naming cache_threshold for a transformer of one block (nothing to skip). ControlNets are refused with the adaptive
+    cache before (demo.runtime.loader): on a transformer their samples go into every block, which a cached call
+    skips."""
     whole = CACHED_TRANSFORMERS[source.family.denoiser_stage](source)
     blocks = whole.config.get("num_layers", 0) + whole.config.get("num_single_layers", 0)
     if blocks < 2:

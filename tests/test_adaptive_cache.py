@@ -168,8 +168,6 @@ def test_engines_draw_the_torch_paths_adaptive_image(tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(model="tiny-sd3", cache_threshold=0.1),
-     "cache_threshold: model 'tiny-sd3' is of the SD3 family, which does not support the adaptive step cache"),
     (dict(model="tiny", cache_threshold=0.1, controlnets=(("tiny-controlnet", 1.0),)),
      "controlnets run without cache_threshold (the adaptive step cache) for now: use cache_interval"),
     (dict(model="tiny", cache_threshold=0.1, cache_interval=2), "cache_threshold and cache_interval are two"),

@@ -18,7 +18,6 @@ from core.errors import UsageError
 from demo.backends.registry import REFERENCE
 from demo.backends.torch.settings import FALLBACK
 from demo.pipelines import StageTimer, make_pipeline, to_uint8
-from demo.pipelines.text_to_image import Text2ImagePipeline
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, Request
 from demo.runtime.loader import plan_pipeline
 from demo.runtime.spec import PipelineSpec
@@ -60,17 +59,6 @@ def request(source, **given) -> Request:
     return resolved
 
 
-class _Calls:
-    """The transformer stage as today's denoising loop calls it, answering through step_cache_call: stands in while
-    Text2ImagePipeline.denoise does not ask step_cache_call itself (the UNets' half of the adaptive cache makes it)."""
-
-    def __init__(self, model, call):
-        self.model, self.call = model, call
-
-    def __call__(self, feed):
-        return {LATENT: self.call(feed)}
-
-
 class _Recorded:
     """A stage whose predictions (LATENT) are appended to `predictions`, in call order."""
 
@@ -93,12 +81,8 @@ def ours(source, stages, made: Request, cache: StepCache, predictions: list | No
         ends = [part_stage(source.family.denoiser_stage, part) for part in (TAIL, OUT)]
         stages = {name: _Recorded(stage, predictions) if name in ends else stage for name, stage in stages.items()}
     pipeline = make_pipeline(source, stages, made.scheduler, CPU, torch.float32, made.mode, cache)
-    schedule = cache.schedule()
-    call = pipeline.step_cache_call(schedule)
-    if call is not None and not hasattr(Text2ImagePipeline, "step_cache_call"):
-        pipeline.stages = {**stages, pipeline.denoiser.name: _Calls(pipeline.denoiser.model, call)}
     image = to_uint8(pipeline(made, StageTimer(CPU)))
-    return image, getattr(pipeline, "last_schedule", schedule)
+    return image, pipeline.last_schedule
 
 
 def fbc_transformer(source, threshold: float, max_skips: int = UNCAPPED):
@@ -249,7 +233,7 @@ def test_engines_and_controlnets_are_refused_naming_cache_threshold(sources, tmp
     with pytest.raises(UsageError, match="cache_threshold on backend tensorrt-rtx.*not take the adaptive step cache"):
         plan_pipeline(PipelineSpec(model="tiny-flux", backend="tensorrt-rtx", cache_threshold=0.1), CPU, runs=False)
     net = flux_controlnet(tmp_path / "net", 1)
-    with pytest.raises(UsageError, match="cache_threshold.*controlnets") as refused:
+    with pytest.raises(UsageError, match="controlnets run without cache_threshold") as refused:
         plan_pipeline(PipelineSpec(model="tiny-flux", backend="torch", cache_threshold=0.1, controlnets=(net,)), CPU,
                       runs=False)
     assert "\n" not in str(refused.value)
