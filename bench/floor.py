@@ -11,7 +11,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models import UNET_SHALLOW, is_controlnet_stage, is_shallow_controlnet_stage
 from models.base import StageModel
-from models.unet_cache import whole_calls
 
 # Dense (no sparsity) fp16 tensor-core peak in TFLOP/s, from NVIDIA's datasheets, by the name torch gives the GPU.
 PEAK_FP16_TFLOPS = {
@@ -31,13 +30,12 @@ def call_gflop(model: StageModel, batch: int, height: int, width: int) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def denoiser_floor(models: dict[str, StageModel], calls: int, interval: int, batch: int, height: int, width: int,
+def denoiser_floor(models: dict[str, StageModel], calls: int, whole: int, batch: int, height: int, width: int,
                    gpu: str, controlnet_batch: int | None = None) -> dict:
-    """A row's floor fields: the denoiser's GFLOP per step, averaged over a run's `calls` denoiser calls with the
-    step cache every `interval` (1: none), and the ms per step it takes at `gpu`'s peak (None where the peak is
-    unknown). `models`: the pipeline's stage models by stage name; `batch`: the denoiser's batch (twice the images
+    """A row's floor fields: the denoiser's GFLOP per step, averaged over a run's `calls` denoiser calls of which
+    `whole` ran whole (the rest the step cache's shallow pass), and the ms per step it takes at `gpu`'s peak (None
+    where the peak is unknown). `models`: the pipeline's stage models by stage name; `batch`: the denoiser's batch (twice the images
     under guidance), `controlnet_batch` the ControlNets' where it differs (guess mode: the prompts' half alone)."""
-    whole = whole_calls(calls, interval)
     total = 0.0
     for name, model in models.items():
         if is_controlnet_stage(name) or is_shallow_controlnet_stage(name):

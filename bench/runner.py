@@ -235,8 +235,10 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
                 row.update(int8_layers(pipeline.stages["unet"], Path(spec.engine.onnx_dir)))
         images, timings = pipeline.timed_runs(request, setup.warmup_runs, setup.runs,
                                               say=lambda line: say(f"{contender.label}: {line}"))
-        row.update(timed_row(timings, pipeline.unet_calls(request), [stage.model for stage in pipeline.stages.values()],
-                             spec, workload, request, device))
+        calls = pipeline.unet_calls(request)
+        whole = pipeline.cache_whole_calls(request) if spec.step_cache.on else calls
+        row.update(timed_row(timings, calls, whole, [stage.model for stage in pipeline.stages.values()], spec, workload,
+                             request, device))
         if pipeline.backend.capabilities.layer_timings:
             row["unet_ms_by_kind"], row["unet_slowest_layers"] = unet_profile(pipeline.stages["unet"].engine)
         if contender.reference:
@@ -249,15 +251,16 @@ def run_contender(setup: Setup, contender: Contender, workload: Workload, first:
         pipeline.close()
 
 
-def timed_row(timings: list[dict[str, float]], unet_calls: int, models: list, spec: PipelineSpec,
+def timed_row(timings: list[dict[str, float]], unet_calls: int, whole: int, models: list, spec: PipelineSpec,
               workload: Workload, request: Request, device) -> dict:
-    """A row's time fields from its runs' stage milliseconds: the medians, the runs, the UNet's time per call and the
-    denoiser's floor (`models`: the pipeline's stage models)."""
-    floor = denoiser_floor({model.name: model for model in models}, unet_calls, spec.cache_interval,
+    """A row's time fields from its runs' stage milliseconds: the medians, the runs, the UNet's time per call, how many
+    calls ran whole (`whole`, as the last run's step cache counted them) and the denoiser's floor (`models`: the
+    pipeline's stage models)."""
+    floor = denoiser_floor({model.name: model for model in models}, unet_calls, whole,
                            stage_batch(UNET, workload.batch, request.guided), workload.height, workload.width,
                            device_name(device), controlnet_batch=workload.batch if request.guess_mode else None)
     latency = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
-    return {"unet_calls": unet_calls, **floor, "latency_ms": latency, "latency_ms_runs": timings,
+    return {"unet_calls": unet_calls, "cache_whole_calls": whole, **floor, "latency_ms": latency, "latency_ms_runs": timings,
             "unet_ms_per_call": latency["unet"] / unet_calls}
 
 
@@ -289,7 +292,8 @@ def run_diffusers_pipeline(setup: Setup, contender: Contender, spec: PipelineSpe
         row["compile_s"] = row["ready_s"]
     images, timings = timed_runs(lambda timer: pipeline(request, timer), device, setup.warmup_runs, setup.runs,
                                  say=lambda line: say(f"{contender.label}: {line}"))
-    row.update(timed_row(timings, pipeline.unet_calls(), plan.base.models, spec, workload, request, device))
+    row.update(timed_row(timings, pipeline.unet_calls(), pipeline.unet_calls(), plan.base.models, spec, workload, request,
+                         device))
     if device.type == "cuda":
         row.update(memory_row(device, free_before))
     return row, to_uint8(images)

@@ -32,12 +32,6 @@ from core.errors import UsageError, field
 DEEP_FEATURES = "deep_features"  # the tensor a full pass keeps and a shallow pass takes
 
 
-def whole_calls(calls: int, interval: int) -> int:
-    """How many of a run's `calls` UNet calls are full passes with the cache every `interval`: the first and every
-    interval-th after it (the pipelines' denoising loop)."""
-    return math.ceil(calls / interval)
-
-
 @dataclass(frozen=True)
 class Branches:
     """Where each skip branch of a UNet config comes from and goes: `down[j - 1]` makes branch j (block, layer; layer

@@ -344,9 +344,12 @@ def test_cached_contenders_run_beside_their_uncached_selves(tmp_path):
     thresholded = rows["diffusers-eager@thr1e9"]  # every call under the cap cached: not the uncached picture
     assert (thresholded["cache_threshold"], thresholded["cache_interval"], thresholded["cache_branch"]) == (1e9, 1, 2)
     assert thresholded["max_pixel_diff_vs_uncached"] > 0
+    # whole calls as the runs counted them: calls 0 and 3 at N=3; 0 and 4 under the cap of 3 cached in a row
+    assert (plain["cache_whole_calls"], cached["cache_whole_calls"], thresholded["cache_whole_calls"]) == (6, 2, 2)
     # the floor counts what each row's pipeline runs: 2 full and 4 shallow calls at N=3, 3 and 3 at N=2
     flops = {label: row["denoiser_gflop_per_step"] for label, row in rows.items()}
     assert flops["diffusers-eager"] > flops["ours-defaults@cache2"] > flops["diffusers-eager@cache3"] > 0
+    assert flops["diffusers-eager@thr1e9"] == flops["diffusers-eager@cache3"]
     assert plain["floor_ms_per_step"] is None  # no GPU peak here
 
 

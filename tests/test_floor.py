@@ -42,18 +42,18 @@ def test_the_meta_count_is_a_real_runs(tiny):
 
 def test_a_steps_count_follows_the_cache_and_the_controlnets(tiny):
     full, shallow = call_gflop(UNetModel(tiny, 0), 2, SIZE, SIZE), call_gflop(UNetShallowModel(tiny, 0), 2, SIZE, SIZE)
-    cached = denoiser_floor({"unet": UNetModel(tiny, 0), "unet_shallow": UNetShallowModel(tiny, 0)}, 10, 3, 2, SIZE,
+    cached = denoiser_floor({"unet": UNetModel(tiny, 0), "unet_shallow": UNetShallowModel(tiny, 0)}, 10, 4, 2, SIZE,
                             SIZE, "NVIDIA H200")
-    assert cached["denoiser_gflop_per_step"] == round((4 * full + 6 * shallow) / 10, 1)  # calls 0, 3, 6, 9 whole
+    assert cached["denoiser_gflop_per_step"] == round((4 * full + 6 * shallow) / 10, 1)  # 4 whole, 6 shallow
     assert cached["floor_ms_per_step"] == pytest.approx((4 * full + 6 * shallow) / 10 / PEAK_FP16_TFLOPS["NVIDIA H200"])
     controlnet = ControlNetStageModel(tiny, resolve_controlnet("tiny-controlnet"), 0)
     steered = denoiser_floor({"unet": UNetModel(tiny, controlled=True), "controlnet0": controlnet,
                               "clip": STAGE_MODELS["clip"](tiny)}, 10,
-                             1, 2, SIZE, SIZE, "a GPU of unknown peak")
+                             10, 2, SIZE, SIZE, "a GPU of unknown peak")
     plain = call_gflop(UNetModel(tiny), 2, SIZE, SIZE)
     assert steered["denoiser_gflop_per_step"] == round(plain + call_gflop(controlnet, 2, SIZE, SIZE), 1)
     assert steered["floor_ms_per_step"] is None and steered["peak_fp16_tflops"] is None
-    guessing = denoiser_floor({"unet": UNetModel(tiny, controlled=True), "controlnet0": controlnet}, 10, 1, 2, SIZE,
+    guessing = denoiser_floor({"unet": UNetModel(tiny, controlled=True), "controlnet0": controlnet}, 10, 10, 2, SIZE,
                               SIZE, "NVIDIA H200", controlnet_batch=1)  # guess mode: the prompts' half alone
     assert guessing["denoiser_gflop_per_step"] == round(plain + call_gflop(controlnet, 1, SIZE, SIZE), 1)
 
@@ -96,7 +96,7 @@ def test_the_transformers_count_is_the_hand_count():
     counted = call_gflop(transformer, 2, height, width)
     assert counted == pytest.approx(sd3_hand_gflop(transformer.config, 2, transformer.text_length, *latent), rel=1e-12)
     others = {name: STAGE_MODELS[name](sd3) for name in ("clip", "clip2", "t5", "vae")}  # not the denoiser: uncounted
-    floor = denoiser_floor({**others, "transformer": transformer}, 28, 1, 2, height, width, "NVIDIA H200")
+    floor = denoiser_floor({**others, "transformer": transformer}, 28, 28, 2, height, width, "NVIDIA H200")
     assert floor["denoiser_gflop_per_step"] == round(counted, 1)
     assert floor["floor_ms_per_step"] == pytest.approx(counted / PEAK_FP16_TFLOPS["NVIDIA H200"])
 
@@ -109,6 +109,6 @@ def test_flux_transformer_is_its_denoiser_and_counted():
     transformer = FluxTransformerModel(flux)
     counted = call_gflop(transformer, 1, 64, 64)
     assert counted > 0
-    floor = denoiser_floor({"clip": STAGE_MODELS["clip"](flux), "flux_transformer": transformer}, 4, 1, 1, 64, 64,
+    floor = denoiser_floor({"clip": STAGE_MODELS["clip"](flux), "flux_transformer": transformer}, 4, 4, 1, 64, 64,
                            "NVIDIA H200")
     assert floor["denoiser_gflop_per_step"] == round(counted, 1)
