@@ -373,8 +373,18 @@ class Flags:
 
 def parse_flags(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> Flags:
     """Parse a command line into the groups add_flags declared on `parser` (usage errors: UsageError, via Parser)."""
-    namespace = {name: tuple(value) if isinstance(value, list) else value
-                 for name, value in vars(parser.parse_args(argv)).items()}
+    return _grouped(parser, parser.parse_args(argv))
+
+
+def parse_known_flags(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[Flags, list[str]]:
+    """parse_flags for a command that hands the arguments it does not know to another command: (its flags, those
+    arguments, in their order)."""
+    namespace, rest = parser.parse_known_args(argv)
+    return _grouped(parser, namespace), rest
+
+
+def _grouped(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> Flags:
+    namespace = {name: tuple(value) if isinstance(value, list) else value for name, value in vars(parsed).items()}
     return Flags({group: group(**{item.name: namespace[item.name] for item in dataclasses.fields(group)})
                   for group in getattr(parser, "flag_groups", [])})
 

@@ -27,6 +27,7 @@ from demo.cli.flags import (
     same_as,
 )
 from demo.cli.to_spec import spec_from_flags
+from demo.runtime.spec import PipelineSpec
 from demo.serve.options import ServeOptions, check_servable
 
 PROG = "sd-serve"
@@ -72,7 +73,9 @@ def build_parser() -> Parser:
     return p
 
 
-def run(flags) -> NoReturn:
+def serving_plan(flags) -> tuple[PipelineSpec, ServeOptions]:
+    """What sd-serve's flags ask it to serve and how, checked (a UsageError where they cannot be served), before
+    anything loads."""
     serve_flags = flags[ServeFlags]
     spec = spec_from_flags(flags, backend=serve_flags.backend, height=serve_flags.height, width=serve_flags.width,
                            scheduler=serve_flags.scheduler, batch_size=serve_flags.opt_batch_size,
@@ -83,6 +86,11 @@ def run(flags) -> NoReturn:
                            drain_seconds=serve_flags.drain_seconds, verbose=spec.verbose)
     spec.check()
     check_servable(spec, options)
+    return spec, options
+
+
+def run(flags) -> NoReturn:
+    spec, options = serving_plan(flags)
     # The server loads torch and PyTriton (seconds): the usage errors above answer without them.
     from demo.serve.server import serve
 
