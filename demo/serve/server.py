@@ -471,7 +471,9 @@ def serve_forever(triton_api, server: Server, modes, max_batch_size: int, serve:
 
     def on_signal(signum, _frame):
         received.append((signum, time.monotonic()))
-        stop.set()
+        # Not stop.set() here: the handler runs in the main thread, which may hold stop's lock inside stop.wait(), and
+        # set() would wait on it for ever (seen: a SIGTERM that sd-serve never answered).
+        threading.Thread(target=stop.set, daemon=True).start()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
