@@ -30,3 +30,7 @@ def bench_plugins() -> int:
 
 def sd_quality() -> int:
     return run_main("sd-quality", "bench.quality")
+
+
+def sd_loadgen() -> int:
+    return run_main("sd-loadgen", "bench.loadgen")
