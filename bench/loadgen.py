@@ -42,7 +42,7 @@ from demo.cli.command import run_command
 from demo.cli.flags import Parser, add_flags, flag, parse_flags, parse_known_flags, same_as
 from demo.cli.serve import FLAG_NAMES as SERVE_FLAG_NAMES
 from demo.request import TEXT_TO_IMAGE
-from demo.serve.client import ServeError, connect, generate
+from demo.serve.client import ServeError, connection, generate
 from demo.serve.schema import MODEL_NAMES
 
 PROG = "sd-loadgen"
@@ -241,8 +241,7 @@ class SystemUnderTest:
     def _work(self) -> None:
         import mlperf_loadgen
 
-        module, client = connect(self.url, self.protocol)
-        try:
+        with connection(self.url, self.protocol) as (module, client):
             while True:
                 sample = self.samples.get()
                 if sample is None:
@@ -254,8 +253,6 @@ class SystemUnderTest:
                     else:
                         self.tally.answered += 1
                 mlperf_loadgen.QuerySamplesComplete([mlperf_loadgen.QuerySampleResponse(sample.id, 0, 0)])
-        finally:
-            client.close()
 
     def _send(self, module, client, sample) -> str | None:
         """The request of one sample: its caption, its own fixed seed (the sample's index); None or why it failed."""
@@ -548,13 +545,12 @@ def stop_server(process: subprocess.Popen, drain_seconds: float, say=print) -> N
 
 def server_max_batch_size(url: str, protocol: str) -> int:
     """The txt2img model's max_batch_size, as Triton reports its config."""
-    module, client = connect(url, protocol)
-    try:
-        config = client.get_model_config(MODEL_NAMES[TEXT_TO_IMAGE])
-    except Exception as exc:  # noqa: BLE001 -- tritonclient's errors: nothing there, or no such model
-        raise RunFailure(f"--url {url}: no sd-serve txt2img model answers there ({str(exc).splitlines()[0]})") from None
-    finally:
-        client.close()
+    with connection(url, protocol) as (_, client):
+        try:
+            config = client.get_model_config(MODEL_NAMES[TEXT_TO_IMAGE])
+        except Exception as exc:  # noqa: BLE001 -- tritonclient's errors: nothing there, or no such model
+            raise RunFailure(f"--url {url}: no sd-serve txt2img model answers there "
+                             f"({(str(exc).splitlines() or [type(exc).__name__])[0]})") from None
     return int(config["max_batch_size"] if isinstance(config, dict) else config.config.max_batch_size)
 
 
@@ -611,6 +607,11 @@ def run(own: LoadgenFlags, serve_args: list[str], argv: list[str]) -> int:
         import mlperf_loadgen  # noqa: F401 -- here, before anything starts
     except ImportError:
         raise UsageError(f"needs MLPerf's LoadGen: pip install -e '.[serve]' ({LOADGEN_PACKAGE})") from None
+    try:
+        with connection("127.0.0.1:1", own.protocol):  # tritonclient there (a client connects only to send)
+            pass
+    except ServeError as exc:
+        raise UsageError(str(exc)) from None
     if own.url and serve_args:
         raise UsageError(f"--url targets a running server: sd-serve's flags ({' '.join(serve_args)}) cannot reach "
                          "it; drop them or --url")
@@ -651,7 +652,8 @@ def run(own: LoadgenFlags, serve_args: list[str], argv: list[str]) -> int:
     detail_path = run_dir / DETAIL_LOG
     if not detail_path.exists():
         raise RunFailure(f"LoadGen wrote no {DETAIL_LOG} into {run_dir}")
-    context = {"gpu": gpu, "model": model, "concurrency": concurrency, "max_batch_size": max_batch,
+    context = {"gpu": gpu, "model": model, "backend": spec.backend if plan else "the running server's",
+               "concurrency": concurrency, "max_batch_size": max_batch,
                "prompts": {"file": str(prompts_file), "count": len(prompts)},
                "official": official_minimums(own.scenario), "url": url, "versions": versions(tensorrt),
                "command": shlex.join([PROG, *argv]), "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -27,7 +27,7 @@ from core.errors import RunFailure, UsageError, at_least
 from demo.cli.client import ClientFlags
 from demo.cli.command import run_command
 from demo.cli.flags import Parser, RequestFlags, add_flags, flag, parse_flags, same_as
-from demo.serve.client import ServeError, connect, generate
+from demo.serve.client import ServeError, connect, connection, generate
 
 PROG = "loadtest"
 MAX_DURATION_S = 3600  # every run stops by itself
@@ -95,8 +95,7 @@ def run_load(flags: LoadFlags, client_flags: ClientFlags, say=print) -> list[Sam
     deadline = start + min(flags.duration, MAX_DURATION_S)
 
     def worker() -> None:
-        module, client = connect(client_flags.url, client_flags.protocol)
-        try:
+        with connection(client_flags.url, client_flags.protocol) as (module, client):
             while time.monotonic() < deadline:
                 with lock:
                     index = next(sent, None)
@@ -119,8 +118,6 @@ def run_load(flags: LoadFlags, client_flags: ClientFlags, say=print) -> list[Sam
                     if len(samples) % max(1, flags.requests // 10) == 0:
                         say(f"[{PROG}] {len(samples)} of {flags.requests} done, "
                             f"{sum(s.error is not None for s in samples)} errors")
-        finally:
-            client.close()
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(flags.concurrency)]
     for thread in threads:

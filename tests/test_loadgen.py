@@ -4,6 +4,7 @@ batched; Server within a generous bound meeting it (and INVALID only for LoadGen
 queries at p99); Server over a bound too tight for the CPU INVALID with LoadGen's reason; a refused request failing
 the run; bad flags one line and exit 2 before anything starts; MLPerf's SDXL settings and LoadGen's own mlperf.conf."""
 
+import contextlib
 import importlib.util
 import json
 import re
@@ -25,8 +26,9 @@ REQUEST = ["--height", str(SIZE), "--width", str(SIZE), "--denoising-steps", str
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """sd-serve of tiny as sd-loadgen starts one (bench.loadgen.started_server), shared by the runs; stopped by
-    SIGTERM at the end, which it must answer by draining and stopping (its log says so)."""
+    """sd-serve of tiny on the CPU (on a GPU machine too: the runs' rates are sized for it) as sd-loadgen starts one
+    (bench.loadgen.started_server), shared by the runs; stopped by SIGTERM at the end, which it must answer by
+    draining and stopping (its log says so)."""
     from bench.loadgen import started_server
 
     http, grpc, metrics = free_ports(3)
@@ -34,23 +36,30 @@ def server(tmp_path_factory):
     argv = ["--model", "tiny", "--height", str(SIZE), "--width", str(SIZE), "--max-batch-size", "4",
             "--max-queue-delay-ms", "100", "--http-port", str(http), "--grpc-port", str(grpc),
             "--metrics-port", str(metrics)]
-    with started_server(argv, http, drain_seconds=10, log_path=log, timeout_s=300):
+    with contextlib.ExitStack() as running:
+        with pytest.MonkeyPatch.context() as env:  # the server's environment only
+            env.setenv("CUDA_VISIBLE_DEVICES", "")
+            running.enter_context(started_server(argv, http, drain_seconds=10, log_path=log, timeout_s=300))
         yield SimpleNamespace(url=f"127.0.0.1:{http}", log=log)
     assert re.search(r"\[sd-serve\] stopped in [\d.]+ s", log.read_text()), log.read_text()[-2000:]
 
 
 def loadgen(tmp_path, server, *args) -> tuple[int, dict, str]:
     """sd-loadgen against the module's server: (exit status, the JSON summary, LoadGen's own summary text)."""
-    from bench.loadgen import main
+    from bench.common import slug
+    from bench.loadgen import gpu_name, main
 
     status = main(["--url", server.url, "--model", "tiny", *REQUEST, "--results-dir", str(tmp_path), *args])
     scenario = args[args.index("--scenario") + 1].lower()
-    stem = tmp_path / f"loadgen-{scenario}-cpu-tiny"
+    stem = tmp_path / f"loadgen-{scenario}-{slug(gpu_name())}-tiny"
     return status, json.loads(stem.with_suffix(".json").read_text()), (stem / "mlperf_log_summary.txt").read_text()
 
 
 @needs_server
 def test_offline_is_valid_and_every_sample_loadgen_issued_comes_back_batched(server, tmp_path):
+    from bench.common import slug
+    from bench.loadgen import gpu_name
+
     status, report, summary = loadgen(tmp_path, server, "--scenario", "Offline", "--target-qps", "10",
                                       "--min-duration-s", "1")
     assert status == 0
@@ -66,10 +75,10 @@ def test_offline_is_valid_and_every_sample_loadgen_issued_comes_back_batched(ser
     assert report["settings"]["request"] == {"denoising_steps": STEPS, "guidance_scale": None, "height": SIZE,
                                              "width": SIZE, "scheduler": None, "negative_prompt": None}
     assert report["official"]["met"] is False and "600" in report["official"]["note"]
-    assert report["command"].startswith("sd-loadgen --url ") and report["gpu"] == "cpu"
+    assert report["command"].startswith("sd-loadgen --url ") and report["gpu"] == gpu_name()
     assert {"torch", "diffusers", "loadgen"} <= set(report["versions"])
-    assert (tmp_path / "loadgen-offline-cpu-tiny" / "mlperf_log_detail.txt").stat().st_size > 0
-    assert "| Offline |" in (tmp_path / "loadgen-offline-cpu-tiny.md").read_text()
+    stem = tmp_path / f"loadgen-offline-{slug(gpu_name())}-tiny"
+    assert (stem / "mlperf_log_detail.txt").stat().st_size > 0 and "| Offline |" in stem.with_suffix(".md").read_text()
 
 
 @needs_server
@@ -181,3 +190,25 @@ def test_the_official_settings_are_loadgens_own_mlperf_conf_for_sdxl():
                                  "stable-diffusion-xl.Server.min_duration = 90000",
                                  "stable-diffusion-xl.Server.target_qps = 2.5",
                                  "stable-diffusion-xl.Server.target_latency = 15000"]
+
+
+@pytest.mark.gpu
+@needs_server
+def test_on_a_gpu_sd_loadgen_starts_its_server_and_offline_is_valid_named_for_the_gpu(tmp_path):
+    """The whole command on a GPU: sd-loadgen starts sd-serve of tiny on GPU 0 itself, runs Offline, stops it."""
+    import torch
+
+    from bench.common import slug
+    from bench.loadgen import main
+
+    http, grpc, metrics = free_ports(3)
+    # tiny runs hundreds of samples a second there: a query large enough to last the min duration
+    assert main(["--scenario", "Offline", "--model", "tiny", *REQUEST, "--target-qps", "300", "--min-duration-s", "2",
+                 "--results-dir", str(tmp_path), "--gpus", "0", "--max-batch-size", "8", "--http-port", str(http),
+                 "--grpc-port", str(grpc), "--metrics-port", str(metrics)]) == 0
+    gpu = torch.cuda.get_device_name(0)
+    stem = tmp_path / f"loadgen-offline-{slug(gpu)}-tiny"
+    report = json.loads(stem.with_suffix(".json").read_text())
+    assert report["valid"] and report["gpu"] == gpu and "cuda" in report["versions"]
+    assert report["samples_issued"] == report["samples_answered"] == 660 and max(map(int, report["batch_sizes"])) > 1
+    assert re.search(r"\[sd-serve\] stopped in [\d.]+ s", (stem / "sd-serve.log").read_text())

@@ -3,6 +3,9 @@ back. The command that writes the images as PNGs is demo.cli.client (scripts/cli
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import numpy as np
 
 from demo.request import IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE
@@ -32,6 +35,16 @@ def connect(url: str, protocol: str = "http", concurrency: int = 1):
         raise ServeError("needs tritonclient: pip install -e '.[serve]' (docs/serving.md)") from None
     return module, module.InferenceServerClient(url, concurrency=concurrency, network_timeout=3600.0,
                                                 connection_timeout=3600.0)
+
+
+@contextlib.contextmanager
+def connection(url: str, protocol: str = "http") -> Iterator[tuple]:
+    """connect()'s (module, client), the client closed on the way out: one a thread, for clients sending at once."""
+    module, client = connect(url, protocol)
+    try:
+        yield module, client
+    finally:
+        client.close()
 
 
 def request_inputs(module, values: dict, mode: str) -> list:
