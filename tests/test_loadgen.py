@@ -137,7 +137,7 @@ def test_an_image_of_the_wrong_shape_is_a_failed_sample(monkeypatch):
     (["--min-duration-s", "-1"], "--min-duration-s must be 0 or more, got -1.0"),
     (["--min-query-count", "0"], "--min-query-count must be at least 1, got 0"),
     (["--target-latency-ms", "100"], "--target-latency-ms bounds the Server scenario's latency; Offline has none"),
-    (["--scenario", "Server", "--target-latency-ms", "-5"], "--target-latency-ms must be above 0, got -5.0"),
+    (["--scenario", "Server", "--target-latency-ms", "0.5"], "--target-latency-ms must be at least 1, got 0.5"),
     (["--height", "60"], "--height must be a multiple of 8, at least 8, got 60"),
     (["--prompts", "/nonexistent/captions.txt"], "--prompts /nonexistent/captions.txt: cannot read it"),
     (["--max-batch-size", "0"], "--max-batch-size must be at least 1, got 0"),  # sd-serve's flag, sd-serve's check
