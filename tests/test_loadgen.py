@@ -212,3 +212,43 @@ def test_on_a_gpu_sd_loadgen_starts_its_server_and_offline_is_valid_named_for_th
     assert report["valid"] and report["gpu"] == gpu and "cuda" in report["versions"]
     assert report["samples_issued"] == report["samples_answered"] == 660 and max(map(int, report["batch_sizes"])) > 1
     assert re.search(r"\[sd-serve\] stopped in [\d.]+ s", (stem / "sd-serve.log").read_text())
+
+
+@needs_server
+def test_ctrl_c_stops_the_server_sd_loadgen_started_and_exits_130(tmp_path):
+    """The whole command, starting its own server (on the CPU): a Ctrl-C in the middle of a Server run ends it with
+    130 once sd-serve has drained and stopped (issue: the interrupted LoadGen was destroyed under its own thread, a
+    segfault, and sd-serve outlived sd-loadgen)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from bench.loadgen import answers_ready
+    from tests.conftest import ROOT
+
+    http, grpc, metrics = free_ports(3)
+    out = tmp_path / "sd-loadgen.out"
+    command = [sys.executable, str(ROOT / "scripts" / "loadgen.py"), "--scenario", "Server", "--model", "tiny",
+               *REQUEST, "--target-qps", "2", "--min-duration-s", "600", "--results-dir", str(tmp_path),
+               "--max-batch-size", "4", "--drain-seconds", "2", "--http-port", str(http), "--grpc-port", str(grpc),
+               "--metrics-port", str(metrics)]
+    with open(out, "w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                   start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        deadline = time.monotonic() + 300
+        while "[sd-loadgen] Server on" not in out.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(3)  # requests in flight
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 130, out.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert out.read_text().strip().endswith("sd-loadgen: interrupted")
+    log = (tmp_path / "loadgen-server-cpu-tiny" / "sd-serve.log").read_text()
+    assert re.search(r"\[sd-serve\] SIGTERM: refusing new requests", log) and "[sd-serve] stopped in" in log
+    assert not answers_ready(http)
