@@ -406,7 +406,7 @@ def summarize(detail: dict, tally: Tally, scenario: str, request: dict, context:
                      "note": "an official MLPerf run needs MLPerf's minimums (" + ", ".join(
                          f"{name} {value:g}" for name, value in official.items() if name.startswith("min_")) +
                      "), its 5000 COCO captions and its accuracy run (FID and CLIP); this one "
-                     + ("meets the minimums only" if not short_of else f"is short of {', '.join(short_of)}")},
+                     + ("meets those minimums" if not short_of else f"is short of {', '.join(short_of)}")},
         **context,
     }
 
@@ -428,7 +428,8 @@ def table(report: dict) -> str:
     bound = (f"{settings['target_latency_ms']:g} ms at p{settings['target_latency_percentile'] * 100:g}"
              if report["scenario"] == "Server" else "—")
     request = ", ".join(f"{name} {value}" for name, value in settings["request"].items() if value is not None)
-    lines = [f"**sd-loadgen {report['scenario']}, {report['model']} on {report['gpu']}** ({report['date']})", "",
+    lines = [f"**sd-loadgen {report['scenario']}, {report['model']} on {report['gpu']}, backend {report['backend']}** "
+             f"({report['date']})", "",
              "| scenario | samples/s | p50 ms | p90 ms | p99 ms | latency bound | samples | failed | result |",
              "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |",
              f"| {report['scenario']} | {report['samples_per_s']} | {cell(latency['p50'])} | {cell(latency['p90'])} "
