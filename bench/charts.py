@@ -100,3 +100,32 @@ def kernel_chart(comparisons: list[dict], title: str) -> bytes:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return _png(figure)
+
+
+def throughput_chart(rows: list[dict]) -> bytes:
+    """Images per second against batch size (bench.throughput's rows): a panel per workload, a line per label."""
+    from matplotlib.figure import Figure
+
+    workloads: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for row in rows:
+        line = workloads.setdefault(row["workload"], {}).setdefault(row["label"], [])
+        line.append((row["batch_size"], row["images_per_s"]))
+    figure = Figure(figsize=(9, 4.5 * len(workloads)), dpi=100, layout="constrained")
+    axes = figure.subplots(len(workloads), 1, squeeze=False)[:, 0]
+    for ax, (title, lines) in zip(axes, workloads.items()):
+        for label, points in sorted(lines.items()):
+            points.sort()
+            ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=label)
+            for batch, value in points:
+                ax.annotate(f"{value:.2f}", (batch, value), textcoords="offset points", xytext=(0, 6), fontsize=7,
+                            ha="center")
+        batches = sorted({b for points in lines.values() for b, _ in points})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("batch size (images per call)", fontsize=9)
+        ax.set_ylabel("images / s", fontsize=9)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    return _png(figure)

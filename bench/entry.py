@@ -34,3 +34,7 @@ def sd_quality() -> int:
 
 def sd_loadgen() -> int:
     return run_main("sd-loadgen", "bench.loadgen")
+
+
+def sd_throughput() -> int:
+    return run_main("sd-throughput", "bench.throughput")

@@ -65,7 +65,8 @@ def test_console_commands_are_entry_points_that_run_their_command():
     main(argv) under the command's own name."""
     scripts = pyproject()["project"]["scripts"]
     assert set(scripts) == {"demo-diffusion", "build-engines", "export-onnx", "compare-backends", "sd-benchmark",
-                            "sd-ablation", "report-gpus", "sd-serve", "sd-quality", "sd-loadgen"}
+                            "sd-ablation", "report-gpus", "sd-serve", "sd-quality", "sd-loadgen",
+                            "sd-throughput"}
     for command, target in scripts.items():
         module, function = target.split(":")
         source = (ROOT / Path(*module.split("."))).with_suffix(".py").read_text()

@@ -51,14 +51,24 @@ def device_pixels(images: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     and no arithmetic on the CPU, where a server's per-GPU processes would otherwise do it side by side. Laid out
     [B, H, W, 3] in memory too (the channels moved on the device): a permuted view stays one through .cpu()."""
     _warn_if_not_finite(images, dtype)
+    return pixel_tensor(images).cpu().numpy()
+
+
+def pixel_tensor(images: torch.Tensor) -> torch.Tensor:
+    """device_pixels' 8-bit [B, H, W, 3] (contiguous) left where the images are, for a caller that copies it itself
+    (demo.pipelines.stream: without waiting)."""
     pixels = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-    return pixels.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+    return pixels.permute(0, 2, 3, 1).contiguous()
 
 
 def _warn_if_not_finite(images: torch.Tensor, dtype: torch.dtype) -> None:
     if not torch.isfinite(images).all():  # e.g. fp16 overflow: say so rather than save black images
-        warnings.warn(f"non-finite values in the decoded images ({dtype}); they will be saved clamped",
-                      RuntimeWarning, stacklevel=4)
+        warn_not_finite(dtype, stacklevel=5)
+
+
+def warn_not_finite(dtype: torch.dtype, stacklevel: int = 2) -> None:
+    warnings.warn(f"non-finite values in the decoded images ({dtype}); they will be saved clamped",
+                  RuntimeWarning, stacklevel=stacklevel)
 
 
 def to_uint8(images: np.ndarray) -> np.ndarray:

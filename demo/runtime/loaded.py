@@ -18,7 +18,9 @@ from PIL import Image
 from core.errors import UsageError, field, render_fields
 from demo.backends.registry import why_not_for
 from demo.pipelines import ExpertsPipeline, make_pipeline, to_uint8
+from demo.pipelines.batch import Batch
 from demo.pipelines.lora import LoraSpec
+from demo.pipelines.stream import BatchStream
 from demo.pipelines.timer import StageTimer, timed_runs
 from demo.request import TEXT_TO_IMAGE, Request, request_fields
 from demo.runtime.report import LatencyReport, device_name, library_versions, precision_name
@@ -188,6 +190,28 @@ class Pipeline:
         with on_device:
             self._use_scheduler(family, requests[0])
             return family(requests, timer or StageTimer(self.device), progress, pixels)
+
+    @serialised
+    def run_stream(self, batches: Sequence[Sequence[Request]], overlap: bool = True,
+                   timers: Sequence[StageTimer] | None = None) -> list[np.ndarray]:
+        """Calls of resolved, checked requests (each as `run` takes them) as one stream (demo.pipelines.stream): on a
+        GPU with `overlap`, a call's text encoding beside the previous call's loop and its decode beside the next
+        one's; each call's 8-bit pixels, those `run(requests, pixels=True)` gives. The calls share a mode and a
+        scheduler (the loop's one state)."""
+        if not batches or not all(batches):
+            raise UsageError("run_stream takes one call at least, of one request at least")
+        head = batches[0][0]
+        if any(request.mode != head.mode or request.scheduler_key != head.scheduler_key
+               for requests in batches for request in requests):
+            raise UsageError("a stream's calls share one mode and one scheduler: run the others as a stream of "
+                             "their own")
+        family = self.family(head.mode)
+        if isinstance(family, ExpertsPipeline):
+            raise UsageError(f"a pipeline with a {field('refiner')} runs one call at a time: use run")
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with on_device:
+            self._use_scheduler(family, head)
+            return BatchStream(family, self.device, overlap).run([Batch.of(requests) for requests in batches], timers)
 
     def _use_scheduler(self, family, request: Request) -> None:
         """The request's scheduler on the family's pipelines (a refiner's too), one object per name and options

@@ -1,0 +1,161 @@
+"""The throughput path (demo.pipelines.stream through Pipeline.run_stream) and sd-throughput (bench.throughput) on
+the CPU: a stream's images are each batch's alone (same seeds), in either mode, for one request of several images and
+for several one-image requests (sd-serve's calls); the command's table, JSON and chart with their fields, its rows
+kept across runs, a batch that does not fit (its memory floor, or out of memory at run time) reported while the sweep
+goes on, a batch size above the engines' range refused, MLPerf's settings, and bad flags (exit 2). The overlapped
+stream on CUDA: tests/test_throughput_gpu.py."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from bench import throughput
+from bench.common import slug
+from demo import PipelineSpec, load_pipeline
+from demo.request import Request
+from demo.runtime.report import device_name
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path; the GPU test runs the real one")
+
+COMMON = ["--model", "tiny", "--denoising-steps", "2", "--seed", "5", "--scheduler", "Euler", "--warmup-batches", "0",
+          "--batches", "2"]
+STEM = "throughput-" + slug(device_name(torch.device("cpu")))
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    with load_pipeline(PipelineSpec(model="tiny", backend="torch")) as pipeline:
+        yield pipeline
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_stream_gives_each_batch_its_images_alone(pipe, overlap):
+    request = pipe.request("a red circle", seed=11, denoising_steps=2, batch_size=2, scheduler="EulerA")
+    calls = [[replace(request, seed=11 + index)] for index in range(3)]
+    streamed = pipe.run_stream(calls, overlap=overlap)
+    assert len(streamed) == 3
+    for requests, pixels in zip(calls, streamed):
+        alone = pipe.run(requests, pixels=True)
+        assert pixels.shape == (2, 64, 64, 3) and pixels.dtype == np.uint8
+        np.testing.assert_array_equal(pixels, alone)
+    assert not np.array_equal(streamed[0], streamed[1])  # each call its own seed, not one image repeated
+
+
+def test_a_stream_of_one_image_requests_is_sd_serves_calls(pipe):
+    requests = [pipe.request(prompt, seed=seed, denoising_steps=2) for prompt, seed in
+                (("a cat", 1), ("a dog", 2), ("a tree", 3), ("a car", 4))]
+    calls = [requests[:2], requests[2:]]
+    streamed = pipe.run_stream(calls)
+    for call, pixels in zip(calls, streamed):
+        np.testing.assert_array_equal(pixels, pipe.run(call, pixels=True))
+
+
+def test_a_stream_takes_one_scheduler(pipe):
+    first = pipe.request("a cat", seed=1, denoising_steps=2, scheduler="Euler")
+    with pytest.raises(throughput.UsageError, match="one mode and one scheduler"):
+        pipe.run_stream([[first], [replace(first, scheduler="DDIM")]])
+    with pytest.raises(throughput.UsageError, match="one call at least"):
+        pipe.run_stream([])
+
+
+def run(tmp_path, *args):
+    results = tmp_path / "results"
+    status = throughput.main([*COMMON, "--results-dir", str(results), *args])
+    path = results / f"{STEM}.json"
+    return status, (json.loads(path.read_text()) if path.is_file() else None), results
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, tiny):
+    tmp_path = tmp_path_factory.mktemp("throughput")
+    return tmp_path, *run(tmp_path, "--batch-sizes", "1,2")
+
+
+def test_the_command_writes_its_table_json_and_chart(sweep):
+    _, status, data, results = sweep
+    assert status == 0
+    assert data["gpu"] == device_name(torch.device("cpu")) and data["versions"]["torch"] and data["date"]
+    assert data["command"].startswith("sd-throughput --model tiny") and "--batch-sizes 1,2" in data["command"]
+    rows = sorted(data["rows"], key=lambda row: row["batch_size"])
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["workload"] == "tiny, 64x64, 2 Euler steps, guidance 7.5"
+        assert not row["overlap"] and row["label"].endswith("· serial")  # nothing overlaps on a CPU
+        assert row["images"] == 2 * row["batch_size"] and row["batches"] == 2
+        assert row["images_per_s"] == pytest.approx(row["images"] / row["wall_s"])
+        assert row["ms_per_image"] == pytest.approx(1e3 / row["images_per_s"])
+        assert row["unet_calls"] == 2 and len(row["latency_ms_batches"]) == 2
+        assert all(row["latency_ms"][stage] > 0 for stage in ("clip", "unet", "vae"))
+        assert row["unet_ms_per_step"] == pytest.approx(row["latency_ms"]["unet"] / 2)
+        assert row["load_s"] > 0 and row["ready_s"] >= 0 and row["command"] == data["command"]
+    table = (results / f"{STEM}.md").read_text()
+    assert "| setup | batch | images/s |" in table and f"| {rows[1]['label']} | 2 |" in table
+    assert (results / f"{STEM}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rows_are_kept_across_runs(sweep):
+    tmp_path, *_ = sweep
+    status, data, _ = run(tmp_path, "--batch-sizes", "3", "--batches", "1")
+    assert status == 0
+    assert sorted(row["batch_size"] for row in data["rows"]) == [1, 2, 3]
+    status, data, _ = run(tmp_path, "--batch-sizes", "1", "--batches", "1", "--fresh")
+    assert [row["batch_size"] for row in data["rows"]] == [1]
+
+
+def test_a_batch_that_does_not_fit_is_reported_and_the_sweep_goes_on(tmp_path, monkeypatch, tiny):
+    from demo.runtime import loaded, memory
+
+    floor = memory.activation_floor
+    monkeypatch.setattr(memory, "activation_floor", lambda source, batch, *rest: floor(source, batch, *rest)
+                        if batch < 3 else 2**60)  # batch 3: a floor no machine has
+    run_stream = loaded.Pipeline.run_stream
+
+    def out_of_memory_at_two(self, calls, *args, **kwargs):
+        if len(calls[0][0].prompts) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return run_stream(self, calls, *args, **kwargs)
+
+    monkeypatch.setattr(loaded.Pipeline, "run_stream", out_of_memory_at_two)
+    status, data, results = run(tmp_path, "--batch-sizes", "3,2,1")
+    assert status == 0
+    assert [row["batch_size"] for row in data["rows"]] == [1]
+    reasons = {entry["batch_size"]: entry["reason"] for entry in data["did_not_fit"]}
+    assert set(reasons) == {2, 3} and not data["failed"]
+    assert "batch 3 at 64x64 needs at least" in reasons[3] and "\n" not in reasons[3]
+    assert reasons[2].startswith("OutOfMemoryError: CUDA out of memory")
+    assert "batch 3: did not fit: batch 3 at 64x64" in (results / f"{STEM}.md").read_text()
+
+
+def test_a_batch_size_above_the_engines_range_is_refused(tmp_path, capsys, tiny):
+    status, data, _ = run(tmp_path, "--backend", "tensorrt-rtx", "--max-batch-size", "2", "--batch-sizes", "1,4,8")
+    assert status == 2 and data is None
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == ("sd-throughput: error: --batch-sizes 4,8: above --max-batch-size 2, the largest batch the "
+                    "engines are built for")
+
+
+def test_mlperf_sets_what_is_unset():
+    request = throughput.mlperf_request(Request("a cat", guidance_scale=8.0), True)
+    assert (request.denoising_steps, request.scheduler, request.guidance_scale, request.height, request.width) == \
+        (20, "Euler", 8.0, 1024, 1024)
+    assert throughput.mlperf_request(Request("a cat"), False) == Request("a cat")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-sizes", "0,2"], "--batch-sizes must be at least 1, got 0"),
+    (["--batch-sizes", "two"], "--batch-sizes"),
+    (["--batches", "0"], "--batches must be at least 1, got 0"),
+    (["--warmup-batches", "-1"], "--warmup-batches must be 0 or more"),
+    (["--batch-size", "4"], "--batch-size: sd-throughput measures the sizes --batch-sizes gives"),
+    (["--overlap", "sometimes"], "--overlap"),
+    (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+    (["--mlperf", "--denoising-steps", "30"], "--denoising-steps 30: --mlperf runs MLPerf's 20; leave it unset"),
+    (["--update-defaults"], "records no tuned defaults"),
+])
+def test_bad_flags_exit_2_in_one_line(tmp_path, capsys, no_loading, args, message):
+    status = throughput.main([*args, "--results-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("sd-throughput: error: ") and message in err[0]
