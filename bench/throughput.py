@@ -126,14 +126,19 @@ def engine_batch_range(thr: ThroughputFlags, engines: bool, static: bool) -> int
     return largest
 
 
-def device_overlaps(device) -> str | None:
-    """Why the stream cannot overlap on `device` (None: it can)."""
-    return None if device.type == "cuda" else "no GPU here: the stream runs its batches in order (serial rows only)"
+def why_serial(plan) -> str | None:
+    """Why the stream runs its batches in order whatever --overlap says (None: it can overlap them)."""
+    if plan.device.type != "cuda":
+        return "no GPU here: the stream runs its batches in order (serial rows only)"
+    if not plan.backend.capabilities.concurrent_stages:
+        return (f"{plan.backend.name}'s engines share one working-memory block: their batches run in order (serial "
+                "rows only)")
+    return None
 
 
-def overlap_modes(overlap: str, device) -> tuple[bool, ...]:
+def overlap_modes(overlap: str, plan) -> tuple[bool, ...]:
     """The stream's modes to measure: --overlap's, serial alone where nothing can overlap."""
-    return OVERLAP_MODES[overlap] if device_overlaps(device) is None else (False,)
+    return OVERLAP_MODES[overlap] if why_serial(plan) is None else (False,)
 
 
 def run(flags, command: str) -> int:
@@ -178,8 +183,8 @@ def sweep(flags, spec, request, command: str) -> int:
     if thr.max_batch_size is not None and max_batch is None:
         say(f"note: {render_fields(field('max_batch_size'), flag_name)} unused: "
             + ("each batch size gets engines of exactly its batch" if engines else "the torch backend takes any batch"))
-    if device_overlaps(first.device) is not None:
-        say(f"note: {device_overlaps(first.device)}")
+    if why_serial(first) is not None:
+        say(f"note: {why_serial(first)}")
     for note in first.request.unused():
         say(f"note: {render_fields(note, flag_name)}")
     request, device = first.request, first.device
@@ -244,7 +249,7 @@ def measure_batch(spec, request, thr: ThroughputFlags, first, base: dict) -> lis
         unet_calls = pipeline.unet_calls(request)
         calls = [[replace(request, seed=request.seed + index)] for index in range(thr.warmup_batches + thr.batches)]
         rows = []
-        for overlap in overlap_modes(thr.overlap, device):
+        for overlap in overlap_modes(thr.overlap, first):
             mode = "overlapped" if overlap else "serial"
             if thr.warmup_batches:
                 say(f"batch {size}, {mode}: {thr.warmup_batches} warm-up batch(es)")

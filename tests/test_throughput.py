@@ -2,8 +2,9 @@
 the CPU: a stream's images are each batch's alone (same seeds), in either mode, for one request of several images and
 for several one-image requests (sd-serve's calls); the command's table, JSON and chart with their fields, its rows
 kept across runs, a batch that does not fit (its memory floor, or out of memory at run time) reported while the sweep
-goes on, a batch size above the engines' range refused, MLPerf's settings, and bad flags (exit 2). The overlapped
-stream on CUDA: tests/test_throughput_gpu.py."""
+goes on; engines (the stand-in TensorRT) through the stream, never overlapped, and every batch size of their range,
+one above it refused; MLPerf's settings, and bad flags (exit 2). The overlapped stream on CUDA:
+tests/test_throughput_gpu.py."""
 
 import json
 from dataclasses import replace
@@ -15,6 +16,7 @@ import torch
 from bench import throughput
 from bench.common import slug
 from demo import PipelineSpec, load_pipeline
+from demo.pipelines.stream import BatchStream
 from demo.request import Request
 from demo.runtime.report import device_name
 
@@ -159,3 +161,47 @@ def test_bad_flags_exit_2_in_one_line(tmp_path, capsys, no_loading, args, messag
     status = throughput.main([*args, "--results-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and err[0].startswith("sd-throughput: error: ") and message in err[0]
+
+
+def test_engines_of_the_range_run_the_stream_in_order_and_every_batch_size(tmp_path, monkeypatch, tiny):
+    """Engines (the stand-in TensorRT, tests/fake_tensorrt.py) built for batches 1 to --max-batch-size: the stream
+    gives their images alone, never overlapped (they share one working-memory block), and each batch size of the
+    sweep runs on them."""
+    from demo.backends.tensorrt.options import EngineOptions
+    from demo.runtime import loaded
+    from tests import fake_tensorrt
+
+    fake_tensorrt.install(monkeypatch, "10.8.0")
+    dirs = {"onnx_dir": str(tmp_path / "onnx"), "engine_dir": str(tmp_path / "engine")}
+    asked = []
+    monkeypatch.setattr(loaded, "BatchStream", lambda family, device, overlap: asked.append(overlap) or
+                        BatchStream(family, device, overlap))
+    spec = PipelineSpec(model="tiny", backend="tensorrt", precision="fp32", plugins="none", batch_size=3,
+                        max_batch_size=3, engine=EngineOptions(optimization_level=0, **dirs))
+    with load_pipeline(spec, torch.device("cpu"), progress=lambda _: None) as engines:
+        head = engines.request("a red circle", seed=3, denoising_steps=2, batch_size=3, scheduler="Euler")
+        calls = [[head], [replace(head, prompt="a blue square", seed=4)]]
+        for call, pixels in zip(calls, engines.run_stream(calls, overlap=True)):
+            np.testing.assert_array_equal(pixels, engines.run(call, pixels=True))
+    assert asked == [False]
+    status, data, _ = run(tmp_path, "--backend", "tensorrt", "--precision", "fp32", "--plugins", "none",
+                          "--optimization-level", "0", "--max-batch-size", "3", "--batch-sizes", "1,3",
+                          "--batches", "1", "--onnx-dir", dirs["onnx_dir"], "--engine-dir", dirs["engine_dir"])
+    assert status == 0, data
+    assert [(row["batch_size"], row["backend"]) for row in data["rows"]] == [(1, "tensorrt"), (3, "tensorrt")]
+    assert all(row["images_per_s"] > 0 and row["setup"].startswith("tensorrt, fp32") for row in data["rows"])
+
+
+def test_engines_are_measured_serial_only():
+    from types import SimpleNamespace
+
+    from demo.backends.registry import backend_named
+
+    def plan(device: str, backend: str):
+        return SimpleNamespace(device=torch.device(device), backend=backend_named(backend))
+
+    assert throughput.overlap_modes("both", plan("cuda", "tensorrt")) == (False,)
+    assert "share one working-memory block" in throughput.why_serial(plan("cuda", "tensorrt"))
+    assert throughput.overlap_modes("both", plan("cuda", "torch")) == (True, False)
+    assert throughput.why_serial(plan("cuda", "torch")) is None
+    assert throughput.overlap_modes("on", plan("cpu", "torch")) == (False,)

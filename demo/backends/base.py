@@ -70,6 +70,9 @@ class Capabilities:
     cuda_graphs: bool  # replays its stages from CUDA graphs
     layer_timings: bool  # times its stages layer by layer (sd-benchmark's profile of the UNet)
     cpu: bool  # runs stages on a CPU
+    # its stages may run at once on separate CUDA streams (demo.pipelines.stream's overlap); engines may not: they
+    # share one working-memory block (demo.backends.tensorrt.runtime.create_engine_stages)
+    concurrent_stages: bool
 
 
 @dataclass(frozen=True)

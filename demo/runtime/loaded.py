@@ -211,6 +211,7 @@ class Pipeline:
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
             self._use_scheduler(family, head)
+            overlap = overlap and self.backend.capabilities.concurrent_stages  # engines share their working memory
             return BatchStream(family, self.device, overlap).run([Batch.of(requests) for requests in batches], timers)
 
     def _use_scheduler(self, family, request: Request) -> None:

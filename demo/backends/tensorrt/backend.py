@@ -19,7 +19,8 @@ from models.families import ENGINES
 
 
 class TensorRTBackend(Backend):
-    capabilities = Capabilities(artifacts=True, refit=True, cuda_graphs=True, layer_timings=True, cpu=False)
+    capabilities = Capabilities(artifacts=True, refit=True, cuda_graphs=True, layer_timings=True, cpu=False,
+                                concurrent_stages=False)
     options_type = EngineOptions
     family_feature = ENGINES
 

@@ -38,7 +38,8 @@ def check_bf16_gpu(device: torch.device) -> None:
 
 class TorchBackend(Backend):
     name = TORCH
-    capabilities = Capabilities(artifacts=False, refit=False, cuda_graphs=True, layer_timings=False, cpu=True)
+    capabilities = Capabilities(artifacts=False, refit=False, cuda_graphs=True, layer_timings=False, cpu=True,
+                                concurrent_stages=True)
     options_type = TorchOptions
 
     def why_cannot_run(self, cc):
