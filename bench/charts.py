@@ -113,12 +113,12 @@ def throughput_chart(rows: list[dict]) -> bytes:
     figure = Figure(figsize=(9, 4.5 * len(workloads)), dpi=100, layout="constrained")
     axes = figure.subplots(len(workloads), 1, squeeze=False)[:, 0]
     for ax, (title, lines) in zip(axes, workloads.items()):
-        for label, points in sorted(lines.items()):
+        for index, (label, points) in enumerate(sorted(lines.items())):
             points.sort()
             ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=label)
-            for batch, value in points:
-                ax.annotate(f"{value:.2f}", (batch, value), textcoords="offset points", xytext=(0, 6), fontsize=7,
-                            ha="center")
+            for batch, value in points:  # alternately above and below: lines close together keep their figures apart
+                ax.annotate(f"{value:.2f}", (batch, value), textcoords="offset points",
+                            xytext=(0, 6 if index % 2 == 0 else -12), fontsize=7, ha="center")
         batches = sorted({b for points in lines.values() for b, _ in points})
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])

@@ -258,7 +258,8 @@ def measure_batch(spec, request, thr: ThroughputFlags, first, base: dict) -> lis
             timers = [StageTimer(device) for _ in range(thr.batches)]
             sync(device)
             start = time.perf_counter()
-            pipeline.run_stream(calls[thr.warmup_batches:], overlap, timers)
+            pipeline.run_stream(calls[thr.warmup_batches:], overlap, timers,
+                                done=lambda index: say(f"batch {size}, {mode}: {index + 1}/{thr.batches} done"))
             wall = time.perf_counter() - start
             per_batch = [timer.milliseconds() for timer in timers]
             latency = {stage: statistics.median(t.get(stage, 0.0) for t in per_batch) for stage in STAGES}

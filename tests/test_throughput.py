@@ -37,8 +37,9 @@ def pipe(tiny):
 def test_a_stream_gives_each_batch_its_images_alone(pipe, overlap):
     request = pipe.request("a red circle", seed=11, denoising_steps=2, batch_size=2, scheduler="EulerA")
     calls = [[replace(request, seed=11 + index)] for index in range(3)]
-    streamed = pipe.run_stream(calls, overlap=overlap)
-    assert len(streamed) == 3
+    seen = []
+    streamed = pipe.run_stream(calls, overlap=overlap, done=seen.append)
+    assert len(streamed) == 3 and seen == [0, 1, 2]
     for requests, pixels in zip(calls, streamed):
         alone = pipe.run(requests, pixels=True)
         assert pixels.shape == (2, 64, 64, 3) and pixels.dtype == np.uint8

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -71,9 +71,11 @@ class BatchStream:
         for tensor in tensors:
             tensor.record_stream(to_lane)
 
-    def run(self, batches: Sequence[Batch], timers: Sequence[StageTimer] | None = None) -> list[np.ndarray]:
+    def run(self, batches: Sequence[Batch], timers: Sequence[StageTimer] | None = None,
+            done: Callable[[int], None] | None = None) -> list[np.ndarray]:
         """Each batch's pixels, in order; `timers` (one per batch, or None) time each batch's "clip", "unet" and "vae"
-        regions, each on its lane (with `overlap` a region's time includes what runs beside it on the device)."""
+        regions, each on its lane (with `overlap` a region's time includes what runs beside it on the device);
+        `done` hears of each batch's index once its pixels are on the host."""
         if not batches:
             return []
         timers = list(timers) if timers is not None else [StageTimer(self.device) for _ in batches]
@@ -98,8 +100,8 @@ class BatchStream:
             self._hand_over((latents,), self._event(), self.decode_lane)
             decoded.append(self._decode(batch, latents, timer))
             if index > 0:  # the previous batch's pixels, whose decode ran beside this batch's loop
-                pixels.append(self._collect(decoded[index - 1]))
-        pixels.append(self._collect(decoded[-1]))
+                pixels.append(self._collect(decoded[index - 1], index - 1, done))
+        pixels.append(self._collect(decoded[-1], len(batches) - 1, done))
         return pixels
 
     def _encode(self, batch: Batch, timer: StageTimer) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
@@ -130,9 +132,11 @@ class BatchStream:
             host_finite.copy_(finite, non_blocking=True)
             return _Decoded(host, host_finite, self._event())
 
-    def _collect(self, decoded: _Decoded) -> np.ndarray:
+    def _collect(self, decoded: _Decoded, index: int, done: Callable[[int], None] | None) -> np.ndarray:
         if decoded.done is not None:
             decoded.done.synchronize()
         if not bool(decoded.finite):  # e.g. fp16 overflow: said rather than saved as black images
             warn_not_finite(self.family.dtype, stacklevel=4)
+        if done is not None:
+            done(index)
         return decoded.pixels.numpy()

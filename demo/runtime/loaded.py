@@ -193,7 +193,8 @@ class Pipeline:
 
     @serialised
     def run_stream(self, batches: Sequence[Sequence[Request]], overlap: bool = True,
-                   timers: Sequence[StageTimer] | None = None) -> list[np.ndarray]:
+                   timers: Sequence[StageTimer] | None = None,
+                   done: Callable[[int], None] | None = None) -> list[np.ndarray]:
         """Calls of resolved, checked requests (each as `run` takes them) as one stream (demo.pipelines.stream): on a
         GPU with `overlap`, a call's text encoding beside the previous call's loop and its decode beside the next
         one's; each call's 8-bit pixels, those `run(requests, pixels=True)` gives. The calls share a mode and a
@@ -212,7 +213,8 @@ class Pipeline:
         with on_device:
             self._use_scheduler(family, head)
             overlap = overlap and self.backend.capabilities.concurrent_stages  # engines share their working memory
-            return BatchStream(family, self.device, overlap).run([Batch.of(requests) for requests in batches], timers)
+            return BatchStream(family, self.device, overlap).run([Batch.of(requests) for requests in batches], timers,
+                                                                 done)
 
     def _use_scheduler(self, family, request: Request) -> None:
         """The request's scheduler on the family's pipelines (a refiner's too), one object per name and options
