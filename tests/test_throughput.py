@@ -17,7 +17,7 @@ from bench import throughput
 from bench.common import slug
 from demo import PipelineSpec, load_pipeline
 from demo.pipelines.stream import BatchStream
-from demo.request import Request
+from demo.request import TEXT_TO_IMAGE, Request
 from demo.runtime.report import device_name
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path; the GPU test runs the real one")
@@ -54,6 +54,14 @@ def test_a_stream_of_one_image_requests_is_sd_serves_calls(pipe):
     streamed = pipe.run_stream(calls)
     for call, pixels in zip(calls, streamed):
         np.testing.assert_array_equal(pixels, pipe.run(call, pixels=True))
+
+
+def test_a_stream_says_when_decoded_images_are_not_finite(pipe, monkeypatch):
+    family = pipe.family(TEXT_TO_IMAGE)
+    monkeypatch.setattr(family, "decode", lambda latents: torch.full((latents.shape[0], 3, 64, 64), float("nan")))
+    request = pipe.request("a cat", seed=1, denoising_steps=2)
+    with pytest.warns(RuntimeWarning, match="non-finite values in the decoded images"):
+        pipe.run_stream([[request]])
 
 
 def test_a_stream_takes_one_scheduler(pipe):

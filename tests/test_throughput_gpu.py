@@ -1,7 +1,8 @@
 """The throughput path on CUDA (skipped without it): the overlapped stream (demo.pipelines.stream: text encoders, loop
 and decode on three CUDA streams) gives exactly each batch's images alone and those of the serial stream, for tiny
 (with and without CUDA graphs: eager stages allocate on every lane) and tiny-xl (two text encoders and the added
-conditions on the text lane); and sd-throughput's rows, overlapped and serial, on tiny."""
+conditions on the text lane), each stage with one CUDA graph for the batch's shapes; and sd-throughput's rows,
+overlapped and serial, on tiny."""
 
 import json
 from dataclasses import replace
@@ -40,6 +41,8 @@ def test_the_overlapped_stream_gives_each_batch_its_images_alone(model, cuda_gra
         for pixels, expected in zip(pipe.run_stream(calls, overlap=False), alone):
             np.testing.assert_array_equal(pixels, expected)
         assert not np.array_equal(alone[0], alone[1])
+        if cuda_graph:  # one graph per stage: the batch's shapes, captured once
+            assert {name: len(stage._graphs) for name, stage in pipe.stages.items()} == dict.fromkeys(pipe.stages, 1)
 
 
 def test_sd_throughput_measures_both_modes(tmp_path):
