@@ -154,9 +154,9 @@ def run(flags, command: str) -> int:
 def setup_label(plan) -> str:
     """What a row's pipeline runs as, without the overlap: the backend, precision, plugins, options, the VAE's
     precision and the step cache where set."""
-    described = plan.backend.describe(plan.base.settings[plan.source.family.denoiser_stage])
     from demo.runtime.report import precision_name
 
+    described = plan.backend.describe(plan.base.settings[plan.source.family.denoiser_stage])
     parts = [plan.backend.name, precision_name(plan.dtype),
              "plugins " + "+".join(described.plugins) if described.plugins else "no plugins", *described.options]
     if plan.source.vae_precision:
@@ -185,7 +185,7 @@ def sweep(flags, spec, request, command: str) -> int:
             + ("each batch size gets engines of exactly its batch" if engines else "the torch backend takes any batch"))
     if why_serial(first) is not None:
         say(f"note: {why_serial(first)}")
-    for note in first.request.unused():
+    for note in first.notes + first.request.unused():
         say(f"note: {render_fields(note, flag_name)}")
     request, device = first.request, first.device
     tensorrt = backend_named("tensorrt")
