@@ -102,8 +102,9 @@ def kernel_chart(comparisons: list[dict], title: str) -> bytes:
     return _png(figure)
 
 
-def throughput_chart(rows: list[dict]) -> bytes:
-    """Images per second against batch size (bench.throughput's rows): a panel per workload, a line per label."""
+def throughput_chart(rows: list[dict], yardsticks: dict[str, tuple[float, str] | None] | None = None) -> bytes:
+    """Images per second against batch size (bench.throughput's rows): a panel per workload, a line per label, and a
+    workload's published yardstick (images/s, what it is) as a dashed line where `yardsticks` has one."""
     from matplotlib.figure import Figure
 
     workloads: dict[str, dict[str, list[tuple[int, float]]]] = {}
@@ -119,6 +120,10 @@ def throughput_chart(rows: list[dict]) -> bytes:
             for batch, value in points:  # alternately above and below: lines close together keep their figures apart
                 ax.annotate(f"{value:.2f}", (batch, value), textcoords="offset points",
                             xytext=(0, 6 if index % 2 == 0 else -12), fontsize=7, ha="center")
+        yardstick = (yardsticks or {}).get(title)
+        if yardstick:
+            ax.axhline(yardstick[0], color="dimgray", linestyle="--", linewidth=1, label=f"{yardstick[1]}: "
+                       f"{yardstick[0]:.2f}")
         batches = sorted({b for points in lines.values() for b, _ in points})
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])

@@ -44,6 +44,9 @@ PROG = "sd-throughput"
 say = partial(log, PROG)
 # MLPerf Inference's SDXL benchmark: EulerDiscrete, 20 steps, guidance 8, 1024x1024 (request fields).
 MLPERF_SDXL = {"denoising_steps": 20, "scheduler": "Euler", "guidance_scale": 8.0, "height": 1024, "width": 1024}
+# MLPerf Inference's SDXL offline results per GPU (NVIDIA's: TensorRT, the UNet in FP8, the VAE in INT8), images/s:
+# what a run of MLPerf's settings on an SDXL model is set against.
+MLPERF_OFFLINE = {"H200": (2.37, "v5.0"), "H100": (2.04, "v4.1")}
 OVERLAP_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
 KINDS = ("rows", "did_not_fit", "failed")  # measured rows, then batch sizes with the reason there is no row
 STAGES = ("clip", "unet", "vae")
@@ -126,6 +129,22 @@ def engine_batch_range(thr: ThroughputFlags, engines: bool, static: bool) -> int
     return largest
 
 
+def runs_mlperf(source, request) -> bool:
+    """Whether the run is MLPerf's SDXL benchmark's: an SDXL model, MLPerf's steps, scheduler, guidance and size."""
+    return source.family.name == "sdxl" and all(getattr(request, name) == value for name, value in MLPERF_SDXL.items())
+
+
+def mlperf_yardstick(gpu: str, rows: list[dict]) -> tuple[float, str] | None:
+    """MLPerf's published offline images/s on this GPU and what it was (None: the rows are not of MLPerf's
+    settings, or MLPerf has no figure of ours for the GPU)."""
+    if not any(row.get("mlperf_settings") for row in rows):
+        return None
+    for name, (value, version) in MLPERF_OFFLINE.items():
+        if name in gpu:
+            return value, f"MLPerf Inference {version} SDXL offline, NVIDIA {name} (TensorRT, UNet FP8, VAE INT8)"
+    return None
+
+
 def why_serial(plan) -> str | None:
     """Why the stream runs its batches in order whatever --overlap says (None: it can overlap them)."""
     if plan.device.type != "cuda":
@@ -201,6 +220,7 @@ def sweep(flags, spec, request, command: str) -> int:
         f"after {thr.warmup_batches} warm-up, overlap {thr.overlap}")
     for size in sizes:
         base = {"workload": workload, "setup": setup, "batch_size": size, "command": command,
+                "mlperf_settings": runs_mlperf(first.source, request),
                 "measured": datetime.datetime.now().isoformat(timespec="seconds")}
         for kind, entry in measure_batch(replace(spec, batch_size=size, max_batch_size=max_batch),
                                          replace(request, batch_size=size), thr, first, base):
@@ -327,7 +347,9 @@ class ThroughputResults:
         atomic_write_bytes(self.json_path, (json.dumps(self.data, indent=1) + "\n").encode())
         atomic_write_bytes(self.directory / f"{self.stem}.md", throughput_table(self.data).encode())
         if self.data["rows"]:
-            atomic_write_bytes(self.directory / f"{self.stem}.png", throughput_chart(self.data["rows"]))
+            rows = self.data["rows"]
+            yardsticks = {row["workload"]: mlperf_yardstick(self.data["gpu"], [row]) for row in rows}
+            atomic_write_bytes(self.directory / f"{self.stem}.png", throughput_chart(rows, yardsticks))
 
 
 def _gib(value) -> str:
@@ -366,6 +388,10 @@ def throughput_table(data: dict) -> str:
                          f"| {_s(row.get('ready_s'))} | {_gib(row.get('peak_allocated_bytes'))} |")
         best = max(rows, key=lambda r: r["images_per_s"])
         lines += ["", f"Best: {best['images_per_s']:.3f} images/s at batch {best['batch_size']} ({best['label']})."]
+        yardstick = mlperf_yardstick(data["gpu"], rows)
+        if yardstick:
+            lines[-1] += (f" {yardstick[1]}: {yardstick[0]:.2f} images/s; the best here is "
+                          f"{best['images_per_s'] / yardstick[0]:.2f}x that.")
         parts.append("\n".join(lines))
     for kind in KINDS[1:]:
         for entry in data.get(kind, []):

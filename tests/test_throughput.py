@@ -148,11 +148,34 @@ def test_a_batch_size_above_the_engines_range_is_refused(tmp_path, capsys, tiny)
                     "engines are built for")
 
 
-def test_mlperf_sets_what_is_unset():
+def test_mlperf_sets_what_is_unset(tiny):
+    from types import SimpleNamespace
+
+    from models.families import SDXL
+
+    sdxl = SimpleNamespace(family=SDXL)  # what runs_mlperf reads of a model
     request = throughput.mlperf_request(Request("a cat", guidance_scale=8.0), True)
     assert (request.denoising_steps, request.scheduler, request.guidance_scale, request.height, request.width) == \
         (20, "Euler", 8.0, 1024, 1024)
+    assert throughput.runs_mlperf(sdxl, request)
+    assert not throughput.runs_mlperf(tiny, request)  # not an SDXL model
+    assert not throughput.runs_mlperf(sdxl, replace(request, denoising_steps=30))
     assert throughput.mlperf_request(Request("a cat"), False) == Request("a cat")
+
+
+def test_a_run_of_mlperfs_settings_is_set_against_mlperfs_figure(sweep):
+    _, _, data, _ = sweep
+    assert not any(row["mlperf_settings"] for row in data["rows"])  # tiny at 64x64: nothing to compare
+    assert throughput.mlperf_yardstick("NVIDIA H200", data["rows"]) is None
+    rows = [{**row, "mlperf_settings": True, "images_per_s": 1.185 * row["batch_size"]} for row in data["rows"]]
+    table = throughput.throughput_table({**data, "gpu": "NVIDIA H200", "rows": rows})
+    assert ("Best: 2.370 images/s at batch 2" in table and "MLPerf Inference v5.0 SDXL offline, NVIDIA H200 "
+            "(TensorRT, UNet FP8, VAE INT8): 2.37 images/s; the best here is 1.00x that." in table)
+    assert throughput.mlperf_yardstick("NVIDIA A100-SXM4-80GB", rows) is None
+    from bench.charts import throughput_chart
+
+    png = throughput_chart(rows, {rows[0]["workload"]: throughput.mlperf_yardstick("NVIDIA H200", rows)})
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("args, message", [
