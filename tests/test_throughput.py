@@ -50,7 +50,7 @@ def test_a_stream_gives_each_batch_its_images_alone(pipe, overlap):
 def test_a_stream_of_one_image_requests_is_sd_serves_calls(pipe):
     requests = [pipe.request(prompt, seed=seed, denoising_steps=2) for prompt, seed in
                 (("a cat", 1), ("a dog", 2), ("a tree", 3), ("a car", 4))]
-    calls = [requests[:2], requests[2:]]
+    calls = [requests[:2], requests[2:3], requests[3:]]  # batch sizes 2, 1, 1: each call prepares for its own
     streamed = pipe.run_stream(calls)
     for call, pixels in zip(calls, streamed):
         np.testing.assert_array_equal(pixels, pipe.run(call, pixels=True))

@@ -1,8 +1,8 @@
 """The throughput path on CUDA (skipped without it): the overlapped stream (demo.pipelines.stream: text encoders, loop
 and decode on three CUDA streams) gives exactly each batch's images alone and those of the serial stream, for tiny
 (with and without CUDA graphs: eager stages allocate on every lane) and tiny-xl (two text encoders and the added
-conditions on the text lane), each stage with one CUDA graph for the batch's shapes; and sd-throughput's rows,
-overlapped and serial, on tiny."""
+conditions on the text lane), a smaller last batch's graphs captured mid-stream, each stage with one graph per batch
+size; and sd-throughput's rows, overlapped and serial, on tiny."""
 
 import json
 from dataclasses import replace
@@ -32,7 +32,9 @@ def test_the_overlapped_stream_gives_each_batch_its_images_alone(model, cuda_gra
     with load_pipeline(spec(model, cuda_graph)) as pipe:
         head = pipe.request(PROMPTS[0], seed=7, denoising_steps=4, batch_size=4, height=size, width=size,
                             scheduler="EulerA")  # stochastic: the generator's draws must be each batch's own
-        calls = [[replace(head, prompt=prompt, seed=7 + index)] for index, prompt in enumerate(PROMPTS)]
+        # the last call smaller: its graphs are captured mid-stream, while the lanes have work queued
+        calls = [[replace(head, prompt=prompt, seed=7 + index, batch_size=4 if index + 1 < len(PROMPTS) else 2)]
+                 for index, prompt in enumerate(PROMPTS)]
         alone = [pipe.run(call, pixels=True) for call in calls]
         for _ in range(2):  # the second time the host runs further ahead of the device (everything warm)
             overlapped = pipe.run_stream(calls, overlap=True)
@@ -41,8 +43,8 @@ def test_the_overlapped_stream_gives_each_batch_its_images_alone(model, cuda_gra
         for pixels, expected in zip(pipe.run_stream(calls, overlap=False), alone):
             np.testing.assert_array_equal(pixels, expected)
         assert not np.array_equal(alone[0], alone[1])
-        if cuda_graph:  # one graph per stage: the batch's shapes, captured once
-            assert {name: len(stage._graphs) for name, stage in pipe.stages.items()} == dict.fromkeys(pipe.stages, 1)
+        if cuda_graph:  # a graph per stage and batch size, each captured once
+            assert {name: len(stage._graphs) for name, stage in pipe.stages.items()} == dict.fromkeys(pipe.stages, 2)
 
 
 def test_sd_throughput_measures_both_modes(tmp_path):

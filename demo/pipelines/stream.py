@@ -81,11 +81,8 @@ class BatchStream:
         timers = list(timers) if timers is not None else [StageTimer(self.device) for _ in batches]
         if len(timers) != len(batches):
             raise ValueError(f"{len(batches)} batches, {len(timers)} timers")
-        for batch in batches:
-            self.family.prepare(batch)  # no work once the stages are ready for this batch's shapes
         main = torch.cuda.current_stream(self.device) if self.overlap else None
-        if self.overlap:  # whatever the caller queued (the stages' preparation among it) comes first
-            self.text_lane.wait_stream(main)
+        if self.overlap:  # whatever the caller queued comes first
             self.decode_lane.wait_stream(main)
         encoded = [self._encode(batches[0], timers[0])]
         decoded: list[_Decoded] = []
@@ -105,6 +102,12 @@ class BatchStream:
         return pixels
 
     def _encode(self, batch: Batch, timer: StageTimer) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+        """The batch's text states, on the text lane. The family prepares for the batch first, on the loop's stream,
+        as a call does (graphs for new shapes, a ControlNet pipeline's scales); the text lane waits for what that
+        queued, which puts this encoding after the previous batch's loop and beside the current one."""
+        self.family.prepare(batch)
+        if self.overlap:
+            self.text_lane.wait_stream(torch.cuda.current_stream(self.device))
         with self._lane(self.text_lane):
             with timer.measure("clip"):
                 conditioning = self.family.encode_prompt(batch)
