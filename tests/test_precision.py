@@ -31,7 +31,8 @@ def test_a_precision_the_family_lacks_is_one_line_exit_2(capsys, tiny):
     capsys.readouterr()  # the built-in made by the fixture
     assert demo_diffusion(["a cat", "--model", "tiny", "--precision", "bf16", "--denoising-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "demo-diffusion: error: model 'tiny' is of the SD 1.x/2.x family, which runs in fp16, fp32, not bf16"
+    assert err == ("demo-diffusion: error: model 'tiny' is of the SD 1.x/2.x family, which runs in fp16, fp32, fp8, "
+                   "not bf16")
 
 
 def test_a_flux_pipeline_runs_and_reports_bf16():

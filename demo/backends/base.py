@@ -118,16 +118,22 @@ class Backend(abc.ABC):
         """The version of the library behind it, for reports (None: torch's own, reported anyway)."""
         return None
 
+    def why_no_fp8(self) -> str | None:
+        """Why it cannot run a UNet's GEMMs in FP8 (precision fp8); None: it can, where the GPU has FP8."""
+        return f"{self.name} has no FP8 path"
+
     @abc.abstractmethod
     def default_dtype(self, device: torch.device, family: Family) -> torch.dtype:
         """The precision a model of `family` runs in on `device` unless a spec says otherwise."""
 
     @abc.abstractmethod
     def settings(self, source: ModelSource, options, plugins: str, use_cuda_graph: bool | None, workload: Workload,
-                 device: torch.device, dtype: torch.dtype, record_activations=None) -> tuple[object, str]:
+                 device: torch.device, dtype: torch.dtype, record_activations=None,
+                 fp8: bool = False) -> tuple[object, str]:
         """Checked settings for `options` (an options_type) and the flags both backends take, for the model and the
         workload, and where they came from (a UsageError for what cannot run); `record_activations` calibrates INT8
-        where the options ask for it."""
+        where the options ask for it, and the UNet's FP8 layers with `fp8` (precision fp8, on a backend whose
+        why_no_fp8 is None)."""
 
     def prepare(self, models: list[StageModel], settings_of: Callable[[StageModel], object], device: torch.device,
                 dtype: torch.dtype, log: Log, progress: Log) -> dict[str, dict]:

@@ -9,7 +9,7 @@ from demo.backends.base import Backend
 from demo.backends.tensorrt.backend import TensorRTBackend
 from demo.backends.tensorrt.flavour import FLAVOURS, current_cc
 from demo.backends.torch.backend import TorchBackend
-from models.families import CONTROLNET, LORA, Family
+from models.families import CONTROLNET, FP8, LORA, Family
 
 REGISTRY: dict[str, Backend] = {backend.name: backend
                                 for backend in (TorchBackend(), *(TensorRTBackend(name) for name in FLAVOURS))}
@@ -23,16 +23,17 @@ def backend_named(name: str) -> Backend:
 
 
 def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool = True, family: Family | None = None,
-                   model: str | None = None, controlled: bool = False, loras: bool = False) -> tuple[Backend, str]:
+                   model: str | None = None, controlled: bool = False, loras: bool = False,
+                   fp8: bool = False) -> tuple[Backend, str]:
     """(backend, reason) for a spec's backend on a GPU of compute capability `cc` (None: this machine's, or no GPU);
     with `runs` False, one named only needs to build here, not run. With the model's `family` (and the model's name),
     a backend its family lacks what it needs for (Backend.family_feature: TensorRT's engines; `controlled`, with
-    ControlNets, and `loras`, with LoRA files: what those engines take, Family.engines_take) is refused where named,
-    passed over under auto."""
+    ControlNets, and `loras`, with LoRA files: what those engines take, Family.engines_take), or with `fp8` one
+    without FP8 (Backend.why_no_fp8), is refused where named, passed over under auto."""
     cc = cc if cc is not None else current_cc()
     if requested != AUTO:
         backend = backend_named(requested)
-        unfit = why_not_for(backend, family, model, controlled, loras)
+        unfit = why_not_for(backend, family, model, controlled, loras, fp8)
         if unfit:
             raise UsageError(f"{field('backend')} {backend.name}: {unfit}; use {field('backend')} {REFERENCE.name}")
         reason = backend.why_cannot_run(cc) if runs else backend.why_cannot_build()
@@ -43,7 +44,7 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
     for backend in REGISTRY.values():
         if backend is REFERENCE:  # the fallback
             continue
-        reason = why_not_for(backend, family, model, controlled, loras)
+        reason = why_not_for(backend, family, model, controlled, loras, fp8)
         reason = f"{backend.name}: {reason}" if reason else backend.why_cannot_run(cc)
         if reason is None:
             return backend, f"auto: {backend.name} {backend.version()} runs on this GPU"
@@ -52,10 +53,12 @@ def select_backend(requested: str, cc: tuple[int, int] | None = None, runs: bool
 
 
 def why_not_for(backend: Backend, family: Family | None, model: str | None, controlled: bool = False,
-                loras: bool = False) -> str | None:
+                loras: bool = False, fp8: bool = False) -> str | None:
     """Why `backend` cannot run a model of `family` (`controlled`: with ControlNets; `loras`: with LoRA files) (None:
     it can, or no family is given): what the backend needs that the family does not declare (its engines not built
-    yet, or not taking ControlNets or LoRA yet)."""
+    yet, or not taking ControlNets or LoRA yet); with `fp8`, its lack of FP8."""
+    if fp8 and backend.why_no_fp8():
+        return f"{field('precision')} {FP8}: {backend.why_no_fp8()}"
     if family is None or backend.family_feature is None:
         return None
     if not family.supports(backend.family_feature):

@@ -105,7 +105,9 @@ class ModelFlags:
 @dataclass(frozen=True)
 class PrecisionFlags:
     precision: str = flag("what the pipeline runs in (default auto: the backend's choice for the model's family: on a "
-                          "GPU bf16 for SD3 and Flux where it has bf16, else fp16; fp32 on a CPU; TensorRT fp16)",
+                          "GPU bf16 for SD3 and Flux where it has bf16, else fp16; fp32 on a CPU; TensorRT fp16); "
+                          "fp8: SD's and SDXL's UNet GEMMs in FP8, the rest fp16 (torch backend, compute capability "
+                          "8.9+: docs/torch-backend.md)",
                           SPEC.precision, choices=PRECISIONS)
 
 

@@ -1,5 +1,6 @@
-"""INT8 calibration's renders: the UNet's own activations, recorded while the torch pipeline renders the calibration
-prompts (the engines' side, and the cache of what it records, is demo.backends.tensorrt.int8)."""
+"""INT8 and FP8 calibration's renders: the UNet's own activations, recorded while the torch pipeline renders the
+calibration prompts (the engines' side, and the cache of what it records, is demo.backends.tensorrt.int8; the torch
+backend's FP8 UNet reads the same cache: demo.backends.torch.fp8)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def record_unet_activations(pipeline, prompts: tuple[str, ...], steps: int, sche
     unet = pipeline.stages["unet"]
     with ActivationRecorder(unet.model.component_module(unet.module)) as recorder:
         for index, prompt in enumerate(prompts):
-            progress(f"[int8] calibrating the UNet: prompt {index + 1}/{len(prompts)}, {steps} steps")
+            progress(f"[calibration] the UNet's activations: prompt {index + 1}/{len(prompts)}, {steps} steps")
             request = Request(prompt, height=height, width=width, denoising_steps=steps, guidance_scale=guidance_scale,
                               scheduler=scheduler, seed=index)
             pipeline.run([request], StageTimer(pipeline.device))

@@ -23,7 +23,7 @@ from demo.pipelines.lora import LoraSpec
 from demo.pipelines.stream import BatchStream
 from demo.pipelines.timer import StageTimer, timed_runs
 from demo.request import TEXT_TO_IMAGE, Request, request_fields
-from demo.runtime.report import LatencyReport, device_name, library_versions, precision_name
+from demo.runtime.report import LatencyReport, device_name, library_versions, run_precision
 from models.lora import LoraFile, read_lora
 
 
@@ -283,7 +283,7 @@ class Pipeline:
                              else list(request.negative_prompt)),
             model=source.name if plan.refiner is None else f"{source.name} + {plan.refiner.source.name}",
             backend=self.backend.name, backend_reason=plan.backend_reason, device=device_name(self.device),
-            precision=precision_name(self.dtype), scheduler=request.scheduler,
+            precision=run_precision(plan.spec.precision, self.dtype), scheduler=request.scheduler,
             steps=request.denoising_steps, unet_calls=self.unet_calls(request), guidance_scale=request.guidance_scale,
             seed=request.seed, batch_size=request.images, height=request.height, width=request.width,
             latent_shape=list(source.latent_shape(request.images, request.height, request.width)),

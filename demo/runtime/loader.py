@@ -30,10 +30,21 @@ from demo.runtime.loaded import Pipeline
 from demo.runtime.logs import configure_library_logging
 from demo.runtime.memory import check_memory
 from demo.runtime.plan import Log, PipelinePlan, StagePlan, resolve_request
-from demo.runtime.report import DTYPES
+from demo.runtime.report import precision_dtype
 from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from models.controlnet import resolve_controlnet
-from models.families import ADAPTIVE_CACHE, CLASSIFIER_FREE, CONTROLNET, ENGINES, INT8, LORA, REFINER, STEP_CACHE
+from models.families import (
+    ADAPTIVE_CACHE,
+    CLASSIFIER_FREE,
+    CONTROLNET,
+    ENGINES,
+    FP8,
+    FP8_BASE,
+    INT8,
+    LORA,
+    REFINER,
+    STEP_CACHE,
+)
 from models.lora import check_loras, model_targets, read_lora
 from models.source import ModelSource, resolve_model
 from models.stages import (
@@ -68,7 +79,8 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
     log = log or (print if spec.verbose else quiet)
     configure_library_logging(spec.verbose)
     spec.check()
-    backend, reason = select_backend(spec.backend, runs=runs)  # one that cannot run here: refused before the model
+    fp8 = spec.precision == FP8
+    backend, reason = select_backend(spec.backend, runs=runs, fp8=fp8)  # one that cannot run here: refused first
     if spec.loras:
         backend.check_loras(spec_options(spec, backend))
     loras = [(read_lora(path), scale) for path, scale in spec.loras]
@@ -76,7 +88,7 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
                            vae_precision=spec.vae_precision)
     chosen = backend  # and one the model's family cannot run on (its engines not built): refused, or passed over
     backend, reason = select_backend(spec.backend, runs=runs, family=source.family, model=source.name,
-                                     controlled=bool(spec.controlnets), loras=bool(spec.loras))
+                                     controlled=bool(spec.controlnets), loras=bool(spec.loras), fp8=fp8)
     if spec.loras and backend is not chosen:
         backend.check_loras(spec_options(spec, backend))
     check_family_features(spec, source, backend)
@@ -90,7 +102,8 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
         raise UsageError(f"{field('controlnets')} run without {field('cache_threshold')} (the adaptive step cache) for "
                          f"now: use {field('cache_interval')}")
     device = checked_device(device)
-    dtype = backend.default_dtype(device, source.family) if spec.precision == "auto" else DTYPES[spec.precision]
+    auto = spec.precision == "auto"
+    dtype = backend.default_dtype(device, source.family) if auto else precision_dtype(spec.precision)
     if request is not None:
         request = resolve_request(request, spec, source, loras)
         spec = replace(spec, height=request.height if spec.height is None else spec.height,
@@ -121,13 +134,16 @@ def plan_pipeline(spec: PipelineSpec, device: str | torch.device | None = None, 
                       controlnets)
     refiner_plan = None
     if refiner is not None:  # its own stages, with engines beside the base's; its UNet never INT8 (see below)
-        if spec.engine.int8:
-            to_stderr("note: --int8 quantizes the base UNet; the refiner's stays fp16")
+        if spec.engine.int8 or fp8:
+            to_stderr(f"note: {'--int8' if spec.engine.int8 else '--precision fp8'} quantizes the base UNet; the "
+                      "refiner's stays fp16")
         engine = replace(spec.engine, onnx_dir=str(Path(spec.engine.onnx_dir) / REFINER_DIR),
                          engine_dir=str(Path(spec.engine.engine_dir) / REFINER_DIR), int8=False,
                          calibration_prompts=None)
-        refiner_plan = stage_plan(backend, replace(spec, engine=engine, stage_overrides=()), refiner,
-                                  text_to_image_stages(refiner), workload, device, dtype, record)
+        precision = FP8_BASE if fp8 else spec.precision  # its UNet was not calibrated
+        refined = replace(spec, engine=engine, stage_overrides=(), precision=precision)
+        refiner_plan = stage_plan(backend, refined, refiner, text_to_image_stages(refiner), workload, device, dtype,
+                                  record)
     plan = PipelinePlan(spec, backend, reason, device, dtype, tuple(modes), base, refiner_plan, loras,
                         unused_notes(spec, backend), log, progress)
     if request is not None:
@@ -242,7 +258,7 @@ def stage_plan(backend: Backend, spec: PipelineSpec, source: ModelSource, names,
         key = (plugins, options)
         if key not in made:
             made[key] = backend.settings(source, options, plugins, spec.use_cuda_graph, workload, device, dtype,
-                                         record)
+                                         record, fp8=spec.precision == FP8)
         settings[model.name] = made[key][0]
     reason = next(iter(made.values()))[1]
     return StagePlan(source, models, settings, reason)

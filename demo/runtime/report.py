@@ -11,6 +11,7 @@ import torch
 
 from demo.backends.base import Backend
 from demo.pipelines.sdxl import REFINER_CLIP, REFINER_UNET
+from models.families import FP8, FP8_BASE
 
 
 @dataclass
@@ -120,6 +121,16 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 def precision_name(dtype: torch.dtype) -> str:
     return next(name for name, known in DTYPES.items() if known == dtype)
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """What a pipeline of `precision` (a spec's, not auto) runs in: fp8's stages in FP8_BASE, the UNet's GEMMs aside."""
+    return DTYPES[FP8_BASE if precision == FP8 else precision]
+
+
+def run_precision(precision: str, dtype: torch.dtype) -> str:
+    """The precision a run of a spec's `precision` in `dtype` reports: fp8 as asked, else the dtype's name."""
+    return FP8 if precision == FP8 else precision_name(dtype)
 
 
 def device_name(device: torch.device) -> str:

@@ -17,7 +17,7 @@ from demo.backends.torch.options import TorchOptions
 from demo.request import MODES
 from demo.schedulers import scheduler_named
 from models import check_stage_names
-from models.families import FAMILIES
+from models.families import FAMILIES, FP8
 from models.single_file import PREDICTION_TYPES as SINGLE_FILE_PREDICTIONS
 from models.source import VAE_PRECISIONS
 from models.step_cache import DEFAULT_MAX_SKIPS, StepCache
@@ -124,6 +124,9 @@ class PipelineSpec:
             raise UsageError(f"{field('cache_threshold')} must be a finite number at least 0, got "
                              f"{self.cache_threshold}")
         at_least("cache_max_skips", self.cache_max_skips, 1)
+        if self.precision == FP8 and self.engine.int8:
+            raise UsageError(f"{field('precision')} {FP8} and {field('int8')} are two quantizations of the UNet: ask "
+                             "for one")
         if self.cache_threshold > 0 and self.cache_interval > 1:
             raise UsageError(f"{field('cache_threshold')} and {field('cache_interval')} are two step caches: ask for "
                              "one (the adaptive cache decides each call itself)")

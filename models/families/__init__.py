@@ -14,6 +14,8 @@ from models.families.base import (
     CONTROLNET,
     EMBEDDED,
     ENGINES,
+    FP8,
+    FP8_BASE,
     GUESS_MODE,
     GUIDANCE_KINDS,
     IMAGE_TO_IMAGE,
@@ -34,9 +36,10 @@ from models.families.sdxl import SDXL
 
 FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX)
 
-__all__ = ["ADAPTIVE_CACHE", "CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "ENGINES", "FAMILIES", "FLUX", "GUESS_MODE",
-           "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING", "INT8", "LORA", "MODES", "NO_GUIDANCE", "REFINER", "SD",
-           "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named", "family_of", "family_of_denoiser"]
+__all__ = ["ADAPTIVE_CACHE", "CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "ENGINES", "FAMILIES", "FLUX", "FP8",
+           "FP8_BASE", "GUESS_MODE", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING", "INT8", "LORA", "MODES",
+           "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named",
+           "family_of", "family_of_denoiser"]
 
 
 def family_named(name: str) -> Family:

@@ -38,6 +38,10 @@ ADAPTIVE_CACHE = "the adaptive step cache"
 ENGINES = "TensorRT engines"
 # Its ControlNet pipelines take guess mode (a request's guess_mode).
 GUESS_MODE = "guess mode"
+# A precision (Family.precisions): the UNet's Linear GEMMs in FP8 e4m3 on the torch backend (models.fp8), everything
+# else in FP8_BASE, as a run in that precision.
+FP8, FP8_BASE = "fp8", "fp16"
+UNET_PRECISIONS = ("fp16", "fp32", FP8)
 
 
 @dataclass(frozen=True, eq=False)  # one object per family: compared by identity

@@ -13,6 +13,7 @@ from models.families.base import (
     LORA,
     STEP_CACHE,
     TEXT_TO_IMAGE,
+    UNET_PRECISIONS,
     Family,
 )
 from models.recommended import Recommended
@@ -34,6 +35,7 @@ SD = Family(
         IMAGE_TO_IMAGE: ("StableDiffusionImg2ImgPipeline", "StableDiffusionControlNetImg2ImgPipeline"),
         INPAINTING: ("StableDiffusionInpaintPipeline", "StableDiffusionControlNetInpaintPipeline"),
     },
+    precisions=UNET_PRECISIONS,
     features=frozenset({ENGINES, STEP_CACHE, ADAPTIVE_CACHE, CONTROLNET, GUESS_MODE, INPAINTING, IMAGE_TO_IMAGE,
                         LORA, INT8}),
     lora_components=("unet", "text_encoder"),

@@ -15,6 +15,7 @@ from models.families.base import (
     REFINER,
     STEP_CACHE,
     TEXT_TO_IMAGE,
+    UNET_PRECISIONS,
     Family,
 )
 
@@ -32,6 +33,7 @@ SDXL = Family(
         IMAGE_TO_IMAGE: ("StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLControlNetImg2ImgPipeline"),
         INPAINTING: ("StableDiffusionXLInpaintPipeline", "StableDiffusionXLControlNetInpaintPipeline"),
     },
+    precisions=UNET_PRECISIONS,
     features=frozenset({ENGINES, STEP_CACHE, ADAPTIVE_CACHE, CONTROLNET, GUESS_MODE, REFINER, INPAINTING,
                         IMAGE_TO_IMAGE, LORA, INT8}),
     penultimate_text=True,

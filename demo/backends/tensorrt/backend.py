@@ -40,12 +40,20 @@ class TensorRTBackend(Backend):
     def version(self):
         return version(self.name)
 
+    def why_no_fp8(self):
+        try:
+            named = f"{self.name} {self.version()}"
+        except UsageError:  # not installed here: refused all the same
+            named = self.name
+        return (f"{named} engines have no FP8 (TensorRT 8.6 fuses no FP8 Q/DQ into convolutions or GEMMs; the "
+                "engines' quantization is the INT8 UNet)")
+
     def default_dtype(self, device, family):
         # fp16 even where engines are built on a CPU: engines built there for a GPU are the ones that GPU looks for
         return torch.float16
 
     def settings(self, source, options: EngineOptions, plugins, use_cuda_graph, workload, device, dtype,
-                 record_activations=None):
+                 record_activations=None, fp8=False):  # fp8 never comes here: why_no_fp8 refuses it first
         return (engine_settings(options, source, self.name, workload, plugins, use_cuda_graph, record_activations),
                 "")
 

@@ -9,6 +9,7 @@ import torch
 from core.errors import UsageError, field
 from demo.backends import TORCH
 from demo.backends.base import Backend, Capabilities, Description
+from demo.backends.torch.fp8 import check_fp8_device, fp8_settings
 from demo.backends.torch.options import TorchOptions
 from demo.backends.torch.planted import fault_options, planted_settings
 from demo.backends.torch.settings import TorchSettings, resolve_torch_settings
@@ -45,6 +46,9 @@ class TorchBackend(Backend):
     def why_cannot_run(self, cc):
         return None
 
+    def why_no_fp8(self):
+        return None
+
     def default_dtype(self, device, family):
         if device.type != "cuda":
             return torch.float32  # CPU kernels are slow or missing in fp16 and bf16
@@ -53,15 +57,24 @@ class TorchBackend(Backend):
         return torch.float16
 
     def settings(self, source, options: TorchOptions, plugins, use_cuda_graph, workload, device, dtype,
-                 record_activations=None):
+                 record_activations=None, fp8=False):
         if source.vae_precision == "bf16" and device.type == "cuda":
             check_bf16_gpu(device)
+        if fp8:  # before the defaults: their plugins, on a GPU without FP8, are not what is wrong
+            check_fp8_device(device)
         settings, source_text = resolve_torch_settings(plugins, options.channels_last, use_cuda_graph, options.compile,
                                                        device, family=source.family.tuned_key)
-        return planted_settings(settings, source_text, plugins)  # test-only faults, from the environment alone
+        # test-only faults, from the environment alone
+        settings, source_text = planted_settings(settings, source_text, plugins)
+        if fp8:
+            settings, source_text = fp8_settings(settings, source_text, plugins, source, workload, record_activations)
+        return settings, source_text
 
     def create_stages(self, models, settings_of, device, dtype, log, progress):
         stages = {}
+        # precision fp8: calibrated (or its calibration read) before any stage of this pipeline takes memory
+        fp8 = next((settings.fp8.calibrate() for settings in map(settings_of, models) if settings.fp8 is not None),
+                   None)
         for model in models:
             settings = settings_of(model)
             upcast = model.stage_dtype(dtype)
@@ -71,7 +84,9 @@ class TorchBackend(Backend):
                          "in float16)")
                 settings = replace(settings, plugins=())
             whole = stages[model.part_of] if model.part_of else None
-            stage = stages[model.name] = TorchStage(model, device, upcast, settings, whole)
+            stage = stages[model.name] = TorchStage(model, device, upcast, settings, whole, fp8)
+            if stage.fp8 is not None:
+                progress(stage.fp8.line(stage.name))
             if stage.substitution is not None and whole is None:
                 progress(stage.substitution.line(stage.name))
                 for family, reasons in stage.substitution.skipped.items():

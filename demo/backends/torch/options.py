@@ -39,12 +39,17 @@ class TorchSettings:
     channels_last: bool = False
     cuda_graph: bool = False
     compile: str = "none"
+    # precision fp8: the calibration the UNet's FP8 activation scales come from (models.quantize.Int8Request: what
+    # makes it, and `calibrate`, which reads or records it); None: no FP8
+    fp8: object = None
 
     def describe(self) -> str:
         parts = [f"plugins {','.join(self.plugins)}" if self.plugins else "no plugins"]
         parts += [name for name, on in (("channels-last", self.channels_last), ("CUDA graphs", self.cuda_graph)) if on]
         parts.append(f"compile {self.compile}" if self.compile != "none" else "eager")
+        parts += ["FP8 UNet"] if self.fp8 is not None else []
         return ", ".join(parts)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "plugins": list(self.plugins)}
+        fields = {name: value for name, value in asdict(self).items() if name != "fp8"}  # a calibration is no setting
+        return {**fields, "plugins": list(self.plugins), **({"fp8": True} if self.fp8 is not None else {})}

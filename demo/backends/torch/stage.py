@@ -18,8 +18,11 @@ from demo.backends.torch.settings import (
     shape_key,
     spec_key,
 )
+from models import UNET
 from models.base import StageModel
+from models.fp8 import Fp8Report, quantize_fp8, requantize_fp8
 from models.lora import LoraFusion
+from models.quantize import Calibration
 from plugins.diffusers_modules import repack_qkv, substitute
 
 
@@ -45,11 +48,14 @@ class TorchStage(Stage):
     run never includes them; `prepare_seconds` says how long they took."""
 
     def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype,
-                 settings: TorchSettings = FALLBACK, whole: TorchStage | None = None):
+                 settings: TorchSettings = FALLBACK, whole: TorchStage | None = None,
+                 fp8: Calibration | None = None):
         """`whole`: the stage this one is part of (model.part_of), whose module (with our kernels in it) this one's
-        wraps: one set of weights for both, and a LoRA fused into it is in both."""
+        wraps: one set of weights for both, and a LoRA fused into it is in both. `fp8`: with settings.fp8, the
+        calibration the UNet's FP8 layers take their activation scales from (models.fp8; other stages ignore it)."""
         super().__init__(model)
         self.device, self.dtype, self.settings = torch.device(device), dtype, settings
+        self.fp8: Fp8Report | None = None  # what quantize_fp8 did, in the stage that owns the module
         if whole is not None:
             self.module = model.wrap(whole.model.component_module(whole.module))
             self.substitution = whole.substitution
@@ -60,6 +66,8 @@ class TorchStage(Stage):
             if settings.plugins:
                 self.substitution = substitute(computed_part(model.name, self.module), settings.plugins,
                                                channels_last=settings.channels_last)
+            if settings.fp8 is not None and model.name == UNET:  # after the cast to dtype: the scales stay float32
+                self.fp8 = quantize_fp8(model.component_module(self.module), fp8)
         if settings.channels_last:
             self.module.to(memory_format=torch.channels_last)
         self._forward = self.module
@@ -161,4 +169,6 @@ class FusedLoras(LoraApplier):
         for stage in self.stages:
             if stage.substitution is not None and not stage.model.part_of:  # our fMHA reads a packed copy of Q, K, V
                 repack_qkv(stage.model.component_module(stage.module))
+            if stage.fp8 is not None:  # the FP8 layers read an FP8 copy of the fused weights
+                requantize_fp8(stage.model.component_module(stage.module))
         return None
