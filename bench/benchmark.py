@@ -70,6 +70,7 @@ from demo.cli.flags import (
 )
 from demo.cli.to_spec import request_from_flags, spec_from_flags
 from demo.request import TEXT_TO_IMAGE, check_image_size
+from models.families import FP8
 from models.plugin_set import local_compute_capability
 from plugins.tuned import TORCH_DEFAULTS, entry_key, write_entry
 
@@ -247,7 +248,8 @@ def write_defaults(path: Path, results: dict, workload_name: str, gpu: str, key:
     """Record the fastest torch-backend combination measured at `workload_name` as the torch defaults under `key`
     (plugins.tuned.entry_key: this compute capability, SDXL's apart) in the tuned-defaults file `path`."""
     rows = [r for r in results["rows"] if r["workload"] == workload_name and r["backend"] == TORCH
-            and r.get("cache_interval", 1) == 1]  # a cache is a choice per run, not a default
+            and r.get("cache_interval", 1) == 1  # a cache is a choice per run, not a default
+            and r.get("precision") != FP8]  # and so is FP8 (the defaults are settings, not a precision)
     if not rows:
         say(f"no torch-backend row at {workload_name}: the torch defaults are left as they are")
         return
@@ -290,8 +292,8 @@ def measure(setup: Setup, results: Results, contender, workload: Workload, first
     row = {"device": results.data["gpu"], "label": contender.label, "model": source.name, "height": workload.height,
            "width": workload.width, "batch_size": workload.batch, "steps": request.denoising_steps,
            "scheduler": request.scheduler, "seed": request.seed,
-           "precision": precision_name(setup.dtype), **entry, **row, "backend": contender.backend,
-           "settings": contender.settings_dict(),
+           "precision": contender.precision or precision_name(setup.dtype), **entry, **row,
+           "backend": contender.backend, "settings": contender.settings_dict(),
            "psnr_vs_eager_db": psnr, "max_pixel_diff_vs_eager": difference, "image": str(image_path),
            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
     if setup.spec.controlnets:

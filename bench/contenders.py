@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.errors import UsageError
+from demo.backends import TORCH
 from demo.backends.torch.options import TorchOptions, TorchSettings
+from models.families import FP8
 from models.plugin_set import parse_plugin_set
 from models.source import VAE_PRECISIONS
 from plugins.contract import ATTENTION_KEYS, PLUGIN_KEYS
@@ -22,6 +24,9 @@ THRESHOLD = "@thr"  # <label>@thr<T>: that contender with the adaptive step cach
 # <label>@vae:<V>: that contender with its VAE in precision V (models.source.VAE_PRECISIONS), or another VAE (a --vae
 # value: a folder, a file, a built-in such as taesdxl-arch)
 OTHER_VAE = "@vae:"
+# <label>@fp8: that torch-backend contender with precision fp8 (the UNet's GEMMs in FP8: models.fp8)
+AT_FP8 = "@" + FP8
+FP8_WHAT = "; the UNet's GEMMs in FP8"
 
 
 @dataclass(frozen=True)
@@ -42,16 +47,17 @@ class Contender:
     vae: str | None = None  # @vae:<V>: another VAE (None: the command's --vae)
     vae_precision: str | None = None  # @vae:<precision>: what its VAE runs in (None: the command's --vae-precision)
     ablates: tuple[str, ...] = ()  # the plugin families this one goes without, beside ours (ours-no-<family>)
+    precision: str | None = None  # @fp8: the precision it runs in (None: the command's)
 
     def spec_fields(self) -> dict:
         """What the contender sets in a pipeline spec (demo.runtime.spec.PipelineSpec) besides the engines' folders:
-        its backend, plugins, and for the torch backend exactly its settings; its step cache and VAE where its label
-        gives them."""
+        its backend, plugins, and for the torch backend exactly its settings; its step cache, VAE and precision where
+        its label gives them."""
         # its own cache in place of the command's (either of the two: a spec takes one)
         cache = ({"cache_interval": self.cache_interval, "cache_threshold": 0.0} if self.cache_interval is not None
                  else {"cache_threshold": self.cache_threshold, "cache_interval": 1} if self.own_cache else {})
-        cache.update({name: value for name, value in (("vae", self.vae), ("vae_precision", self.vae_precision))
-                      if value is not None})
+        cache.update({name: value for name, value in (("vae", self.vae), ("vae_precision", self.vae_precision),
+                                                      ("precision", self.precision)) if value is not None})
         if self.settings is None:
             return {"backend": self.backend, "plugins": ",".join(self.plugins) or "none", "use_cuda_graph": True,
                     **cache}
@@ -133,6 +139,13 @@ def select_contenders(text: str | None) -> list[Contender]:
         labels = list(known)
     chosen, unknown = [], []
     for label in labels:
+        if label.endswith(AT_FP8):
+            found = fp8_contender(label)
+            if found is None:
+                unknown.append(label)
+            else:
+                chosen.append(found)
+            continue
         named, other_vae, vae = label.partition(OTHER_VAE)
         if other_vae and vae:
             try:
@@ -167,11 +180,23 @@ def select_contenders(text: str | None) -> list[Contender]:
         raise UsageError(f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}, "
                          f"all, or ours+<plugin>+<plugin>; any of them{CACHED}<N> (N >= 2) with the step cache, "
                          f"{THRESHOLD}<T> (T above 0) with the adaptive one, "
-                         f"and{OTHER_VAE}<V> with the VAE in precision V ({', '.join(VAE_PRECISIONS)}) or another "
-                         "VAE V (a --vae value)")
+                         f"{OTHER_VAE}<V> with the VAE in precision V ({', '.join(VAE_PRECISIONS)}) or another "
+                         f"VAE V (a --vae value), and a torch-backend one{AT_FP8} with the UNet's GEMMs in FP8")
     if len({c.label for c in chosen}) != len(chosen):
         raise UsageError("--contenders names a contender twice")
     return sorted(chosen, key=lambda c: c.label != EAGER)
+
+
+def fp8_contender(label: str) -> Contender | None:
+    """`<label>@fp8`: the torch-backend contender <label> (any form above) in precision fp8; None where <label> is
+    unknown or runs elsewhere (engines, diffusers' own pipeline)."""
+    try:
+        found = select_contenders(label.removesuffix(AT_FP8))[0]
+    except UsageError:
+        return None
+    if found.backend != TORCH or found.precision is not None:
+        return None
+    return replace(found, label=label, what=found.what + FP8_WHAT, precision=FP8)
 
 
 def positive_number(text: str) -> bool:
@@ -186,6 +211,10 @@ def resolve_here(contender: Contender, device, family: str | None = None) -> Con
     """ours-defaults with the settings the torch backend takes by default here (unresolved where they cannot
     run); tensorrt-auto with the plugins `--plugins auto` means here; for a family's models (its tuned key);
     any other contender as it is."""
+    if contender.precision is not None:  # <label>@fp8: <label> resolved
+        base = resolve_here(replace(contender, label=contender.label.removesuffix(AT_FP8), precision=None,
+                                    what=contender.what.removesuffix(FP8_WHAT)), device, family)
+        return replace(base, label=contender.label, precision=contender.precision, what=base.what + FP8_WHAT)
     if contender.own_cache:
         uncached = resolve_here(replace(contender, label=contender.uncached_label, cache_interval=None,
                                         cache_threshold=None), device, family)

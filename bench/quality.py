@@ -133,8 +133,8 @@ class QualityFlags:
                              "than a metric's margin (paired bootstrap, 95%%)", metavar="REPORT.json")
     sensitivity: str | None = flag("scenes: render an fp32 reference and an fp32 floor at half the batch, then each "
                                    "of these comma-listed paths against them (fp16, cache:N[:K], threshold:T[:K], "
-                                   "vae:P, compile, cuda-graphs, plugins, engines, engines-no-plugins), and write a "
-                                   "table and chart of their fidelity with intervals, each flagged or not "
+                                   "vae:P, fp8, compile, cuda-graphs, plugins, engines, engines-no-plugins), and "
+                                   "write a table and chart of their fidelity with intervals, each flagged or not "
                                    "(docs/quality.md)", metavar="ROW,...")
 
 
@@ -153,8 +153,9 @@ class RenderFlags:
     eta: float | None = same_as(RequestFlags, "eta")
     timesteps: tuple[int, ...] | None = same_as(RequestFlags, "timesteps")
     backend: str = same_as(DemoFlags, "backend")
-    precision: str = flag("auto (the backend's own: engines fp16; torch fp16 on a GPU, fp32 on a CPU), fp16 or fp32 "
-                          "(default: %(default)s)", SPEC.precision, choices=PRECISIONS)
+    precision: str = flag("auto (the backend's own: engines fp16; torch fp16 on a GPU, fp32 on a CPU), fp16, fp32 "
+                          "or fp8 (the UNet's GEMMs in FP8 on the torch backend: docs/torch-backend.md) (default: "
+                          "%(default)s)", SPEC.precision, choices=PRECISIONS)
     max_batch_size: int = flag("the most text-to-image cases one pipeline call renders, each from its own seed (an "
                                "edit is a call of its own); engines of one batch (--build-static-batch, "
                                "--use-cuda-graph) take 1 (default: %(default)s)", DEFAULT_CASES_PER_CALL)

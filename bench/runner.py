@@ -139,7 +139,7 @@ def plugin_dir_suffix(plugins: tuple[str, ...]) -> str:
 def contender_spec(setup: Setup, contender: Contender, workload: Workload, first: Workload) -> PipelineSpec:
     """The contender's pipeline at `workload`: its torch settings exactly, or its engines (in their folders, or those
     an ablation built: --engines-from-ablation)."""
-    spec = replace(setup.spec, **contender.spec_fields(), precision=precision_name(setup.dtype),
+    spec = replace(setup.spec, **{"precision": precision_name(setup.dtype), **contender.spec_fields()},
                    modes=(TEXT_TO_IMAGE,), height=workload.height, width=workload.width, batch_size=workload.batch,
                    guided=setup.request.guided)
     if contender.settings is not None:  # the torch backend's
@@ -161,6 +161,8 @@ def why_skip(setup: Setup, contender: Contender, workload: Workload, first: Work
     unfit = why_not_for(backend_named(contender.spec_fields()["backend"]), setup.source.family, setup.source.name)
     if unfit:  # the family's reason first: it holds on any machine, whatever is installed here
         return unfit
+    if contender.precision is not None and contender.precision not in setup.source.family.precisions:
+        return f"{setup.source.name} is of the {setup.source.family.label} family, which has no {contender.precision}"
     if contender.ablates and not any(plugin_matches(setup.source)[key] for key in contender.ablates):
         return (f"{'/'.join(contender.ablates)}: nothing in {setup.source.name}'s stages for their kernels, so it "
                 "would run as ours does")

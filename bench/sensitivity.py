@@ -10,6 +10,7 @@ more than a metric's margin (bench.fidelity). Rows:
     cache:N[:K]          the step cache, every Nth UNet call whole, branch K (default 0)
     threshold:T[:K]      the adaptive step cache at threshold T, branch K (default 0)
     vae:P                the VAE in precision P (fp32, bf16, fp16), the rest in fp16
+    fp8                  precision fp8: the UNet's GEMMs in FP8 e4m3 (models.fp8), the rest in fp16
     compile              torch.compile (mode default)
     cuda-graphs          the torch backend's CUDA graphs
     plugins              the torch backend with our kernels (all plugins)
@@ -32,7 +33,7 @@ from core.errors import UsageError
 
 SENSITIVITY_VERSION = 1
 PLANTING = "DEMO_DIFFUSION_PLANTED_FAULTS"  # the test-only switch that lets rows plant faults
-FIXED_ROWS = ("fp16", "compile", "cuda-graphs", "plugins", "engines", "engines-no-plugins")
+FIXED_ROWS = ("fp16", "fp8", "compile", "cuda-graphs", "plugins", "engines", "engines-no-plugins")
 BASELINE_ROW = "fp16"
 
 
@@ -127,6 +128,8 @@ def row_spec(exact, row: str):
         fault = row.split(":", 1)[1]
     elif row.startswith("vae:"):
         spec = dataclasses.replace(spec, vae_precision=row.split(":", 1)[1])
+    elif row == "fp8":
+        spec = dataclasses.replace(spec, precision="fp8")
     elif row == "compile":
         spec = dataclasses.replace(spec, torch=TorchOptions(channels_last=False, compile="default"))
     elif row == "cuda-graphs":

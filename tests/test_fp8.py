@@ -20,7 +20,7 @@ from demo.backends.base import Workload
 from demo.backends.registry import select_backend
 from demo.backends.tensorrt.options import EngineOptions
 from demo.backends.torch.fp8 import check_fp8_device, fp8_settings
-from demo.backends.torch.options import TorchSettings
+from demo.backends.torch.options import TorchOptions, TorchSettings
 from demo.backends.torch.planted import PlantedSettings
 from demo.backends.torch.stage import FusedLoras, TorchStage
 from demo.runtime.loader import plan_pipeline
@@ -225,6 +225,7 @@ def test_fp8_settings_refuse_what_bypasses_its_layers_and_leave_default_plugins_
     assert "fp8" not in TorchSettings().as_dict()  # the tuned defaults' rows stay as they were
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CLI runs on the GPU there")
 def test_the_cli_refuses_fp8_on_the_cpu_in_one_line(tmp_path, capsys):
     from demo.cli.generate import main
 
@@ -281,6 +282,18 @@ def test_scaled_mm_on_the_gpu_is_within_the_bound_eager_and_graphed():
 
 
 @pytest.mark.gpu
+def test_inductor_compiles_the_fp8_linear_on_the_gpu():
+    device = fp8_gpu()
+    linear, x = random_linear(256, 128, seed=8)
+    layer = Fp8Linear.convert(linear.to(device, torch.float16), float(x.abs().max()))
+    x16 = x.to(device, torch.float16)
+    with torch.inference_mode():
+        eager, compiled = layer(x16), torch.compile(layer, fullgraph=True)(x16)  # inductor: the GPU's real path
+    # the same GEMM; the quantize fused by inductor may round its division differently by one e4m3 step
+    torch.testing.assert_close(compiled, eager, rtol=0.07, atol=float(eager.abs().max()) * 0.01)
+
+
+@pytest.mark.gpu
 def test_tiny_pipeline_in_fp8_draws_the_fp16_image(tmp_path, monkeypatch):
     from demo.pipelines import image_psnr, to_uint8
     from demo.runtime.loader import load_pipeline
@@ -289,7 +302,8 @@ def test_tiny_pipeline_in_fp8_draws_the_fp16_image(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the calibration's cache (onnx/unet.calibration.json) goes here
     images = {}
     for precision in ("fp16", "fp8"):
-        spec = PipelineSpec(model="tiny", precision=precision, backend="torch", plugins="none", use_cuda_graph=True)
+        spec = PipelineSpec(model="tiny", precision=precision, backend="torch", plugins="none", use_cuda_graph=True,
+                            torch=TorchOptions(channels_last=True, compile="none"))
         with load_pipeline(spec, device) as pipeline:
             result = pipeline("a red car on a hill", output_type="np", denoising_steps=10, seed=3)
             images[precision] = to_uint8(result.images).astype(int)
@@ -299,3 +313,31 @@ def test_tiny_pipeline_in_fp8_draws_the_fp16_image(tmp_path, monkeypatch):
     assert (tmp_path / "onnx" / "unet.calibration.json").is_file()
     difference = int(abs(images["fp8"] - images["fp16"]).max())
     assert image_psnr(images["fp8"], images["fp16"]) >= 35 and difference <= 16, difference
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path's refusal; the GPU runs the contender")
+def test_an_fp8_contender_reaches_the_loader_in_fp8(tmp_path):
+    from tests.test_benchmark import WORKLOAD, run
+
+    status, data, _ = run(tmp_path, "--runs", "1", "--contenders", "ours-defaults@fp8")
+    assert status == 0 and "rows" not in data and data["failed"] == []
+    [skipped] = data["skipped"]  # planned (and refused) before anything loads
+    assert skipped["label"] == "ours-defaults@fp8" and skipped["workload"] == WORKLOAD
+    assert "fp8 runs the UNet's GEMMs on FP8 tensor cores" in skipped["reason"]
+
+
+def test_sd_quality_judges_fp8_as_a_sensitivity_row_against_fp16():
+    from bench.sensitivity import exact_spec, parse_rows, row_spec
+
+    rows = parse_rows("fp8")
+    assert rows == ["fp16", "fp8"]  # judged against the fp16 row, the exact path of its precision
+    spec, fault = row_spec(exact_spec(PipelineSpec(model="scenes")), "fp8")
+    assert (spec.precision, spec.backend, spec.plugins, fault) == ("fp8", "torch", "none", None)
+
+
+def test_sd_serve_takes_the_precision():
+    from demo.cli.flags import parse_flags
+    from demo.cli.serve import build_parser
+    from demo.cli.to_spec import spec_from_flags
+
+    assert spec_from_flags(parse_flags(build_parser(), ["--model", "tiny", "--precision", "fp8"])).precision == "fp8"

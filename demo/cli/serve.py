@@ -19,6 +19,7 @@ from demo.cli.flags import (
     LoraFlags,
     ModelFlags,
     Parser,
+    PrecisionFlags,
     RequestFlags,
     add_flags,
     add_pipeline_flags,
@@ -65,6 +66,7 @@ def build_parser() -> Parser:
                                       "dynamic batching. --height, --width and --scheduler are what text-to-image "
                                       "requests that leave them out get; engines are built for that size.")
     add_flags(p, ModelFlags)
+    add_flags(p, PrecisionFlags)
     add_flags(p, ServeFlags, "serving")
     add_flags(p, LoraFlags, "LoRA")
     add_flags(p, ControlNetFlags, "ControlNet", description="each request then brings control_image_<i>, one per "
