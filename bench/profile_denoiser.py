@@ -190,7 +190,7 @@ def profile_denoiser(flags) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from demo.runtime.loader import load_pipeline
-    from demo.runtime.report import precision_name
+    from demo.runtime.report import run_precision
     from models.families import CLASSIFIER_FREE
     from models.source import resolve_model
     from models.stages import stage_batch
@@ -220,7 +220,7 @@ def profile_denoiser(flags) -> int:
     batch = stage_batch(denoiser, options.batch_size, guided=source.guidance == CLASSIFIER_FREE)
     controlnet_names = [Path(name).name for name, _ in plan.spec.controlnets]
     model_name = " + ".join([source.name, *controlnet_names])
-    precision = precision_name(pipeline.dtype)
+    precision = run_precision(spec.precision, pipeline.dtype)
     say(f"{denoiser} of {model_name}, {width}x{height}, batch {batch}, {precision}: {settings.describe()} ({reason})")
     step = denoiser_step(pipeline.stages, denoiser, batch, height, width, device, pipeline.dtype)
     say(f"getting ready (compiling, capturing) and {options.warmup_steps} warm-up steps ...")

@@ -14,11 +14,12 @@ channels are not multiples of GEMM_MULTIPLE (what _scaled_mm takes on the GPU). 
 attention's own matmuls and the normalizations stay in fp16.
 
 How: scales per tensor for both operands, symmetric e4m3 (scale = largest |value| / E4M3_MAX): the activation's
-static, from calibration; the weight's from the weight itself. Per tensor because _scaled_mm writes fp16 (what the
-pipeline runs in) with tensor-wise scales on every CUDA build, while its row-wise form takes both operands per row
-and, in torch 2.11's CUTLASS fallback, bf16 output alone; e4m3 being floating point (3 mantissa bits at any
-magnitude), one scale a tensor costs far less than it does for int8, so no SmoothQuant either. An input beyond the
-calibrated range saturates at E4M3_MAX (e4m3fn has no infinity: an unclamped cast gives NaN on the GPU).
+static, from calibration; the weight's from the weight itself. Per tensor because that is the form _scaled_mm takes
+with fp16 output (what the pipeline runs in) on every build, while its row-wise form scales both operands per row (a
+per-row activation scale, dynamic) and has written bf16 alone on some builds; e4m3 being floating point (3 mantissa
+bits at any magnitude), one scale a tensor costs far less than it does for int8, so no SmoothQuant either. An input
+beyond the calibrated range saturates at E4M3_MAX (e4m3fn has no infinity: the clamp says what happens there rather
+than leaving it to the cast).
 
 Fp8Linear is an nn.Linear (its class swapped in place): the same `weight` and `bias` Parameters, in fp16, stay the
 module's master copy (the state dict keeps its keys; LoRA fusion changes them; requantize refreshes the FP8 copy in

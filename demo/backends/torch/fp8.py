@@ -53,5 +53,5 @@ def fp8_settings(settings: TorchSettings, source_text: str, plugins: str, source
                          f"(they read the Linear weights FP8 replaces); use {field('plugins')} none")
     if settings.plugins:
         source_text += f"; its plugins left out ({FP8})"
-    calibration = int8_settings(replace(EngineOptions(), int8=True), source, workload, record_activations)
+    calibration = int8_settings(EngineOptions(int8=True), source, workload, record_activations)
     return replace(settings, plugins=(), fp8=calibration), source_text
