@@ -34,8 +34,9 @@ def denoiser_floor(models: dict[str, StageModel], calls: int, whole: int, batch:
                    gpu: str, controlnet_batch: int | None = None) -> dict:
     """A row's floor fields: the denoiser's GFLOP per step, averaged over a run's `calls` denoiser calls of which
     `whole` ran whole (the rest the step cache's shallow pass), and the ms per step it takes at `gpu`'s peak (None
-    where the peak is unknown). `models`: the pipeline's stage models by stage name; `batch`: the denoiser's batch (twice the images
-    under guidance), `controlnet_batch` the ControlNets' where it differs (guess mode: the prompts' half alone)."""
+    where the peak is unknown). `models`: the pipeline's stage models by stage name; `batch`: the denoiser's batch
+    (twice the images under guidance), `controlnet_batch` the ControlNets' where it differs (guess mode: the
+    prompts' half alone)."""
     total = 0.0
     for name, model in models.items():
         if is_controlnet_stage(name) or is_shallow_controlnet_stage(name):

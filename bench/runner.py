@@ -262,8 +262,8 @@ def timed_row(timings: list[dict[str, float]], unet_calls: int, whole: int, mode
                            stage_batch(UNET, workload.batch, request.guided), workload.height, workload.width,
                            device_name(device), controlnet_batch=workload.batch if request.guess_mode else None)
     latency = {stage: statistics.median(t[stage] for t in timings) for stage in STAGES}
-    return {"unet_calls": unet_calls, "cache_whole_calls": whole, **floor, "latency_ms": latency, "latency_ms_runs": timings,
-            "unet_ms_per_call": latency["unet"] / unet_calls}
+    return {"unet_calls": unet_calls, "cache_whole_calls": whole, **floor, "latency_ms": latency,
+            "latency_ms_runs": timings, "unet_ms_per_call": latency["unet"] / unet_calls}
 
 
 def memory_row(device, free_before: int) -> dict:
@@ -294,8 +294,8 @@ def run_diffusers_pipeline(setup: Setup, contender: Contender, spec: PipelineSpe
         row["compile_s"] = row["ready_s"]
     images, timings = timed_runs(lambda timer: pipeline(request, timer), device, setup.warmup_runs, setup.runs,
                                  say=lambda line: say(f"{contender.label}: {line}"))
-    row.update(timed_row(timings, pipeline.unet_calls(), pipeline.unet_calls(), plan.base.models, spec, workload, request,
-                         device))
+    calls = pipeline.unet_calls()  # diffusers' loop runs no cache: every call whole
+    row.update(timed_row(timings, calls, calls, plan.base.models, spec, workload, request, device))
     if device.type == "cuda":
         row.update(memory_row(device, free_before))
     return row, to_uint8(images)

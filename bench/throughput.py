@@ -173,10 +173,10 @@ def run(flags, command: str) -> int:
 def setup_label(plan) -> str:
     """What a row's pipeline runs as, without the overlap: the backend, precision, plugins, options, the VAE's
     precision and the step cache where set."""
-    from demo.runtime.report import precision_name
+    from demo.runtime.report import run_precision
 
     described = plan.backend.describe(plan.base.settings[plan.source.family.denoiser_stage])
-    parts = [plan.backend.name, precision_name(plan.dtype),
+    parts = [plan.backend.name, run_precision(plan.spec.precision, plan.dtype),
              "plugins " + "+".join(described.plugins) if described.plugins else "no plugins", *described.options]
     if plan.source.vae_precision:
         parts.append(f"VAE {plan.source.vae_precision}")
