@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.charts import gpu_chart
-from bench.common import KINDS, ResultsFlags, log, measuring_parser, one_line, slug
+from bench.common import KINDS, ResultsFlags, earlier_entries, log, measuring_parser, one_line, slug
 from bench.contenders import (
     CACHED,
     DEFAULT_CONTENDERS,
@@ -206,16 +206,7 @@ class Results:
         self.directory = directory
         self.stem = f"benchmark-{slug(gpu)}"
         self.json_path = self.directory / f"{self.stem}.json"
-        self.data = {**meta, **{kind: [] for kind in KINDS}}
-        if not fresh and self.json_path.is_file():
-            try:
-                earlier = json.loads(self.json_path.read_text())
-            except ValueError:
-                say(f"{self.json_path} is not JSON: starting afresh")
-                earlier = {}
-            if earlier.get("gpu") == gpu:
-                for kind in KINDS:
-                    self.data[kind] = list(earlier.get(kind, []))
+        self.data = {**meta, **earlier_entries(self.json_path, fresh, gpu, KINDS, PROG)}
 
     @staticmethod
     def _key(entry: dict) -> tuple:

@@ -3,6 +3,7 @@ one-line failure reasons."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,3 +77,19 @@ def one_line(exc: BaseException) -> str:
 
 def log(prog: str, message: str) -> None:
     print(f"[{prog}] {message}", flush=True)
+
+
+def earlier_entries(json_path: Path, fresh: bool, gpu: str, kinds: tuple[str, ...], prog: str) -> dict[str, list]:
+    """Each kind's entries that an earlier run on the same GPU left in `json_path`, to keep beside this run's (empty
+    lists where `fresh`, the file is absent, not JSON, or another GPU's)."""
+    entries = {kind: [] for kind in kinds}
+    if fresh or not json_path.is_file():
+        return entries
+    try:
+        earlier = json.loads(json_path.read_text())
+    except ValueError:
+        log(prog, f"{json_path} is not JSON: starting afresh")
+        return entries
+    if earlier.get("gpu") == gpu:
+        entries.update({kind: list(earlier.get(kind, [])) for kind in kinds})
+    return entries

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from bench.common import ResultsFlags, log, measuring_parser, ms, one_line, slug
+from bench.common import ResultsFlags, earlier_entries, log, measuring_parser, ms, one_line, slug
 from core.atomic import atomic_write_bytes, check_writable_directory
 from core.errors import UsageError, at_least, field, render_fields
 from demo.backends import FLAVOURS
@@ -314,16 +314,7 @@ class ThroughputResults:
         self.directory = directory
         self.stem = f"throughput-{slug(gpu)}"
         self.json_path = directory / f"{self.stem}.json"
-        self.data = {**meta, **{kind: [] for kind in KINDS}}
-        if not fresh and self.json_path.is_file():
-            try:
-                earlier = json.loads(self.json_path.read_text())
-            except ValueError:
-                say(f"{self.json_path} is not JSON: starting afresh")
-                earlier = {}
-            if earlier.get("gpu") == gpu:
-                for kind in KINDS:
-                    self.data[kind] = list(earlier.get(kind, []))
+        self.data = {**meta, **earlier_entries(self.json_path, fresh, gpu, KINDS, PROG)}
 
     @staticmethod
     def _key(entry: dict) -> tuple:

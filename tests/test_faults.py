@@ -147,7 +147,7 @@ BUILD_ERRORS = [
     (["--height", "60"], "--height must be a multiple of 8"),
     (["--target-cc", "eight"], "--target-cc takes compute capabilities"),
     (["--backend", "tensorrt-nano"], "unknown TensorRT flavour 'tensorrt-nano'"),
-    (["--onnx-precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--onnx-precision", "fp4"], "invalid choice: 'fp4'"),
 ]
 
 

@@ -179,7 +179,7 @@ def a_reference(tmp_path_factory):
     (("--model", "tiny", "--yardstick", "shapes", "--floor", "x.json", "--reference", "y.json"),
      "--floor compare images by the scenes yardstick"),
     (("--sensitivity", "fp16", "--reference", "{dir}/ref.json"), "--sensitivity renders its own reference"),
-    (("--sensitivity", "fp8"), "--sensitivity: unknown row 'fp8'"),
+    (("--sensitivity", "fp4"), "--sensitivity: unknown row 'fp4'"),
     (("--sensitivity", "cache:1"), "a cache row is cache:N or cache:N:K (N 2 or more), got 'cache:1'"),
     (("--sensitivity", "cache:3,cache:3:0"), "row 'cache:3:0' given twice"),
     (("--sensitivity", "threshold:0"), "an adaptive cache row is threshold:T or threshold:T:K (T above 0), got"),

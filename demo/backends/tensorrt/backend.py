@@ -45,8 +45,8 @@ class TensorRTBackend(Backend):
             named = f"{self.name} {self.version()}"
         except UsageError:  # not installed here: refused all the same
             named = self.name
-        return (f"{named} engines have no FP8 (TensorRT 8.6 fuses no FP8 Q/DQ into convolutions or GEMMs; the "
-                "engines' quantization is the INT8 UNet)")
+        return (f"{named} engines have no FP8 here (the ONNX export writes no FP8 Q/DQ; the engines' quantization is "
+                "the INT8 UNet)")
 
     def default_dtype(self, device, family):
         # fp16 even where engines are built on a CPU: engines built there for a GPU are the ones that GPU looks for
