@@ -133,7 +133,7 @@ class QualityFlags:
                              "than a metric's margin (paired bootstrap, 95%%)", metavar="REPORT.json")
     sensitivity: str | None = flag("scenes: render an fp32 reference and an fp32 floor at half the batch, then each "
                                    "of these comma-listed paths against them (fp16, cache:N[:K], threshold:T[:K], "
-                                   "vae:P, fp8, compile, cuda-graphs, plugins, engines, engines-no-plugins), and "
+                                   "vae:P, fp8[:S], compile, cuda-graphs, plugins, engines, engines-no-plugins), and "
                                    "write a table and chart of their fidelity with intervals, each flagged or not "
                                    "(docs/quality.md)", metavar="ROW,...")
 

@@ -10,7 +10,8 @@ more than a metric's margin (bench.fidelity). Rows:
     cache:N[:K]          the step cache, every Nth UNet call whole, branch K (default 0)
     threshold:T[:K]      the adaptive step cache at threshold T, branch K (default 0)
     vae:P                the VAE in precision P (fp32, bf16, fp16), the rest in fp16
-    fp8                  precision fp8: the UNet's GEMMs in FP8 e4m3 (models.fp8), the rest in fp16
+    fp8[:S]              precision fp8: the UNet's GEMMs in FP8 e4m3 (models.fp8), scaled S (static, dynamic,
+                         row; default: the default's), the rest in fp16
     compile              torch.compile (mode default)
     cuda-graphs          the torch backend's CUDA graphs
     plugins              the torch backend with our kernels (all plugins)
@@ -73,6 +74,12 @@ def parse_rows(text: str) -> list[str]:
             item = f"cache:{int(numbers[0])}:{int(numbers[1]) if len(numbers) == 2 else 0}"
         elif item.startswith("threshold:"):
             item = threshold_row(item)
+        elif item.startswith("fp8:"):
+            from models.families import FP8_SCALES
+
+            if item.split(":", 1)[1] not in FP8_SCALES:
+                raise UsageError(f"--sensitivity: an FP8 row is fp8 or fp8:S, S one of {', '.join(FP8_SCALES)}, got "
+                                 f"'{item}'")
         elif item.startswith("vae:"):
             from models.source import VAE_PRECISIONS
 
@@ -88,8 +95,7 @@ def parse_rows(text: str) -> list[str]:
                                  f"{', '.join(planted_faults())}")
         elif item not in FIXED_ROWS:
             raise UsageError(f"--sensitivity: unknown row '{item}'; rows are {', '.join(FIXED_ROWS)}, cache:N[:K], "
-                             "threshold:T[:K], "
-                             "vae:P and (test-only) planted:NAME")
+                             "threshold:T[:K], fp8:S, vae:P and (test-only) planted:NAME")
         if item in rows:
             raise UsageError(f"--sensitivity: row '{item}' given twice")
         rows.append(item)
@@ -128,8 +134,9 @@ def row_spec(exact, row: str):
         fault = row.split(":", 1)[1]
     elif row.startswith("vae:"):
         spec = dataclasses.replace(spec, vae_precision=row.split(":", 1)[1])
-    elif row == "fp8":
-        spec = dataclasses.replace(spec, precision="fp8")
+    elif row == "fp8" or row.startswith("fp8:"):
+        scales = row.split(":", 1)[1] if ":" in row else spec.torch.fp8_scales
+        spec = dataclasses.replace(spec, precision="fp8", torch=dataclasses.replace(spec.torch, fp8_scales=scales))
     elif row == "compile":
         spec = dataclasses.replace(spec, torch=TorchOptions(channels_last=False, compile="default"))
     elif row == "cuda-graphs":

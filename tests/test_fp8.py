@@ -1,12 +1,14 @@
 """precision fp8 (models.fp8; the torch backend's FP8 UNet, demo.backends.torch.fp8).
 
 On the CPU (torch._scaled_mm runs there): the FP8 Linear against a float32 reference on fresh random inputs, within
-the bound e4m3's rounding gives, and exactly the product of its dequantized operands; the scales from a known amax;
-saturation past the calibrated range; a torch.compile(fullgraph=True) trace; tiny's UNet quantized against its
-float32 output, with the layers it keeps counted from the module types; LoRA weights requantized after fusion; the
-refusals, before anything loads. On a GPU (marked gpu, compute capability 8.9 and up): the CUDA _scaled_mm path
-against float32, eager and in a CUDA graph whose output is poisoned before each replay, and tiny's whole pipeline
-in fp8 against fp16."""
+the bound e4m3's rounding gives, and exactly the product of its dequantized operands, per tensor and per row; the
+scales from a known amax; saturation past the calibrated range (static) and none from each input's (dynamic); row
+scales keeping an outlier token's coarsening to its own row, and requantized per channel in place; a
+torch.compile(fullgraph=True) trace; tiny's UNet quantized against its float32 output, with the layers it keeps
+counted from the module types; LoRA weights requantized after fusion; the refusals, before anything loads. On a
+GPU (marked gpu, compute capability 8.9 and up): the CUDA _scaled_mm path against float32 in each way of scaling,
+eager and in a CUDA graph whose output is poisoned before each replay, and tiny's whole pipeline in fp8 (static and
+row scales) against fp16."""
 
 import re
 
@@ -100,6 +102,72 @@ def test_inputs_beyond_the_calibrated_range_saturate():
     assert torch.isfinite(linear(x)).all()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_row_scales_are_within_the_bound_and_exactly_the_per_row_product(seed):
+    linear, x = random_linear(64, 48, seed)
+    reference = linear(x).detach().double()
+    rows = x.reshape(-1, 64)
+    Fp8Linear.convert(linear, float(x.abs().max()) / 3, "row")  # a static amax that would saturate: unused here
+    out = linear(x).detach().double()
+    row_scales = rows.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    weight_scales = linear.weight.detach().abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    assert linear.weight_scale.shape == (1, 48)
+    torch.testing.assert_close(linear.weight_scale, weight_scales.T, rtol=1e-6, atol=0)
+    bound = fp8_error_bound(rows, linear.weight.detach(), row_scales, weight_scales).reshape(reference.shape)
+    error = (out - reference).abs()
+    assert (error <= bound).all(), float((error - bound).max())
+    # every row's largest |value| maps to e4m3's largest, and the output is the product of the dequantized rows
+    x_q, w_q = to_e4m3(rows, row_scales), linear.weight_e4m3
+    assert (x_q.float().abs().amax(dim=1) == E4M3_MAX).all() and (w_q.float().abs().amax(dim=1) == E4M3_MAX).all()
+    exact = x_q.double() * row_scales.double() @ (w_q.double() * weight_scales.double()).T
+    torch.testing.assert_close(out, (exact + linear.bias.detach().double()).reshape(reference.shape), rtol=1e-5,
+                               atol=1e-5)
+    buffers = linear.weight_e4m3.data_ptr(), linear.weight_scale.data_ptr()
+    with torch.no_grad():
+        linear.weight[3] *= 4  # one output channel grows (a fused LoRA): its scale alone follows
+    before = linear.weight_scale.clone()
+    linear.requantize()
+    assert (linear.weight_e4m3.data_ptr(), linear.weight_scale.data_ptr()) == buffers  # in place, for CUDA graphs
+    assert float(linear.weight_scale[0, 3]) == pytest.approx(4 * float(before[0, 3]), rel=1e-6)
+    assert torch.equal(linear.weight_scale[0, :3], before[0, :3])
+
+
+def test_an_outlier_token_changes_its_own_row_alone_with_row_scales():
+    linear, x = random_linear(64, 48, seed=6)
+    calm = x.clone()
+    x[0, 0] *= 10000  # one token's outliers, within fp16's range
+    for scales in ("dynamic", "row"):
+        layer = Fp8Linear.convert(random_linear(64, 48, seed=6)[0], float(x.abs().max()), scales)
+        with torch.no_grad():
+            others, others_calm = layer(x)[0, 1:], layer(calm)[0, 1:]
+        # row: every other token's output is what it is without the outlier; per tensor, they all coarsen
+        assert torch.equal(others, others_calm) == (scales == "row"), scales
+
+
+def test_dynamic_scales_follow_each_input_where_static_ones_saturate():
+    linear, x = random_linear(32, 16, seed=4)
+    reference = linear(x).detach().double()
+    out = {}
+    for scales in ("static", "dynamic"):
+        layer = Fp8Linear.convert(random_linear(32, 16, seed=4)[0], float(x.abs().max()) / 3, scales)
+        out[scales] = layer(x).detach().double()
+    bound = fp8_error_bound(x.reshape(-1, 32), linear.weight.detach(), float(x.abs().max()) / E4M3_MAX,
+                            float(linear.weight.detach().abs().max()) / E4M3_MAX).reshape(reference.shape)
+    assert ((out["dynamic"] - reference).abs() <= bound).all()  # its scale is this input's: nothing saturated
+    assert not ((out["static"] - reference).abs() <= bound).all()  # the calibrated third of the range clips
+
+
+def test_unknown_scales_are_refused_by_the_options_and_fp8_scales_need_fp8():
+    with pytest.raises(UsageError, match=r"fp8_scales.? must be auto or one of static, dynamic, row, got 'block'"):
+        PipelineSpec(precision="fp8", torch=TorchOptions(fp8_scales="block")).check()
+    with pytest.raises(UsageError, match=r"fp8_scales.? row scales precision fp8's operands; this spec's precision "
+                                         r"is fp16"):
+        PipelineSpec(precision="fp16", torch=TorchOptions(fp8_scales="row")).check()
+    PipelineSpec(precision="fp8", torch=TorchOptions(fp8_scales="row")).check()
+    with pytest.raises(ValueError, match="scales must be one of"):
+        Fp8Linear.convert(nn.Linear(32, 16), 1.0, "block")
+
+
 def test_the_fp8_linear_traces_whole_under_torch_compile():
     linear, x = random_linear(32, 16, seed=5)
     Fp8Linear.convert(linear, float(x.abs().max()))
@@ -118,20 +186,26 @@ def unet_stages(tiny):
         for seed in range(3):
             plain(model.sample_inputs(2, 64, 64, generator=torch.Generator().manual_seed(seed)))
     quantized = TorchStage(model, CPU, torch.float32, TorchSettings(fp8=object()), fp8=recorder.calibration())
-    return model, plain, quantized
+    return model, plain, quantized, recorder.calibration()
 
 
-def test_tiny_unet_in_fp8_is_close_to_float32(unet_stages):
-    model, plain, quantized = unet_stages
+@pytest.mark.parametrize("scales", ["static", "dynamic", "row"])
+def test_tiny_unet_in_fp8_is_close_to_float32(unet_stages, scales):
+    model, plain, quantized, calibration = unet_stages
+    if scales != "static":
+        quantized = TorchStage(model, CPU, torch.float32, TorchSettings(fp8=object(), fp8_scales=scales),
+                               fp8=calibration)
+    component = quantized.model.component_module(quantized.module)
+    assert {m.scales for m in component.modules() if isinstance(m, Fp8Linear)} == {scales}
     feed = model.sample_inputs(2, 64, 64, generator=torch.Generator().manual_seed(11))  # fresh inputs
     reference, out = plain(feed)["latent"], quantized(feed)["latent"]
     assert torch.isfinite(out).all()
     error = float((out - reference).norm() / reference.norm())
-    assert 1e-4 < error < 0.03, error  # measured 0.008-0.009 on three seeds (2026-12-03)
+    assert 1e-4 < error < 0.03, error  # static measured 0.008-0.009 on three seeds (2026-12-03)
 
 
 def test_the_layers_fp8_keeps_are_those_that_cannot_pay(unet_stages):
-    _, plain, quantized = unet_stages
+    _, plain, quantized, _ = unet_stages
     component = plain.model.component_module(plain.module)
     linears = {name: m for name, m in component.named_modules() if isinstance(m, nn.Linear)}
     cross_kv = {f"{name}.{p}" for name, m in component.named_modules() if getattr(m, "is_cross_attention", False)
@@ -147,12 +221,12 @@ def test_the_layers_fp8_keeps_are_those_that_cannot_pay(unet_stages):
     fp8 = quantized.model.component_module(quantized.module)
     assert {name for name, m in fp8.named_modules() if isinstance(m, Fp8Linear)} == set(report.quantized)
     line = report.line("unet")
-    assert line.startswith(f"[fp8] unet: {len(report.quantized)} Linear in FP8 e4m3, kept in fp16: ")
+    assert line.startswith(f"[fp8] unet: {len(report.quantized)} Linear in FP8 e4m3 (static scales), kept in fp16: ")
     assert f"{len(cross_kv)} cross-attention K/V" in line
 
 
 def test_fused_lora_weights_are_requantized(unet_stages, monkeypatch):
-    model, _, quantized = unet_stages
+    model, _, quantized, _ = unet_stages
     component = quantized.model.component_module(quantized.module)
     layer = component.get_submodule(quantized.fp8.quantized[0])
     before, original = layer.weight_e4m3.clone(), layer.weight.detach().clone()
@@ -213,16 +287,17 @@ def test_fp8_with_int8_is_refused():
 def test_fp8_settings_refuse_what_bypasses_its_layers_and_leave_default_plugins_out(tiny):
     workload = Workload(1, 64, 64, True)
     with pytest.raises(UsageError, match="does not combine with the planted fault int8-naive"):
-        fp8_settings(PlantedSettings(planted_faults=("int8-naive",)), "", "none", tiny, workload, None)
+        fp8_settings(PlantedSettings(planted_faults=("int8-naive",)), "", "none", tiny, workload, None, "static")
     with pytest.raises(UsageError, match=r"does not combine with plugins fMHA .*use .*plugins.? none"):
-        fp8_settings(TorchSettings(plugins=("fMHA",)), "", "fMHA", tiny, workload, None)
+        fp8_settings(TorchSettings(plugins=("fMHA",)), "", "fMHA", tiny, workload, None, "static")
     settings, source = fp8_settings(TorchSettings(plugins=("fMHA",), channels_last=True), "defaults", "auto", tiny,
-                                    workload, None)
+                                    workload, None, "row")
     assert settings.plugins == () and settings.channels_last and source == "defaults; its plugins left out (fp8)"
     # the calibration INT8 engines take by default, not recorded yet (nothing renders until the UNet loads)
     assert settings.fp8.key["height"] == 64 and settings.fp8.key["prompts"] == 8 and settings.fp8.key["steps"] == 30
-    assert settings.as_dict()["fp8"] is True and "FP8 UNet" in settings.describe()
-    assert "fp8" not in TorchSettings().as_dict()  # the tuned defaults' rows stay as they were
+    assert settings.as_dict()["fp8"] is True and settings.as_dict()["fp8_scales"] == "row"
+    assert "FP8 UNet (row scales)" in settings.describe()
+    assert not {"fp8", "fp8_scales"} & set(TorchSettings().as_dict())  # the tuned defaults' rows stay as they were
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CLI runs on the GPU there")
@@ -255,15 +330,21 @@ def fp8_gpu() -> torch.device:
 
 
 @pytest.mark.gpu
-def test_scaled_mm_on_the_gpu_is_within_the_bound_eager_and_graphed():
+@pytest.mark.parametrize("scales", ["static", "dynamic", "row"])
+def test_scaled_mm_on_the_gpu_is_within_the_bound_eager_and_graphed(scales):
     device = fp8_gpu()
     linear, x = random_linear(256, 128, seed=7)
     reference = linear(x).detach().double()
     amax = float(x.abs().max())
-    layer = Fp8Linear.convert(linear.to(device, torch.float16), amax)
+    layer = Fp8Linear.convert(linear.to(device, torch.float16), amax, scales)
     x16 = x.to(device, torch.float16)
-    bound = fp8_error_bound(x16.float().cpu().reshape(-1, 256), layer.weight.detach().float().cpu(),
-                            amax / E4M3_MAX, float(layer.weight_scale)).reshape(reference.shape)
+    rows = x16.float().cpu().reshape(-1, 256)
+    weight = layer.weight.detach().float().cpu()
+    if scales == "row":
+        x_scale, w_scale = rows.abs().amax(dim=1, keepdim=True) / E4M3_MAX, layer.weight_scale.cpu().T
+    else:
+        x_scale, w_scale = float(rows.abs().max()) / E4M3_MAX, float(layer.weight_scale)
+    bound = fp8_error_bound(rows, weight, x_scale, w_scale).reshape(reference.shape)
     bound += 2.0 ** -10 * reference.abs() + 1e-3  # the fp16 output's rounding, and the fp16 input's
     with torch.inference_mode():
         eager = layer(x16)
@@ -294,7 +375,8 @@ def test_inductor_compiles_the_fp8_linear_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_tiny_pipeline_in_fp8_draws_the_fp16_image(tmp_path, monkeypatch):
+@pytest.mark.parametrize("scales", ["static", "row"])
+def test_tiny_pipeline_in_fp8_draws_the_fp16_image(tmp_path, monkeypatch, scales):
     from demo.pipelines import image_psnr, to_uint8
     from demo.runtime.loader import load_pipeline
 
@@ -303,13 +385,14 @@ def test_tiny_pipeline_in_fp8_draws_the_fp16_image(tmp_path, monkeypatch):
     images = {}
     for precision in ("fp16", "fp8"):
         spec = PipelineSpec(model="tiny", precision=precision, backend="torch", plugins="none", use_cuda_graph=True,
-                            torch=TorchOptions(channels_last=True, compile="none"))
+                            torch=TorchOptions(channels_last=True, compile="none",
+                                               fp8_scales=scales if precision == "fp8" else "auto"))
         with load_pipeline(spec, device) as pipeline:
             result = pipeline("a red car on a hill", output_type="np", denoising_steps=10, seed=3)
             images[precision] = to_uint8(result.images).astype(int)
             assert result.report.precision == precision
             if precision == "fp8":
-                assert pipeline.stages[UNET].fp8.quantized
+                assert pipeline.stages[UNET].fp8.quantized and pipeline.stages[UNET].fp8.scales == scales
     assert (tmp_path / "onnx" / "unet.calibration.json").is_file()
     difference = int(abs(images["fp8"] - images["fp16"]).max())
     assert image_psnr(images["fp8"], images["fp16"]) >= 35 and difference <= 16, difference
@@ -329,10 +412,16 @@ def test_an_fp8_contender_reaches_the_loader_in_fp8(tmp_path):
 def test_sd_quality_judges_fp8_as_a_sensitivity_row_against_fp16():
     from bench.sensitivity import exact_spec, parse_rows, row_spec
 
-    rows = parse_rows("fp8")
-    assert rows == ["fp16", "fp8"]  # judged against the fp16 row, the exact path of its precision
+    rows = parse_rows("fp8,fp8:row")
+    assert rows == ["fp16", "fp8", "fp8:row"]  # judged against the fp16 row, the exact path of its precision
     spec, fault = row_spec(exact_spec(PipelineSpec(model="scenes")), "fp8")
     assert (spec.precision, spec.backend, spec.plugins, fault) == ("fp8", "torch", "none", None)
+    assert spec.torch.fp8_scaling == "static"
+    spec, _ = row_spec(exact_spec(PipelineSpec(model="scenes")), "fp8:row")
+    assert (spec.precision, spec.torch.fp8_scales, spec.torch.compile) == ("fp8", "row", "none")
+    spec.check()
+    with pytest.raises(UsageError, match="an FP8 row is fp8 or fp8:S, S one of static, dynamic, row, got 'fp8:int'"):
+        parse_rows("fp8:int")
 
 
 def test_sd_serve_takes_the_precision():
@@ -341,3 +430,6 @@ def test_sd_serve_takes_the_precision():
     from demo.cli.to_spec import spec_from_flags
 
     assert spec_from_flags(parse_flags(build_parser(), ["--model", "tiny", "--precision", "fp8"])).precision == "fp8"
+    spec = spec_from_flags(parse_flags(build_parser(), ["--model", "tiny", "--precision", "fp8", "--fp8-scales",
+                                                        "dynamic"]))
+    assert spec.torch.fp8_scales == "dynamic"

@@ -41,6 +41,7 @@ from demo.schedulers import (
 )
 from models import shapes
 from models.builtin import BUILTIN_NAMES, BUILTIN_VAES, CONTROLNET_NAMES, LORA_NAMES
+from models.families import DEFAULT_FP8_SCALES
 from models.plugin_set import PLUGINS_HELP
 from models.single_file import PREDICTION_TYPES as SINGLE_FILE_PREDICTIONS
 from models.single_file import SD2_DEFAULT_PREDICTION
@@ -212,6 +213,10 @@ class TorchFlags:
     channels_last: bool | None = flag("run the modules in channels-last memory", TORCH.channels_last)
     compile: str = flag(f"torch.compile mode: {', '.join(COMPILE_MODES)} (default: auto, from the torch defaults)",
                         TORCH.compile, metavar="MODE")
+    fp8_scales: str = flag("with --precision fp8, how its operands are scaled: static (per tensor, the activations' "
+                           "from the calibration), dynamic (per tensor, from each input) or row (each activation row "
+                           f"and weight row from itself) (default: auto, {DEFAULT_FP8_SCALES})", TORCH.fp8_scales,
+                           metavar="HOW")
 
 
 @dataclass(frozen=True)

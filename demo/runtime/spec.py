@@ -149,6 +149,7 @@ class PipelineSpec:
             if override.engine is not None:
                 override.engine.check(self.use_cuda_graph)
         self.torch.check()
+        self.torch.check_precision(self.precision)
 
 
 def _scaled(entry):

@@ -12,10 +12,12 @@ from models.families.base import (
     ADAPTIVE_CACHE,
     CLASSIFIER_FREE,
     CONTROLNET,
+    DEFAULT_FP8_SCALES,
     EMBEDDED,
     ENGINES,
     FP8,
     FP8_BASE,
+    FP8_SCALES,
     GUESS_MODE,
     GUIDANCE_KINDS,
     IMAGE_TO_IMAGE,
@@ -36,8 +38,9 @@ from models.families.sdxl import SDXL
 
 FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX)
 
-__all__ = ["ADAPTIVE_CACHE", "CLASSIFIER_FREE", "CONTROLNET", "EMBEDDED", "ENGINES", "FAMILIES", "FLUX", "FP8",
-           "FP8_BASE", "GUESS_MODE", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING", "INT8", "LORA", "MODES",
+__all__ = ["ADAPTIVE_CACHE", "CLASSIFIER_FREE", "CONTROLNET", "DEFAULT_FP8_SCALES", "EMBEDDED", "ENGINES", "FAMILIES",
+           "FLUX", "FP8", "FP8_BASE", "FP8_SCALES", "GUESS_MODE", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING",
+           "INT8", "LORA", "MODES",
            "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named",
            "family_of", "family_of_denoiser"]
 

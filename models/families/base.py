@@ -41,6 +41,10 @@ GUESS_MODE = "guess mode"
 # A precision (Family.precisions): the UNet's Linear GEMMs in FP8 e4m3 on the torch backend (models.fp8), everything
 # else in FP8_BASE, as a run in that precision.
 FP8, FP8_BASE = "fp8", "fp16"
+# How precision fp8 scales its operands (models.fp8): per tensor, the activation's from the calibration (static) or
+# from each input (dynamic); or per row, each activation row's and each weight row's from itself (row).
+FP8_SCALES = ("static", "dynamic", "row")
+DEFAULT_FP8_SCALES = "static"
 UNET_PRECISIONS = ("fp16", "fp32", FP8)
 
 

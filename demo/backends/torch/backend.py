@@ -20,7 +20,8 @@ def accel_options(settings: TorchSettings) -> tuple[str, ...]:
     """The settings other than plugins, as reports list them."""
     options = [name for name, on in (("channels-last", settings.channels_last), ("CUDA graphs", settings.cuda_graph))
                if on]
-    return tuple(options + ([f"compile {settings.compile}"] if settings.compile != "none" else []))
+    options += [f"compile {settings.compile}"] if settings.compile != "none" else []
+    return tuple(options + ([f"FP8 {settings.fp8_scales} scales"] if settings.fp8 is not None else []))
 
 
 # GPUs from this compute capability on (Ampere) have bf16 kernels, as torch.cuda.is_bf16_supported(including_emulation=
@@ -67,7 +68,8 @@ class TorchBackend(Backend):
         # test-only faults, from the environment alone
         settings, source_text = planted_settings(settings, source_text, plugins)
         if fp8:
-            settings, source_text = fp8_settings(settings, source_text, plugins, source, workload, record_activations)
+            settings, source_text = fp8_settings(settings, source_text, plugins, source, workload, record_activations,
+                                                 options.fp8_scaling)
         return settings, source_text
 
     def create_stages(self, models, settings_of, device, dtype, log, progress):

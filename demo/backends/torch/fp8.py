@@ -39,12 +39,13 @@ def check_fp8_device(device: torch.device) -> None:
 
 
 def fp8_settings(settings: TorchSettings, source_text: str, plugins: str, source: ModelSource, workload: Workload,
-                 record_activations) -> tuple[TorchSettings, str]:
-    """`settings` (and where they came from) with the UNet in FP8, calibrated by `record_activations` (the device
-    checked first: check_fp8_device); a UsageError for what does not combine with it. Our kernels read the Linear
-    weights themselves (a packed QKV, GEGLU's and proj_out's matmuls) and would bypass the FP8 layers: plugins chosen
-    by default are left out (with a note), plugins asked for are refused, as is the planted int8-naive fault (it
-    quantizes the same layers)."""
+                 record_activations, scales: str) -> tuple[TorchSettings, str]:
+    """`settings` (and where they came from) with the UNet in FP8 scaled as `scales` says (models.fp8), calibrated by
+    `record_activations` (the device checked first: check_fp8_device; the calibration chooses the layers in every
+    way of scaling, and gives the static scales); a UsageError for what does not combine with it. Our kernels read
+    the Linear weights themselves (a packed QKV, GEGLU's and proj_out's matmuls) and would bypass the FP8 layers:
+    plugins chosen by default are left out (with a note), plugins asked for are refused, as is the planted
+    int8-naive fault (it quantizes the same layers)."""
     if INT8_NAIVE in getattr(settings, "planted_faults", ()):
         raise UsageError(f"{field('precision')} {FP8} does not combine with the planted fault {INT8_NAIVE} (both "
                          "quantize the UNet's Linear layers)")
@@ -54,4 +55,5 @@ def fp8_settings(settings: TorchSettings, source_text: str, plugins: str, source
     if settings.plugins:
         source_text += f"; its plugins left out ({FP8})"
     calibration = int8_settings(EngineOptions(int8=True), source, workload, record_activations)
-    return replace(settings, plugins=(), fp8=calibration), source_text
+    settings = replace(settings, plugins=(), fp8=calibration, fp8_scales=scales)
+    return settings, source_text

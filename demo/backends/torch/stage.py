@@ -67,7 +67,7 @@ class TorchStage(Stage):
                 self.substitution = substitute(computed_part(model.name, self.module), settings.plugins,
                                                channels_last=settings.channels_last)
             if settings.fp8 is not None and model.name == UNET:  # after the cast to dtype: the scales stay float32
-                self.fp8 = quantize_fp8(model.component_module(self.module), fp8)
+                self.fp8 = quantize_fp8(model.component_module(self.module), fp8, settings.fp8_scales)
         if settings.channels_last:
             self.module.to(memory_format=torch.channels_last)
         self._forward = self.module
