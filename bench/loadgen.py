@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from bench.charts import _png
-from bench.common import log, slug
+from bench.common import log, one_line, slug
 from core.atomic import atomic_write_bytes, check_writable_directory
 from core.errors import RunFailure, UsageError, at_least
 from demo.cli.client import ClientFlags
@@ -239,20 +239,36 @@ class SystemUnderTest:
         return None if height is None or width is None else (height, width, 3)
 
     def _work(self) -> None:
+        """One thread's samples until the end (None). Every sample is completed with LoadGen, whatever its request
+        raised: a thread that died with one would leave LoadGen waiting for it for ever."""
+        opened = False
+        try:
+            with connection(self.url, self.protocol) as (module, client):
+                opened = True
+                self._answer(lambda sample: self._send(module, client, sample))
+        except Exception as exc:  # noqa: BLE001 -- no client for this thread: its samples fail, LoadGen still ends
+            if opened:  # the samples were answered (or LoadGen itself failed): nothing left to complete
+                raise
+            reason = f"no client: {one_line(exc)}"
+            self._answer(lambda _: reason)
+
+    def _answer(self, send) -> None:
         import mlperf_loadgen
 
-        with connection(self.url, self.protocol) as (module, client):
-            while True:
-                sample = self.samples.get()
-                if sample is None:
-                    return
-                error = "stopped before it was sent" if self.stopping.is_set() else self._send(module, client, sample)
-                with self.tally.lock:
-                    if error:
-                        self.tally.errors[error] += 1
-                    else:
-                        self.tally.answered += 1
-                mlperf_loadgen.QuerySamplesComplete([mlperf_loadgen.QuerySampleResponse(sample.id, 0, 0)])
+        while True:
+            sample = self.samples.get()
+            if sample is None:
+                return
+            try:
+                error = "stopped before it was sent" if self.stopping.is_set() else send(sample)
+            except Exception as exc:  # noqa: BLE001 -- not a ServeError (those are answers): still a failed sample
+                error = one_line(exc)
+            with self.tally.lock:
+                if error:
+                    self.tally.errors[error] += 1
+                else:
+                    self.tally.answered += 1
+            mlperf_loadgen.QuerySamplesComplete([mlperf_loadgen.QuerySampleResponse(sample.id, 0, 0)])
 
     def _send(self, module, client, sample) -> str | None:
         """The request of one sample: its caption, its own fixed seed (the sample's index); None or why it failed."""

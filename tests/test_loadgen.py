@@ -252,3 +252,34 @@ def test_ctrl_c_stops_the_server_sd_loadgen_started_and_exits_130(tmp_path):
     log = (tmp_path / "loadgen-server-cpu-tiny" / "sd-serve.log").read_text()
     assert re.search(r"\[sd-serve\] SIGTERM: refusing new requests", log) and "[sd-serve] stopped in" in log
     assert not answers_ready(http)
+
+
+@needs_loadgen
+@pytest.mark.parametrize("broken", ["send", "connect"])
+def test_a_sample_whose_request_raises_is_still_completed(monkeypatch, broken):
+    """Whatever goes wrong with a sample's request (a client error other than ServeError, no client at all), LoadGen
+    hears of the sample: a worker that died with it would leave LoadGen waiting for it for ever."""
+    import mlperf_loadgen
+
+    import bench.loadgen as harness
+
+    @contextlib.contextmanager
+    def connection(*_):
+        if broken == "connect":
+            raise ValueError("bad address")
+        yield None, None
+
+    def generate(*_):
+        raise TypeError("'NoneType' object is not subscriptable")
+
+    completed = []
+    monkeypatch.setattr(harness, "connection", connection)
+    monkeypatch.setattr(harness, "generate", generate)
+    monkeypatch.setattr(mlperf_loadgen, "QuerySamplesComplete", completed.extend)
+    monkeypatch.setattr(mlperf_loadgen, "QuerySampleResponse", lambda id, *_: id)
+    sut = harness.SystemUnderTest("127.0.0.1:1", "http", ["a castle"], {}, 1)
+    for sample in (SimpleNamespace(id=7, index=0), SimpleNamespace(id=8, index=0), None):
+        sut.samples.put(sample)
+    sut._work()
+    assert completed == [7, 8] and sut.tally.answered == 0 and sum(sut.tally.errors.values()) == 2
+    assert all(("bad address" if broken == "connect" else "NoneType") in error for error in sut.tally.errors)
