@@ -283,3 +283,23 @@ def test_a_sample_whose_request_raises_is_still_completed(monkeypatch, broken):
     sut._work()
     assert completed == [7, 8] and sut.tally.answered == 0 and sum(sut.tally.errors.values()) == 2
     assert all(("bad address" if broken == "connect" else "NoneType") in error for error in sut.tally.errors)
+
+
+def test_a_server_run_with_a_looser_bound_than_mlperfs_does_not_meet_the_official_settings():
+    """MLPerf's minimums met (600 s, 100 queries) but the latency bound 6x MLPerf's 20 s: not an official run."""
+    from bench.loadgen import Tally, summarize
+
+    official = {"min_duration_s": 600.0, "min_query_count": 100, "target_latency_ms": 20000.0,
+                "target_latency_percentile": 0.99}
+
+    def report(bound_ns: int) -> dict:
+        detail = {"result_validity": "VALID", "effective_min_duration_ms": 600000, "effective_min_query_count": 460,
+                  "effective_min_sample_count": 460, "effective_target_latency_ns": bound_ns,
+                  "effective_target_latency_percentile": 0.99}
+        context = {"concurrency": 16, "max_batch_size": 8, "prompts": {"file": "captions.txt", "count": 48},
+                   "official": dict(official), "model": "sdxl-arch"}
+        return summarize(detail, Tally(answered=460), "Server", {}, context)["official"]
+
+    assert report(20000 * 10**6)["met"] is True and "meets" in report(20000 * 10**6)["note"]
+    looser = report(120000 * 10**6)
+    assert looser["met"] is False and "target_latency_ms" in looser["note"], looser
