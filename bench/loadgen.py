@@ -681,17 +681,25 @@ def run(own: LoadgenFlags, serve_args: list[str], argv: list[str]) -> int:
                "command": shlex.join([PROG, *argv]), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "logs": {"summary": str(run_dir / SUMMARY_LOG), "detail": str(detail_path)}}
     report = summarize(read_detail_log(detail_path), sut.tally, own.scenario, request, context)
+    saved = save_summary(results, stem, report)
+    print(table(report))
+    for path in saved:
+        print(f"saved {path}")
+    return 0 if report["samples_answered"] and not report["samples_failed"] else 1
+
+
+def save_summary(results: Path, stem: str, report: dict) -> list[Path]:
+    """The summary's JSON, markdown and (with matplotlib) chart, each written whole; without matplotlib an earlier
+    run's chart of this name is removed, so that no chart of another run stands beside this summary."""
     files = {f"{stem}.json": json.dumps(report, indent=1).encode(), f"{stem}.md": (table(report) + "\n").encode()}
     try:
         files[f"{stem}.png"] = chart(report)
     except ImportError:
         print("note: no chart without matplotlib (pip install -e '.[bench]')", file=sys.stderr)
+        (results / f"{stem}.png").unlink(missing_ok=True)
     for name, data in files.items():
         atomic_write_bytes(results / name, data)
-    print(table(report))
-    for name in files:
-        print(f"saved {results / name}")
-    return 0 if report["samples_answered"] and not report["samples_failed"] else 1
+    return [results / name for name in files]
 
 
 @contextmanager

@@ -303,3 +303,19 @@ def test_a_server_run_with_a_looser_bound_than_mlperfs_does_not_meet_the_officia
     assert report(20000 * 10**6)["met"] is True and "meets" in report(20000 * 10**6)["note"]
     looser = report(120000 * 10**6)
     assert looser["met"] is False and "target_latency_ms" in looser["note"], looser
+
+
+def test_without_matplotlib_an_earlier_runs_chart_is_not_left_beside_this_runs_summary(tmp_path, monkeypatch):
+    import bench.loadgen as harness
+
+    stale = tmp_path / "loadgen-offline-cpu-tiny.png"
+    stale.write_bytes(b"an earlier run's chart")
+
+    def no_matplotlib(_):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(harness, "chart", no_matplotlib)
+    monkeypatch.setattr(harness, "table", lambda report: "| table |")
+    saved = harness.save_summary(tmp_path, "loadgen-offline-cpu-tiny", {"valid": True})
+    assert [path.name for path in saved] == ["loadgen-offline-cpu-tiny.json", "loadgen-offline-cpu-tiny.md"]
+    assert not stale.exists()
