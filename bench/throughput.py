@@ -3,13 +3,13 @@
     sd-throughput [PROMPT] --model sdxl-arch --mlperf --batch-sizes 1,2,4,8 [--overlap both] [--batches 3]
 
 Per batch size: one pipeline, loaded and made ready for that batch (torch.compile compiling, a CUDA graph per stage
-captured; engines built or found), timed apart as load s and ready s; --warmup-batches batches, then --batches
-batches timed as one stream (demo.pipelines.stream), from the first call to the last batch's pixels on the host:
-images per second, ms per image, and per batch the text encoders', the UNet's (per step) and the VAE's times, with
-the peak of torch.cuda.max_memory_allocated. --overlap on runs the stream with the next batch's text encoding beside
-the current loop and each decode beside the next loop, off one batch after the other, both (the default) each on the
-same loaded pipeline, so the table says what overlapping wins. A batch whose memory floor exceeds what is free, or
-that runs out of memory, is reported as not fitting in one line; the sweep goes on. --mlperf takes MLPerf
+captured; engines built or found), timed apart as load s and ready s; --warmup-batches batches, then --batches batches
+timed as one stream (demo.pipelines.stream), from the first call to the last batch's pixels on the host: images per
+second, ms per image, and per batch the text encoders', the UNet's (per step) and the VAE's times, with the peak of
+torch.cuda.max_memory_allocated over that mode's batches. --overlap on runs the stream with the next batch's text
+encoding beside the current loop and each decode beside the next loop, off one batch after the other, both (the default)
+each on the same loaded pipeline, so the table says what overlapping wins. A batch whose memory floor exceeds what is
+free, or that runs out of memory, is reported as not fitting in one line; the sweep goes on. --mlperf takes MLPerf
 Inference's SDXL settings where the request flags leave them unset: 20 Euler steps, guidance 8, 1024x1024.
 
 Engines (--backend tensorrt, tensorrt-rtx): built for batches 1 to --max-batch-size (default: the largest of
@@ -252,7 +252,6 @@ def measure_batch(spec, request, thr: ThroughputFlags, first, base: dict) -> lis
     pipeline = None
     try:
         if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
             free_before = torch.cuda.mem_get_info(device)[0]
         say(f"batch {size}: loading")
         start = time.perf_counter()
@@ -271,6 +270,8 @@ def measure_batch(spec, request, thr: ThroughputFlags, first, base: dict) -> lis
         rows = []
         for overlap in overlap_modes(thr.overlap, first):
             mode = "overlapped" if overlap else "serial"
+            if cuda:  # each row's peak is its own mode's: the serial row's is not the overlapped one's before it
+                torch.cuda.reset_peak_memory_stats(device)
             if thr.warmup_batches:
                 say(f"batch {size}, {mode}: {thr.warmup_batches} warm-up batch(es)")
                 pipeline.run_stream(calls[:thr.warmup_batches], overlap)
@@ -359,7 +360,8 @@ def throughput_table(data: dict) -> str:
              "the timed batches' images over their wall time, from the first call to the last pixels on the host; "
              "CLIP, UNet / step and VAE: medians per batch (overlapped: each on its own CUDA stream, beside the "
              "others' work); ready s: compiling and capturing before any batch; vs serial: images/s against the "
-             "same setup one batch after the other; peak: torch.cuda.max_memory_allocated."]
+             "same setup one batch after the other; peak: torch.cuda.max_memory_allocated over "
+             "that mode's batches."]
     workloads: dict[str, list[dict]] = {}
     for row in data.get("rows", []):
         workloads.setdefault(row["workload"], []).append(row)

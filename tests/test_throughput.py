@@ -237,3 +237,58 @@ def test_engines_are_measured_serial_only():
     assert throughput.overlap_modes("both", plan("cuda", "torch")) == (True, False)
     assert throughput.why_serial(plan("cuda", "torch")) is None
     assert throughput.overlap_modes("on", plan("cpu", "torch")) == (False,)
+
+
+def test_each_modes_row_has_its_own_peak_memory(monkeypatch):
+    """With --overlap both the overlapped mode runs first and holds more (two batches' tensors at once): the serial
+    row's peak must be the serial batches', not the overlapped run's before it (a GPU's counters, stood in for)."""
+    from types import SimpleNamespace
+
+    from demo.pipelines import timer
+    from demo.runtime import loader, memory
+
+    memory_state = {"allocated": 0, "peak": 0}
+
+    def allocate(size):
+        memory_state["peak"] = max(memory_state["peak"], size)
+
+    class Pipeline:
+        stages, backend = {}, SimpleNamespace(name="torch")
+
+        def request(self, request):
+            return request
+
+        def stats(self):
+            return {}
+
+        def unet_calls(self, request):
+            return 2
+
+        def run_stream(self, calls, overlap, timers=None, done=None):
+            allocate(300 if overlap else 100)
+
+        def close(self):
+            pass
+
+    class Timer:
+        def __init__(self, device):
+            pass
+
+        def milliseconds(self):
+            return {"clip": 1.0, "unet": 2.0, "vae": 3.0}
+
+    monkeypatch.setattr(memory, "check_memory", lambda *_: None)
+    monkeypatch.setattr(loader, "load_pipeline", lambda *_, **__: Pipeline())
+    monkeypatch.setattr(timer, "StageTimer", Timer)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *_: memory_state.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *_: memory_state["peak"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (2**30, 2**31))
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *_: None)
+    monkeypatch.setattr(throughput, "why_serial", lambda plan: None)
+    first = SimpleNamespace(device=SimpleNamespace(type="cuda"), source=None, dtype=torch.float16)
+    request = Request("a cat", batch_size=2, height=64, width=64, seed=1, guidance_scale=7.5)
+    thr = throughput.ThroughputFlags(batches=1, warmup_batches=1, overlap="both")
+    rows = throughput.measure_batch(None, request, thr, first, {"setup": "torch"})
+    peaks = {entry["overlap"]: entry["peak_allocated_bytes"] for kind, entry in rows}
+    assert [kind for kind, _ in rows] == ["rows", "rows"] and peaks == {True: 300, False: 100}
