@@ -149,10 +149,8 @@ def why_serial(plan) -> str | None:
     """Why the stream runs its batches in order whatever --overlap says (None: it can overlap them)."""
     if plan.device.type != "cuda":
         return "no GPU here: the stream runs its batches in order (serial rows only)"
-    if not plan.backend.capabilities.concurrent_stages:
-        return (f"{plan.backend.name}'s engines share one working-memory block: their batches run in order (serial "
-                "rows only)")
-    return None
+    why = plan.backend.why_serial(plan.base.settings.values())
+    return None if why is None else f"{why}: the stream runs its batches in order (serial rows only)"
 
 
 def overlap_modes(overlap: str, plan) -> tuple[bool, ...]:

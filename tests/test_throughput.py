@@ -230,7 +230,8 @@ def test_engines_are_measured_serial_only():
     from demo.backends.registry import backend_named
 
     def plan(device: str, backend: str):
-        return SimpleNamespace(device=torch.device(device), backend=backend_named(backend))
+        return SimpleNamespace(device=torch.device(device), backend=backend_named(backend),
+                               base=SimpleNamespace(settings={}))
 
     assert throughput.overlap_modes("both", plan("cuda", "tensorrt")) == (False,)
     assert "share one working-memory block" in throughput.why_serial(plan("cuda", "tensorrt"))
@@ -292,3 +293,33 @@ def test_each_modes_row_has_its_own_peak_memory(monkeypatch):
     rows = throughput.measure_batch(None, request, thr, first, {"setup": "torch"})
     peaks = {entry["overlap"]: entry["peak_allocated_bytes"] for kind, entry in rows}
     assert [kind for kind, _ in rows] == ["rows", "rows"] and peaks == {True: 300, False: 100}
+
+
+def test_torch_compiles_cuda_graph_trees_are_never_overlapped(pipe, monkeypatch):
+    """torch.compile's reduce-overhead and max-autotune replay every compiled stage's graphs from one cudagraph tree,
+    one memory pool whose graphs reuse each other's memory on the assumption that they replay one after the other:
+    run on three streams at once they would overwrite each other's tensors. So the stream runs them in order, and
+    sd-throughput measures serial rows alone, saying why."""
+    from types import SimpleNamespace
+
+    from demo.backends.registry import backend_named
+    from demo.backends.torch.options import TorchSettings
+    from demo.runtime import loaded
+
+    settings = {"unet": TorchSettings(compile="reduce-overhead"), "vae": TorchSettings(compile="none")}
+    graphed = SimpleNamespace(device=torch.device("cuda"), backend=backend_named("torch"),
+                              base=SimpleNamespace(settings=settings))
+    assert throughput.overlap_modes("both", graphed) == (False,)
+    assert "reduce-overhead" in throughput.why_serial(graphed)
+    plain = SimpleNamespace(**{**vars(graphed),
+                               "base": SimpleNamespace(settings={"unet": TorchSettings(compile="default")})})
+    assert throughput.why_serial(plain) is None
+    asked = []
+    monkeypatch.setattr(loaded, "BatchStream", lambda family, device, overlap: asked.append(overlap) or
+                        BatchStream(family, device, overlap))
+    request = pipe.request("a cat", seed=1, denoising_steps=2)
+    pipe.run_stream([[request]], overlap=True)
+    for name in pipe.plan.base.settings:
+        monkeypatch.setitem(pipe.plan.base.settings, name, TorchSettings(compile="reduce-overhead"))
+    pipe.run_stream([[request]], overlap=True)
+    assert asked == [True, False]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import torch
 
@@ -71,7 +71,8 @@ class Capabilities:
     layer_timings: bool  # times its stages layer by layer (sd-benchmark's profile of the UNet)
     cpu: bool  # runs stages on a CPU
     # its stages may run at once on separate CUDA streams (demo.pipelines.stream's overlap); engines may not: they
-    # share one working-memory block (demo.backends.tensorrt.runtime.create_engine_stages)
+    # share one working-memory block (demo.backends.tensorrt.runtime.create_engine_stages); Backend.why_serial says
+    # it for a plan's settings
     concurrent_stages: bool
 
 
@@ -117,6 +118,11 @@ class Backend(abc.ABC):
     def version(self) -> str | None:
         """The version of the library behind it, for reports (None: torch's own, reported anyway)."""
         return None
+
+    def why_serial(self, settings: Iterable[object]) -> str | None:
+        """Why stages of these settings (a plan's, one per stage) cannot run at once on separate CUDA streams
+        (demo.pipelines.stream's overlap); None: they can."""
+        return None if self.capabilities.concurrent_stages else f"{self.name}'s stages cannot run at once"
 
     def why_no_fp8(self) -> str | None:
         """Why it cannot run a UNet's GEMMs in FP8 (precision fp8); None: it can, where the GPU has FP8."""

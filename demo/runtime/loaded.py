@@ -212,7 +212,8 @@ class Pipeline:
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
             self._use_scheduler(family, head)
-            overlap = overlap and self.backend.capabilities.concurrent_stages  # engines share their working memory
+            # engines share their working memory; torch.compile's graphing modes one memory pool
+            overlap = overlap and self.backend.why_serial(self.plan.base.settings.values()) is None
             return BatchStream(family, self.device, overlap).run([Batch.of(requests) for requests in batches], timers,
                                                                  done)
 

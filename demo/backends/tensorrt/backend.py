@@ -40,6 +40,9 @@ class TensorRTBackend(Backend):
     def version(self):
         return version(self.name)
 
+    def why_serial(self, settings):
+        return f"{self.name}'s engines share one working-memory block (create_engine_stages)"
+
     def why_no_fp8(self):
         try:
             named = f"{self.name} {self.version()}"

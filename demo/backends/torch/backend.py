@@ -10,7 +10,7 @@ from core.errors import UsageError, field
 from demo.backends import TORCH
 from demo.backends.base import Backend, Capabilities, Description
 from demo.backends.torch.fp8 import check_fp8_device, fp8_settings
-from demo.backends.torch.options import TorchOptions
+from demo.backends.torch.options import GRAPHING_COMPILE_MODES, TorchOptions
 from demo.backends.torch.planted import fault_options, planted_settings
 from demo.backends.torch.settings import TorchSettings, resolve_torch_settings
 from demo.backends.torch.stage import TorchStage
@@ -45,6 +45,15 @@ class TorchBackend(Backend):
     options_type = TorchOptions
 
     def why_cannot_run(self, cc):
+        return None
+
+    def why_serial(self, settings):
+        # torch.compile's graphing modes replay every compiled stage from one cudagraph tree: one memory pool whose
+        # graphs reuse each other's memory on the assumption that they replay one after the other, on one stream.
+        graphing = sorted({each.compile for each in settings if each.compile in GRAPHING_COMPILE_MODES})
+        if graphing:
+            return (f"torch.compile {graphing[0]}'s CUDA graph trees share one memory pool and replay one graph "
+                    "after the other")
         return None
 
     def why_no_fp8(self):
