@@ -17,6 +17,10 @@ STAGES = ("clip", "unet", "vae", "pipeline")
 KINDS = ("rows", "skipped", "failed", "discarded")
 # The plugin families in demoDiffusion 8.5's order, the order the ablation adds them in.
 ALL = ATTENTION_KEYS + ("LayerNorm", "GroupNorm", "SplitGeLU", "Seq2Spatial")
+# MLPerf Inference's SDXL reference (mlcommons/inference, text_to_image/backend_pytorch.py) as request fields:
+# EulerDiscreteScheduler, 20 steps, guidance 8, 1024x1024; and the negative prompt it gives every sample.
+MLPERF_SDXL = {"denoising_steps": 20, "scheduler": "Euler", "guidance_scale": 8.0, "height": 1024, "width": 1024}
+MLPERF_SDXL_NEGATIVE_PROMPT = "normal quality, low quality, worst quality, low res, blurry, nsfw, nude"
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from bench.charts import _png
-from bench.common import log, one_line, slug
+from bench.common import MLPERF_SDXL, MLPERF_SDXL_NEGATIVE_PROMPT, log, one_line, slug
 from core.atomic import atomic_write_bytes, check_writable_directory
 from core.errors import RunFailure, UsageError, at_least
 from demo.cli.client import ClientFlags
@@ -51,11 +51,8 @@ SCENARIOS = ("Offline", "Server")
 # scenario's latency bound (stable-diffusion-xl.Server.target_latency = 20000 ms, at *.Server's 99th percentile),
 # the 600 s minimum duration, Offline's 5000 samples, the seeds. mlcommons/inference, loadgen/mlperf.conf.
 MLPERF_MODEL = "stable-diffusion-xl"
-# MLPerf's SDXL reference (mlcommons/inference, text_to_image/backend_pytorch.py): EulerDiscreteScheduler, 20 steps,
-# guidance 8, 1024x1024 and this negative prompt for every sample.
-MLPERF_SDXL_REQUEST = {"denoising_steps": 20, "guidance_scale": 8.0, "height": 1024, "width": 1024,
-                       "scheduler": "Euler",
-                       "negative_prompt": "normal quality, low quality, worst quality, low res, blurry, nsfw, nude"}
+# MLPerf's SDXL reference's request (bench.common), with its negative prompt for every sample.
+MLPERF_SDXL_REQUEST = {**MLPERF_SDXL, "negative_prompt": MLPERF_SDXL_NEGATIVE_PROMPT}
 CAPTIONS = Path(__file__).with_name("captions.txt")
 LOADGEN_PACKAGE = "mlcommons-loadgen"
 PERCENTILES = ("50.00", "90.00", "99.00")

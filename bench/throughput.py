@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from bench.common import ResultsFlags, earlier_entries, log, measuring_parser, ms, one_line, slug
+from bench.common import MLPERF_SDXL, ResultsFlags, earlier_entries, log, measuring_parser, ms, one_line, slug
 from core.atomic import atomic_write_bytes, check_writable_directory
 from core.errors import UsageError, at_least, field, render_fields
 from demo.backends import FLAVOURS
@@ -42,8 +42,6 @@ from demo.request import TEXT_TO_IMAGE
 
 PROG = "sd-throughput"
 say = partial(log, PROG)
-# MLPerf Inference's SDXL benchmark: EulerDiscrete, 20 steps, guidance 8, 1024x1024 (request fields).
-MLPERF_SDXL = {"denoising_steps": 20, "scheduler": "Euler", "guidance_scale": 8.0, "height": 1024, "width": 1024}
 # MLPerf Inference's SDXL offline results per GPU (NVIDIA's: TensorRT, the UNet in FP8, the VAE in INT8), images/s:
 # what a run of MLPerf's settings on an SDXL model is set against.
 MLPERF_OFFLINE = {"H200": (2.37, "v5.0"), "H100": (2.04, "v4.1")}

@@ -323,3 +323,12 @@ def test_torch_compiles_cuda_graph_trees_are_never_overlapped(pipe, monkeypatch)
         monkeypatch.setitem(pipe.plan.base.settings, name, TorchSettings(compile="reduce-overhead"))
     pipe.run_stream([[request]], overlap=True)
     assert asked == [True, False]
+
+
+def test_mlperfs_sdxl_settings_are_one_definition_for_both_commands():
+    """sd-throughput's --mlperf and sd-loadgen's SDXL defaults are MLPerf's one reference: one definition, so that
+    they cannot drift apart (sd-loadgen adds the reference's negative prompt, which costs no extra work)."""
+    from bench import common, loadgen
+
+    assert throughput.MLPERF_SDXL is common.MLPERF_SDXL
+    assert loadgen.MLPERF_SDXL_REQUEST == {**common.MLPERF_SDXL, "negative_prompt": common.MLPERF_SDXL_NEGATIVE_PROMPT}
