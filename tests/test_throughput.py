@@ -332,3 +332,14 @@ def test_mlperfs_sdxl_settings_are_one_definition_for_both_commands():
 
     assert throughput.MLPERF_SDXL is common.MLPERF_SDXL
     assert loadgen.MLPERF_SDXL_REQUEST == {**common.MLPERF_SDXL, "negative_prompt": common.MLPERF_SDXL_NEGATIVE_PROMPT}
+
+
+def test_mlperfs_figure_is_only_the_sxm_parts(sweep):
+    """MLPerf's figures are NVIDIA's SXM systems' (700 W): a PCIe or NVL card of the same name, at half the power or
+    less, is not set against them."""
+    _, _, data, _ = sweep
+    rows = [{**row, "mlperf_settings": True} for row in data["rows"]]
+    assert throughput.mlperf_yardstick("NVIDIA H100 80GB HBM3", rows)[0] == 2.04
+    assert throughput.mlperf_yardstick("NVIDIA H200", rows)[0] == 2.37
+    for gpu in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL"):
+        assert throughput.mlperf_yardstick(gpu, rows) is None, gpu
