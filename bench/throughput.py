@@ -229,8 +229,9 @@ def sweep(flags, spec, request, command: str) -> int:
 
 
 def measure_batch(spec, request, thr: ThroughputFlags, first, base: dict) -> list[tuple[str, dict]]:
-    """One batch size: its rows (one per overlap mode), or why there is none ("did_not_fit", "failed"). `first`: the
-    sweep's plan (its source, device and dtype are every batch size's)."""
+    """One batch size: per overlap mode its row or why there is none ("did_not_fit", "failed": a mode's, with its
+    overlap); or why the batch size has none at all (it does not load, or fails getting ready). `first`: the sweep's
+    plan (its source, device and dtype are every batch size's)."""
     import torch
 
     from bench.runner import free_memory, memory_row, sync
@@ -265,9 +266,8 @@ def measure_batch(spec, request, thr: ThroughputFlags, first, base: dict) -> lis
         loaded.pop("substitution", None)
         unet_calls = pipeline.unet_calls(request)
         calls = [[replace(request, seed=request.seed + index)] for index in range(thr.warmup_batches + thr.batches)]
-        rows = []
-        for overlap in overlap_modes(thr.overlap, first):
-            mode = "overlapped" if overlap else "serial"
+
+        def one_mode(overlap: bool, mode: str) -> dict:
             if cuda:  # each row's peak is its own mode's: the serial row's is not the overlapped one's before it
                 torch.cuda.reset_peak_memory_stats(device)
             if thr.warmup_batches:
@@ -293,8 +293,23 @@ def measure_batch(spec, request, thr: ThroughputFlags, first, base: dict) -> lis
             say(f"batch {size}, {mode}: {row['images_per_s']:.3f} images/s ({row['ms_per_image']:.2f} ms an image); "
                 f"per batch CLIP {latency['clip']:.2f} ms, UNet {row['unet_ms_per_step']:.2f} ms a step, VAE "
                 f"{latency['vae']:.2f} ms")
-            rows.append(("rows", row))
-        return rows
+            return row
+
+        entries = []
+        for overlap in overlap_modes(thr.overlap, first):
+            mode = "overlapped" if overlap else "serial"
+            try:
+                entries.append(("rows", one_mode(overlap, mode)))
+            except Exception as exc:  # this mode alone: the overlapped stream holds two batches at once, and the
+                # serial one (what sd-serve runs) may fit where it did not
+                kind = "did_not_fit" if out_of_memory(exc) else "failed"
+                say(f"batch {size}, {mode}: {'ran out of memory' if kind == 'did_not_fit' else 'failed'}: "
+                    f"{one_line(exc)}")
+                entries.append((kind, {**base, "label": f"{base['setup']} · {mode}", "overlap": overlap,
+                                       "reason": one_line(exc)}))
+                sync(device)  # nothing of this mode's still queued on a lane when the next one starts
+                free_memory(device)
+        return entries
     except Exception as exc:  # out of memory, a compile error: reported, and the sweep goes on
         kind = "did_not_fit" if out_of_memory(exc) else "failed"
         say(f"batch {size}: {'ran out of memory' if kind == 'did_not_fit' else 'failed'}: {one_line(exc)}")
@@ -320,11 +335,12 @@ class ThroughputResults:
         return entry["workload"], entry["setup"], entry["batch_size"], entry.get("overlap")
 
     def record(self, kind: str, entry: dict) -> None:
-        """A row (or a batch size that did not fit or failed), in place of an earlier run's for the same key; a
-        batch size's failure replaces its rows in either mode, and a row its failure."""
+        """A row (or a batch size, or one mode of it, that did not fit or failed), in place of an earlier run's for
+        the same key: a batch size's failure (no overlap) replaces its entries in either mode, a mode's row or
+        failure that mode's entries and the batch size's failure."""
         def same(other: dict) -> bool:
             key, theirs = self._key(entry), self._key(other)
-            return key[:3] == theirs[:3] and (kind != "rows" or "overlap" not in other or key[3] == theirs[3])
+            return key[:3] == theirs[:3] and ("overlap" not in entry or "overlap" not in other or key[3] == theirs[3])
 
         for other_kind in KINDS:
             self.data[other_kind] = [e for e in self.data[other_kind] if not same(e)]
@@ -386,6 +402,6 @@ def throughput_table(data: dict) -> str:
         parts.append("\n".join(lines))
     for kind in KINDS[1:]:
         for entry in data.get(kind, []):
-            parts.append(f"{entry['workload']}, {entry['setup']}, batch {entry['batch_size']}: "
+            parts.append(f"{entry['workload']}, {entry.get('label', entry['setup'])}, batch {entry['batch_size']}: "
                          f"{kind.replace('_', ' ')}: {entry['reason']}")
     return "\n\n".join(parts) + "\n"

@@ -343,3 +343,31 @@ def test_mlperfs_figure_is_only_the_sxm_parts(sweep):
     assert throughput.mlperf_yardstick("NVIDIA H200", rows)[0] == 2.37
     for gpu in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL"):
         assert throughput.mlperf_yardstick(gpu, rows) is None, gpu
+
+
+def test_the_overlapped_mode_running_out_of_memory_leaves_the_serial_row(tmp_path, monkeypatch, tiny):
+    """The overlapped stream holds two batches at once: where it runs out of memory, the serial stream (what sd-serve
+    runs) may still fit, and is measured; the batch size is not reported as not fitting whole."""
+    from demo.runtime import loaded
+
+    monkeypatch.setattr(throughput, "why_serial", lambda plan: None)  # both modes, as on a GPU
+    run_stream = loaded.Pipeline.run_stream
+
+    def overlapped_out_of_memory_at_two(self, calls, overlap=True, *args, **kwargs):
+        if overlap and len(calls[0][0].prompts) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run_stream(self, calls, overlap, *args, **kwargs)
+
+    monkeypatch.setattr(loaded.Pipeline, "run_stream", overlapped_out_of_memory_at_two)
+    status, data, results = run(tmp_path, "--batch-sizes", "1,2", "--batches", "1")
+    assert status == 0
+    assert sorted((row["batch_size"], row["overlap"]) for row in data["rows"]) == [(1, False), (1, True), (2, False)]
+    [entry] = data["did_not_fit"]
+    assert (entry["batch_size"], entry["overlap"]) == (2, True) and entry["reason"].startswith("OutOfMemoryError")
+    assert "· overlapped, batch 2: did not fit: OutOfMemoryError" in (results / f"{STEM}.md").read_text()
+    # a later run in which it fits replaces that mode's line, and keeps the serial row
+    monkeypatch.setattr(loaded.Pipeline, "run_stream", run_stream)
+    status, data, _ = run(tmp_path, "--batch-sizes", "2", "--batches", "1", "--overlap", "on")
+    assert not data["did_not_fit"]
+    assert sorted((row["batch_size"], row["overlap"]) for row in data["rows"]) == [(1, False), (1, True), (2, False),
+                                                                                   (2, True)]
