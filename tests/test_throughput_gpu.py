@@ -43,8 +43,9 @@ def test_the_overlapped_stream_gives_each_batch_its_images_alone(model, cuda_gra
         for pixels, expected in zip(pipe.run_stream(calls, overlap=False), alone):
             np.testing.assert_array_equal(pixels, expected)
         assert not np.array_equal(alone[0], alone[1])
-        if cuda_graph:  # a graph per stage and batch size, each captured once
-            assert {name: len(stage._graphs) for name, stage in pipe.stages.items()} == dict.fromkeys(pipe.stages, 2)
+        if cuda_graph:  # a graph per stage and batch size, captured once (the VAE encoder: text-to-image runs none)
+            ran = {name: len(stage._graphs) for name, stage in pipe.stages.items() if name != "vae_encoder"}
+            assert ran == dict.fromkeys(ran, 2)
 
 
 def test_sd_throughput_measures_both_modes(tmp_path):

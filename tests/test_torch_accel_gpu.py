@@ -230,3 +230,43 @@ def test_the_denoising_loop_never_waits_for_the_gpu(monkeypatch):
             pipeline(Request("a red circle", height=64, width=64, denoising_steps=steps, seed=5, scheduler="DDIM",
                              control_images=(picture(11),)))
     assert syncs[1] == syncs[2] < 4, syncs
+
+
+def test_a_stages_graphs_share_one_pool_and_keep_their_outputs():
+    """A stage's graphs, one per batch size, capture into one memory pool: each replays its own computation
+    (outputs poisoned first), another's replay leaves its output as it was, and the pool holds less than the graphs
+    would in pools of their own."""
+    from demo.backends.torch.settings import GraphedCall
+
+    generator = torch.Generator(device=CUDA).manual_seed(5)
+    weight = torch.randn(512, 512, device=CUDA, generator=generator)
+
+    def fn(x):  # intermediates much larger than the output
+        h = torch.relu(x @ weight).repeat(1, 8)
+        return (h * h).sum(dim=1, keepdim=True)
+
+    def captured(pool) -> tuple[dict, int]:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved(CUDA)
+        graphs = {rows: GraphedCall(fn, (torch.randn(rows, 512, device=CUDA, generator=generator),),
+                                    clone_outputs=False, pool=pool) for rows in (256, 1024, 2048)}
+        torch.cuda.synchronize()
+        return graphs, torch.cuda.memory_reserved(CUDA) - before
+
+    with torch.inference_mode():
+        own_pools, separate = captured(None)
+        del own_pools
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the freed pools go back to the device: the next capture starts from nothing
+        shared_graphs, shared = captured(torch.cuda.graph_pool_handle())
+        inputs = {rows: torch.randn(rows, 512, device=CUDA, generator=generator) for rows in shared_graphs}
+        outputs = {}
+        for rows, graph in shared_graphs.items():
+            graph.output.fill_(float("nan"))
+            outputs[rows] = graph(inputs[rows]).clone()
+            torch.testing.assert_close(outputs[rows], fn(inputs[rows]), rtol=1e-3, atol=1e-2)
+        kept = shared_graphs[256](inputs[256])  # the graph's own output buffer
+        shared_graphs[2048](inputs[2048])
+        shared_graphs[1024](inputs[1024])
+        torch.testing.assert_close(kept, outputs[256], rtol=0, atol=0)
+    assert shared < separate, (shared, separate)

@@ -112,9 +112,14 @@ class GraphedCall:
     on another GPU fails (sd-serve on cuda:1 after cuda:0, H100 x2, 2026-11-26). Each call copies its inputs into the
     static buffers (clones of `inputs`, in their memory layout), replays, and returns a clone of the outputs, so a
     later replay never changes what an earlier call returned; with `clone_outputs` False, the outputs themselves, for a
-    caller that reads them before the next call."""
+    caller that reads them before the next call. `pool`: a memory pool (torch.cuda.graph_pool_handle) shared with
+    other graphs that never replay at the same time as this one (a stage's graphs, one per batch size, replay one
+    after another on one stream): their intermediates then take the largest graph's memory, not the sum (an SDXL
+    server's graphs for batches 1 to 8 in pools of their own outgrew an H200's 141 GB, 2026-12-03); outputs stay
+    each graph's own, as a live tensor's memory is never handed to a later capture."""
 
-    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2, clone_outputs: bool = True):
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2, clone_outputs: bool = True,
+                 pool=None):
         self.inputs = tuple(t.clone() for t in inputs)
         self.clone_outputs = clone_outputs
         with torch.cuda.device(self.inputs[0].device):
@@ -125,7 +130,7 @@ class GraphedCall:
                     fn(*self.inputs)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=stream):
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
                 self.output = fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor):

@@ -75,6 +75,7 @@ class TorchStage(Stage):
             mode = None if settings.compile == "default" else settings.compile
             self._forward = torch.compile(self.module, mode=mode, dynamic=False)
         self._graphs: dict[tuple, GraphedCall] = {}
+        self._graph_pool = None  # one memory pool for this stage's graphs (GraphedCall: they replay one at a time)
         self._prepared: set[tuple] = set()
         self.prepare_seconds = {"first_calls": 0.0, "capture": 0.0}
 
@@ -114,8 +115,11 @@ class TorchStage(Stage):
         if self.settings.cuda_graph:
             start = time.perf_counter()
             # static buffers in the module's layout: what another stage hands over in it is copied in as is
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
             self._graphs[shape_key(inputs)] = GraphedCall(self._run, self._layout(inputs),
-                                                          clone_outputs=not self.model.feeds_a_stage)
+                                                          clone_outputs=not self.model.feeds_a_stage,
+                                                          pool=self._graph_pool)
             self._add_seconds("capture", start)
         self._prepared.add(shape_key(inputs))
 
