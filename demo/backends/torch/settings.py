@@ -114,9 +114,8 @@ class GraphedCall:
     later replay never changes what an earlier call returned; with `clone_outputs` False, the outputs themselves, for a
     caller that reads them before the next call. `pool`: a memory pool (torch.cuda.graph_pool_handle) shared with
     other graphs that never replay at the same time as this one (a stage's graphs, one per batch size, replay one
-    after another on one stream): their intermediates then take the largest graph's memory, not the sum (an SDXL
-    server's graphs for batches 1 to 8 in pools of their own outgrew an H200's 141 GB, 2026-12-03); outputs stay
-    each graph's own, as a live tensor's memory is never handed to a later capture."""
+    after another on one stream): what one capture freed, a later one may reuse; outputs stay each graph's own, as a
+    live tensor's memory is never handed to a later capture."""
 
     def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2, clone_outputs: bool = True,
                  pool=None):
