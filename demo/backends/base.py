@@ -70,10 +70,6 @@ class Capabilities:
     cuda_graphs: bool  # replays its stages from CUDA graphs
     layer_timings: bool  # times its stages layer by layer (sd-benchmark's profile of the UNet)
     cpu: bool  # runs stages on a CPU
-    # its stages may run at once on separate CUDA streams (demo.pipelines.stream's overlap); engines may not: they
-    # share one working-memory block (demo.backends.tensorrt.runtime.create_engine_stages); Backend.why_serial says
-    # it for a plan's settings
-    concurrent_stages: bool
 
 
 @dataclass(frozen=True)
@@ -121,8 +117,8 @@ class Backend(abc.ABC):
 
     def why_serial(self, settings: Iterable[object]) -> str | None:
         """Why stages of these settings (a plan's, one per stage) cannot run at once on separate CUDA streams
-        (demo.pipelines.stream's overlap); None: they can."""
-        return None if self.capabilities.concurrent_stages else f"{self.name}'s stages cannot run at once"
+        (demo.pipelines.stream's overlap); None: they can. A backend says they can, and when: serial until it does."""
+        return f"{self.name} does not say its stages may run at once"
 
     def why_no_fp8(self) -> str | None:
         """Why it cannot run a UNet's GEMMs in FP8 (precision fp8); None: it can, where the GPU has FP8."""

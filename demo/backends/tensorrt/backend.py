@@ -19,8 +19,7 @@ from models.families import ENGINES
 
 
 class TensorRTBackend(Backend):
-    capabilities = Capabilities(artifacts=True, refit=True, cuda_graphs=True, layer_timings=True, cpu=False,
-                                concurrent_stages=False)
+    capabilities = Capabilities(artifacts=True, refit=True, cuda_graphs=True, layer_timings=True, cpu=False)
     options_type = EngineOptions
     family_feature = ENGINES
 

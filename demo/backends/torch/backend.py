@@ -40,8 +40,7 @@ def check_bf16_gpu(device: torch.device) -> None:
 
 class TorchBackend(Backend):
     name = TORCH
-    capabilities = Capabilities(artifacts=False, refit=False, cuda_graphs=True, layer_timings=False, cpu=True,
-                                concurrent_stages=True)
+    capabilities = Capabilities(artifacts=False, refit=False, cuda_graphs=True, layer_timings=False, cpu=True)
     options_type = TorchOptions
 
     def why_cannot_run(self, cc):
