@@ -71,7 +71,7 @@ from demo.cli.flags import (
 from demo.cli.to_spec import spec_from_flags
 from demo.request import DEFAULT_STRENGTH, IMAGE_TO_IMAGE, INPAINTING, TEXT_TO_IMAGE, Request, is_guided
 from demo.runtime.spec import PRECISIONS
-from models import scenes as scenes_model
+from models.builtin import SHIPPED_MODELS
 
 if TYPE_CHECKING:
     import numpy as np
@@ -125,7 +125,7 @@ class QualityFlags:
                                    "fidelity) against speed (timed after warm-up; docs/step-cache.md)",
                                    metavar="N:K,...")
     yardstick: str | None = flag("the case set and detector that judge the run: shapes or scenes (default: scenes for "
-                                 "the scenes model, by name or folder; else shapes)", None,
+                                 "the scenes and scenes-sd3 models, by name or folder; else shapes)", None,
                                  choices=("shapes", "scenes"), metavar="NAME")
     floor: str | None = flag("scenes: a report made against the same --reference by an exact run (fp32 at another "
                              "batch size; for a fast path, the exact path at its precision): the noise floor; this "
@@ -722,12 +722,13 @@ def report_yardstick(report: dict) -> str:
 
 
 def yardstick_of(model: str, named: str | None = None) -> Yardstick:
-    """The yardstick `named` (--yardstick), else the one a --model is judged by: scenes for the `scenes` built-in (by
-    name or its folder), shapes for any other."""
+    """The yardstick `named` (--yardstick), else the one a --model is judged by: a shipped built-in's own (by name
+    or its folder: scenes for `scenes` and `scenes-sd3`), shapes for any other."""
     if named is not None:
         return YARDSTICKS[named]
-    if model == scenes_quality.NAME or Path(model).expanduser().resolve() == scenes_model.MODEL_DIR.resolve():
-        return SCENES
+    for name, package in SHIPPED_MODELS.items():
+        if model == name or Path(model).expanduser().resolve() == package.MODEL_DIR.resolve():
+            return YARDSTICKS[getattr(package, "YARDSTICK", SHAPES.name)]
     return SHAPES
 
 
@@ -742,7 +743,8 @@ def check_flags(quality: QualityFlags, render: RenderFlags, engine: EngineFlags,
     scenes_only = [name for name, given in (("--floor", quality.floor), ("--sensitivity", quality.sensitivity))
                    if given is not None]
     if scenes_only and not yardstick.keeps_images:
-        raise UsageError(f"{' and '.join(scenes_only)} compare images by the scenes yardstick: give --model scenes")
+        raise UsageError(f"{' and '.join(scenes_only)} compare images by the scenes yardstick: give --model scenes or "
+                         "scenes-sd3")
     if quality.floor is not None and quality.reference is None:
         raise UsageError("--floor is a difference from a reference: give the --reference it was made against")
     if quality.sensitivity is not None:
@@ -873,14 +875,18 @@ def sensitivity(flags, spec, counts: dict[str, int], rows: list[str], command: s
         sensitivity_summary,
         sensitivity_table,
     )
+    from models.families import STEP_CACHE
     from models.source import resolve_model
     from models.unet_cache import Branches
 
     quality, render = flags[QualityFlags], flags[RenderFlags]
     exact = exact_spec(spec)
-    branches = Branches.of(resolve_model(spec.model).denoiser_config)
-    for row in rows:  # a bad branch is a usage error before anything renders
-        if row.startswith("cache:"):
+    cache_rows = [row for row in rows if row.startswith("cache:")]
+    if cache_rows:  # a family without the cache, or a bad branch, is a usage error before anything renders
+        source = resolve_model(spec.model)
+        source.family.require(STEP_CACHE, source.name, "--sensitivity " + cache_rows[0])
+        branches = Branches.of(source.denoiser_config)
+        for row in cache_rows:
             branches.check(int(row.split(":")[2]))
     half = render.max_batch_size // 2 if render.max_batch_size > 1 else 2
     say(f"sensitivity: the fp32 reference at batch {render.max_batch_size}")

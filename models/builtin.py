@@ -1,8 +1,9 @@
-"""Built-in models: `shapes` and `scenes`, trained and shipped (models/shapes, models/scenes), and real diffusers
-architectures with deterministic random weights.
+"""Built-in models: `shapes`, `scenes` and `scenes-sd3`, trained and shipped (models/shapes, models/scenes,
+models/scenes_sd3), and real diffusers architectures with deterministic random weights.
 
 They need no network and no checkpoint, so the demo, the tests and the benchmarks run anywhere. `shapes` draws what
-its prompt says (one shape), `scenes` several objects with patterns (the quality yardstick's); the others have
+its prompt says (one shape), `scenes` several objects with patterns (the quality yardstick's), `scenes-sd3` the same
+world with SD3's transformer family (the yardstick's transformer); the others have
 random weights, so they draw noise-like images, but their architectures are real. A generated built-in is written
 once as a diffusers-format directory and then loaded like any other.
 """
@@ -20,7 +21,7 @@ from typing import Callable
 
 from core.atomic import atomic_directory, discard_directory, file_lock, writable_reason
 from core.errors import RunFailure, UsageError
-from models import scenes, shapes
+from models import scenes, scenes_sd3, shapes
 from models.families import FLUX, IMAGE_TO_IMAGE, INPAINTING, SD, SD3, SDXL, TEXT_TO_IMAGE
 from models.families.base import GUIDANCE_EMBEDDING_KEY
 from models.validate import check_weight_file
@@ -338,7 +339,7 @@ BUILTIN_MODELS["flux-schnell-arch"] = {
 }
 # Built-ins trained rather than generated, by name: the package holding each (its diffusers folder MODEL_DIR, and
 # damage(): why its files are not the recorded ones).
-SHIPPED_MODELS = {"shapes": shapes, "scenes": scenes}
+SHIPPED_MODELS = {"shapes": shapes, "scenes": scenes, "scenes-sd3": scenes_sd3}
 BUILTIN_NAMES = (*SHIPPED_MODELS, *BUILTIN_MODELS)  # what --model takes by name, the one that draws its prompt first
 # Built-in ControlNets: trained and shipped (the package holding each: its CONTROLNET_DIR, checked by its damage()),
 # and made with random weights from a built-in's UNet (by that built-in's name; models.controlnet).

@@ -198,19 +198,25 @@ class ModelSource:
     @functools.cached_property
     def recommended(self) -> Recommended:
         """What the model says it runs best with (models.recommended): what its family recommends for its pipeline
-        class (LCM's 4 steps at 8.5) and guidance (FLUX.1 [schnell]'s 4 steps)."""
+        class (LCM's 4 steps at 8.5) and guidance (FLUX.1 [schnell]'s 4 steps); a shipped model's own guidance
+        scale replaces its family's (`scenes-sd3` was trained for its own, not SD3's 7)."""
         class_name = self.index.get("_class_name")
         said = self.family.recommendation(class_name, self.guidance)
+        if said and said.guidance_scale is not None and self.shipped is not None:
+            said = replace(said, guidance_scale=self.shipped.GUIDANCE_SCALE)
         return replace(said, by=f"model {self.name} ({class_name})") if said else Recommended()
+
+    @property
+    def shipped(self):
+        """The package of the shipped built-in whose folder this is (by name or by path), else None."""
+        return next((package for package in SHIPPED_MODELS.values()
+                     if self.path.resolve() == package.MODEL_DIR.resolve()), None)
 
     @property
     def default_guidance_scale(self) -> float:
         """The guidance scale a request that gives none gets, where neither a LoRA nor the model recommends one: a
         shipped model's own (its folder, by name or by path), else DEFAULT_GUIDANCE_SCALE."""
-        for package in SHIPPED_MODELS.values():
-            if self.path.resolve() == package.MODEL_DIR.resolve():
-                return package.GUIDANCE_SCALE
-        return DEFAULT_GUIDANCE_SCALE
+        return DEFAULT_GUIDANCE_SCALE if self.shipped is None else self.shipped.GUIDANCE_SCALE
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None, vae: str | None = None, config: str | None = None,

@@ -18,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / "model"  # a diffusers folder: VAE, CLIP text encoder and tokenizer, UNet, scheduler
 HASHES = HERE / "weights.sha256"  # sha256sum's format, paths relative to this folder
 GUIDANCE_SCALE = 3.0  # the guidance it is judged at (sd-quality's default for it)
+YARDSTICK = "scenes"  # the case set and detector sd-quality judges it by
 
 
 def damage() -> str | None:

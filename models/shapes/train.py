@@ -156,6 +156,28 @@ class Progress:
         return {"steps": steps_done, "seconds": round(time.monotonic() - self.start, 1), "losses": self.losses}
 
 
+class Budget:
+    """Fits a stage's steps into the time left before `deadline` once its pace is known (steps PACE_FROM to
+    PACE_FROM + PACE_OVER, past the first steps' set-up), leaving RESERVE_SECONDS and time for `reserve_steps` more at
+    that pace; the learning-rate schedule, which reads progress.steps, is fitted to them."""
+
+    def __init__(self, progress: Progress, deadline: float, reserve_steps: int = 0):
+        self.progress, self.deadline, self.reserve_steps, self.paced_from = progress, deadline, reserve_steps, None
+
+    def after(self, done: int) -> None:
+        """Called with the count of steps done after each one."""
+        if done == PACE_FROM:
+            self.paced_from = time.monotonic()
+        if done != PACE_FROM + PACE_OVER:
+            return
+        pace = PACE_OVER / (time.monotonic() - self.paced_from)
+        fits = done + int(pace * (self.deadline - time.monotonic() - RESERVE_SECONDS)) - self.reserve_steps
+        if fits < self.progress.steps:
+            print(f"[{self.progress.stage}] {self.progress.steps} steps do not fit the time budget at {pace:.1f} it/s: "
+                  f"running {max(fits, done)}", flush=True)
+            self.progress.steps = max(fits, done)
+
+
 def train_vae(device, steps: int, batch: int, seed: int, scale_samples: int = 2048, config: dict = VAE_CONFIG,
               data=None):
     """The VAE on `data`'s images (its draw(n); default: shapes' scenes, filled and outlined)."""
@@ -212,39 +234,39 @@ def train_text_unet(vae, device, steps: int, batch: int, seed: int, deadline: fl
     text = CLIPTextModel(CLIPTextConfig(**world.TEXT_CONFIG, vocab_size=len(tok), **special)).to(device).train()
     unet = UNet2DConditionModel(**world.UNET_CONFIG).to(device, memory_format=torch.channels_last).train()
     alphas = _alphas_cumprod(device)
-    params = _parameters(text, unet)
+    data = world.latent_set(vae, tok, device, dataset, seed)
+    print(f"[unet] {dataset} scenes encoded, {len(data.ids)} distinct prompts", flush=True)
+    record = train_together((text, unet), lambda: _diffusion_loss(unet, text, data, alphas, batch, device, empty=0.1),
+                            Progress("unet", steps), device, deadline, reserve_steps)
+    return tok, text.eval(), unet.eval(), record
+
+
+def train_together(modules, loss, progress: Progress, device, deadline: float, reserve_steps: int = 0) -> dict:
+    """Trains `modules` together on `loss()` (a batch's loss, drawn anew each call) for progress.steps steps
+    (fewer where they would not fit before `deadline`: Budget): AdamW on a warm-up and cosine schedule, gradients
+    clipped, and the weights' moving average, which the modules keep at the end. Returns the stage's record."""
+    params = _parameters(*modules)
     ema = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=5e-4, betas=(0.9, 0.99), weight_decay=0.01,
                                   fused=device.type == "cuda")
-    progress = Progress("unet", steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, progress.steps, 300))
-    data = world.latent_set(vae, tok, device, dataset, seed)
-    print(f"[unet] {dataset} scenes encoded, {len(data.ids)} distinct prompts", flush=True)
-    done = 0
+    budget, done = Budget(progress, deadline, reserve_steps), 0
     while done < progress.steps:
-        loss = _diffusion_loss(unet, text, data, alphas, batch, device, empty=0.1)
+        value = loss()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
         with torch.no_grad():
             torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - min(0.999, (1 + done) / (10 + done)))
-        progress.step(done, loss)
+        progress.step(done, value)
         done += 1
-        if done == PACE_FROM:
-            paced_from = time.monotonic()
-        if done == PACE_FROM + PACE_OVER:  # the pace is known: fit the run into the time left
-            pace = PACE_OVER / (time.monotonic() - paced_from)
-            fits = done + int(pace * (deadline - time.monotonic() - RESERVE_SECONDS)) - reserve_steps
-            if fits < progress.steps:
-                print(f"[unet] {progress.steps} steps do not fit the time budget at {pace:.1f} it/s: running "
-                      f"{max(fits, done)}", flush=True)
-                progress.steps = max(fits, done)
+        budget.after(done)
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
-    return tok, text.eval(), unet.eval(), progress.record(done)
+    return progress.record(done)
 
 
 def _diffusion_loss(unet, text, data: LatentSet, alphas, batch, device, empty):
