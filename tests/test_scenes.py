@@ -3,45 +3,26 @@ the training script makes the shipped architecture and tokenizer and its stages 
 model draws on the CPU what the fp32 reference drew on an H200 (results/quality-scenes-h200), read the same way."""
 
 import json
-import shutil
 
-import pytest
 import torch
-from safetensors import safe_open
 
-from core.errors import RunFailure
 from models import scenes
-from models.shapes import shipped_files
 from models.source import resolve_model
 from tests.conftest import ROOT
+from tests.shipped import check_a_changed_weight_file_is_refused, check_recorded_files
 
-MAX_MODEL_BYTES = 16_000_000  # the issue's budget is 20 MB of fp16 weights; the working tree must stay under 64 MiB
 REFERENCE = ROOT / "results" / "quality-scenes-h200" / "quality-scenes-reference-torch-fp32.json"
 
 
 def test_the_package_loads_the_recorded_files():
     source = resolve_model("scenes")
     assert source.path == scenes.MODEL_DIR and source.default_guidance_scale == scenes.GUIDANCE_SCALE
-    recorded = shipped_files(scenes.HASHES)
-    on_disk = {p.relative_to(scenes.HERE).as_posix() for p in scenes.MODEL_DIR.rglob("*") if p.is_file()}
-    assert on_disk == set(recorded) and scenes.damage() is None
-    weights = [scenes.HERE / p for p in recorded if p.endswith(".safetensors")]
-    assert sum(p.stat().st_size for p in weights) <= MAX_MODEL_BYTES
-    for path in weights:
-        with safe_open(path, "pt") as weights_file:
-            assert {weights_file.get_tensor(k).dtype for k in weights_file.keys()} == {torch.float16}
+    check_recorded_files(scenes)
 
 
 def test_a_changed_weight_file_is_refused(tmp_path, monkeypatch):
-    copy = tmp_path / "scenes"
-    shutil.copytree(scenes.HERE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    weights = copy / "model" / "unet" / "diffusion_pytorch_model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 1
-    weights.write_bytes(bytes(data))
-    monkeypatch.setattr(scenes, "HERE", copy)
-    with pytest.raises(RunFailure, match="damaged .*unet/diffusion_pytorch_model.safetensors.*reinstall"):
-        resolve_model("scenes")
+    check_a_changed_weight_file_is_refused(scenes, "scenes", "unet/diffusion_pytorch_model.safetensors", tmp_path,
+                                           monkeypatch)
 
 
 def test_the_training_script_makes_the_shipped_architecture_and_tokenizer():

@@ -5,25 +5,21 @@ image, and on the CPU what the fp32 reference drew on an H200, read the same way
 yardstick at its own guidance."""
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from bench.quality import SCENES, yardstick_of
-from core.errors import RunFailure
 from demo.request import Request
 from models import scenes, scenes_sd3
 from models.families import SD3
-from models.shapes import shipped_files
 from models.source import resolve_model
 from models.stages import text_to_image_stages
 from tests.conftest import ROOT
 from tests.parity import check_parity, torch_stages
+from tests.shipped import check_a_changed_weight_file_is_refused, check_recorded_files
 
-MAX_MODEL_BYTES = 16_000_000  # as scenes': the working tree must stay small enough to travel
 NO_T5 = {"text_encoder_3": None, "tokenizer_3": None}  # what diffusers must be told of a folder naming them null
 REFERENCE = ROOT / "results" / "quality-scenes-sd3-h200" / "quality-scenes-sd3-reference-torch-fp32.json"
 
@@ -37,26 +33,12 @@ def test_the_package_loads_the_recorded_files(source):
     assert source.path == scenes_sd3.MODEL_DIR and source.family is SD3
     assert source.default_guidance_scale == source.recommended.guidance_scale == scenes_sd3.GUIDANCE_SCALE
     assert yardstick_of("scenes-sd3") is SCENES and yardstick_of(str(scenes_sd3.MODEL_DIR)) is SCENES
-    recorded = shipped_files(scenes_sd3.HASHES)
-    on_disk = {p.relative_to(scenes_sd3.HERE).as_posix() for p in scenes_sd3.MODEL_DIR.rglob("*") if p.is_file()}
-    assert on_disk == set(recorded) and scenes_sd3.damage() is None
-    weights = [scenes_sd3.HERE / p for p in recorded if p.endswith(".safetensors")]
-    assert sum(p.stat().st_size for p in weights) <= MAX_MODEL_BYTES
-    for path in weights:
-        with safe_open(path, "pt") as weights_file:
-            assert {weights_file.get_tensor(k).dtype for k in weights_file.keys()} == {torch.float16}
+    check_recorded_files(scenes_sd3)
 
 
 def test_a_changed_weight_file_is_refused(tmp_path, monkeypatch):
-    copy = tmp_path / "scenes_sd3"
-    shutil.copytree(scenes_sd3.HERE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    weights = copy / "model" / "transformer" / "diffusion_pytorch_model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 1
-    weights.write_bytes(bytes(data))
-    monkeypatch.setattr(scenes_sd3, "HERE", copy)
-    with pytest.raises(RunFailure, match="damaged .*transformer/diffusion_pytorch_model.safetensors.*reinstall"):
-        resolve_model("scenes-sd3")
+    check_a_changed_weight_file_is_refused(scenes_sd3, "scenes-sd3", "transformer/diffusion_pytorch_model.safetensors",
+                                           tmp_path, monkeypatch)
 
 
 def test_the_training_script_makes_the_shipped_architecture(source):
