@@ -133,7 +133,8 @@ class QualityFlags:
                              "than a metric's margin (paired bootstrap, 95%%)", metavar="REPORT.json")
     sensitivity: str | None = flag("scenes: render an fp32 reference and an fp32 floor at half the batch, then each "
                                    "of these comma-listed paths against them (fp16, cache:N[:K], threshold:T[:K], "
-                                   "vae:P, fp8[:S], compile, cuda-graphs, plugins, engines, engines-no-plugins), and "
+                                   "forecast:T, vae:P, fp8[:S], compile, cuda-graphs, plugins, engines, "
+                                   "engines-no-plugins), and "
                                    "write a table and chart of their fidelity with intervals, each flagged or not "
                                    "(docs/quality.md)", metavar="ROW,...")
 
@@ -396,7 +397,8 @@ def run_title(report: dict, detailed: bool) -> str:
             + (f", guidance {settings['guidance_scale']}" if detailed else "")
             + (f", LoRA {loras}" if loras else "")
             + "".join(f", ControlNet {Path(name).name} x {scale}" for name, scale in settings.get("controlnets", ()))
-            + (f", adaptive step cache at {settings['cache_threshold']:g} (branch {settings['cache_branch']})"
+            + (f", adaptive step cache at {settings['cache_threshold']:g} (branch {settings['cache_branch']}"
+               + (", forecast)" if settings.get("cache_forecast") else ")")
                if settings.get("cache_threshold") else
                f", step cache every {settings['cache_interval']} (branch {settings['cache_branch']})"
                if settings.get("cache_branch") is not None else ""))
@@ -992,7 +994,7 @@ def calls_of(requests: list[Request], most: int) -> list[list[Request]]:
 # What ran, as demo-diffusion's report of the first call gives it.
 SETTINGS = ("backend", "backend_reason", "device", "precision", "scheduler", "scheduler_options", "steps", "unet_calls",
             "guidance_scale", "negative_prompt", "height", "width", "plugins", "options", "options_reason", "loras",
-            "lora_refit_ms", "cache_interval", "cache_branch", "cache_threshold", "cache_whole_calls")
+            "lora_refit_ms", "cache_interval", "cache_branch", "cache_threshold", "cache_forecast", "cache_whole_calls")
 
 
 def measure(flags, spec, counts: dict[str, int], reference: tuple[dict, str] | None, command: str,
@@ -1085,7 +1087,8 @@ def output_stem(report: dict) -> str:
              *(["int8"] if INT8_UNET in settings["options"] else []),
              *(f"lora-{Path(lora['path']).stem}" for lora in settings["loras"]),
              *(f"controlnet-{Path(name).name}-x{scale:g}" for name, scale in settings.get("controlnets", ())),
-             *([f"thr{settings['cache_threshold']:g}-b{settings['cache_branch']}"] if settings.get("cache_threshold")
+             *([f"thr{settings['cache_threshold']:g}-b{settings['cache_branch']}"
+                + ("-forecast" if settings.get("cache_forecast") else "")] if settings.get("cache_threshold")
                else [f"cache{settings['cache_interval']}-b{settings['cache_branch']}"]
                if settings.get("cache_branch") is not None else [])]
     return "-".join(slug(part) for part in parts)

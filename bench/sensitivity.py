@@ -9,6 +9,7 @@ more than a metric's margin (bench.fidelity). Rows:
     fp16                 the exact path in fp16
     cache:N[:K]          the step cache, every Nth UNet call whole, branch K (default 0)
     threshold:T[:K]      the adaptive step cache at threshold T, branch K (default 0)
+    forecast:T           the adaptive step cache at threshold T with its forecast (SD3, Flux: --cache-forecast)
     vae:P                the VAE in precision P (fp32, bf16, fp16), the rest in fp16
     fp8[:S]              precision fp8: the UNet's GEMMs in FP8 e4m3 (models.fp8), scaled S (static, dynamic,
                          row; default: the default's), the rest in fp16
@@ -72,7 +73,7 @@ def parse_rows(text: str) -> list[str]:
             if not (1 <= len(numbers) <= 2 and all(n.isdigit() for n in numbers) and int(numbers[0]) >= 2):
                 raise UsageError(f"--sensitivity: a cache row is cache:N or cache:N:K (N 2 or more), got '{item}'")
             item = f"cache:{int(numbers[0])}:{int(numbers[1]) if len(numbers) == 2 else 0}"
-        elif item.startswith("threshold:"):
+        elif item.startswith(("threshold:", "forecast:")):
             item = threshold_row(item)
         elif item.startswith("fp8:"):
             from models.families import FP8_SCALES
@@ -95,7 +96,7 @@ def parse_rows(text: str) -> list[str]:
                                  f"{', '.join(planted_faults())}")
         elif item not in FIXED_ROWS:
             raise UsageError(f"--sensitivity: unknown row '{item}'; rows are {', '.join(FIXED_ROWS)}, cache:N[:K], "
-                             "threshold:T[:K], fp8:S, vae:P and (test-only) planted:NAME")
+                             "threshold:T[:K], forecast:T, fp8:S, vae:P and (test-only) planted:NAME")
         if item in rows:
             raise UsageError(f"--sensitivity: row '{item}' given twice")
         rows.append(item)
@@ -105,15 +106,19 @@ def parse_rows(text: str) -> list[str]:
 
 
 def threshold_row(item: str) -> str:
-    """A threshold:T[:K] row, checked (T a finite number above 0, K a branch), as threshold:T:K."""
-    parts = item.split(":")[1:]
+    """A threshold:T[:K] row, checked (T a finite number above 0, K a branch), as threshold:T:K; a forecast:T row
+    (no branch: the transformers') as forecast:T."""
+    kind, *parts = item.split(":")
     try:
-        threshold = float(parts[0])
+        threshold = float(parts[0]) if parts else float("nan")
     except ValueError:
         threshold = float("nan")
-    if not (1 <= len(parts) <= 2 and 0 < threshold < float("inf") and all(n.isdigit() for n in parts[1:])):
-        raise UsageError(f"--sensitivity: an adaptive cache row is threshold:T or threshold:T:K (T above 0), got "
-                         f"'{item}'")
+    most = 2 if kind == "threshold" else 1
+    if not (1 <= len(parts) <= most and 0 < threshold < float("inf") and all(n.isdigit() for n in parts[1:])):
+        shapes = "threshold:T or threshold:T:K" if kind == "threshold" else "forecast:T"
+        raise UsageError(f"--sensitivity: an adaptive cache row is {shapes} (T above 0), got '{item}'")
+    if kind == "forecast":
+        return f"forecast:{threshold:g}"
     return f"threshold:{threshold:g}:{int(parts[1]) if len(parts) == 2 else 0}"
 
 
@@ -130,6 +135,8 @@ def row_spec(exact, row: str):
     elif row.startswith("threshold:"):
         _, threshold, branch = row.split(":")
         spec = dataclasses.replace(spec, cache_threshold=float(threshold), cache_branch=int(branch))
+    elif row.startswith("forecast:"):
+        spec = dataclasses.replace(spec, cache_threshold=float(row.split(":")[1]), cache_forecast=True)
     elif row.startswith("planted:"):
         fault = row.split(":", 1)[1]
     elif row.startswith("vae:"):
@@ -156,7 +163,7 @@ def exact_spec(spec):
 
     return dataclasses.replace(spec, backend=TORCH, precision="fp32", plugins="none", use_cuda_graph=False,
                                torch=TorchOptions(channels_last=False, compile="none"), cache_interval=1,
-                               cache_threshold=0.0)
+                               cache_threshold=0.0, cache_forecast=False)
 
 
 def sensitivity_summary(reference: dict, floor: tuple[dict, str], rows: list[tuple[str, dict, str]],

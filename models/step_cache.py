@@ -10,6 +10,10 @@ image of a batched call, decide together). The call runs whole where that change
 from the last whole call. Measuring against the last whole call, not the call before, accumulates the change since
 then, as TeaCache's running sum of step-to-step changes does.
 
+With `forecast` (the transformers' option), a cached call does not reuse the last whole call's contribution as it
+is but the line through the last two whole calls' contributions, by call number, extended to this call: TaylorSeer's
+first-order forecast (Liu et al. 2025) on First Block Cache's residual. Until two whole calls have run, the last one's.
+
 A threshold of 0 is no cache: the pipelines then never split the denoiser (the same stages, the image bit for bit).
 The decision reads one number on the host each cached-or-not call: the only wait the loop has (docs/step-cache.md
 says what it costs).
@@ -40,6 +44,7 @@ class StepCache:
     interval: int = 1
     threshold: float = 0.0
     max_skips: int = DEFAULT_MAX_SKIPS
+    forecast: bool = False  # the adaptive cache's cached calls extrapolate the last two whole calls' contributions
 
     @property
     def adaptive(self) -> bool:
@@ -52,7 +57,9 @@ class StepCache:
 
     def schedule(self) -> FixedSchedule | AdaptiveSchedule:
         """A fresh schedule for one denoising loop."""
-        return AdaptiveSchedule(self.threshold, self.max_skips) if self.adaptive else FixedSchedule(self.interval)
+        if self.adaptive:
+            return AdaptiveSchedule(self.threshold, self.max_skips, self.forecast)
+        return FixedSchedule(self.interval)
 
 
 NO_CACHE = StepCache()
@@ -75,13 +82,15 @@ class FixedSchedule:
 
 class AdaptiveSchedule:
     """One run's decisions (make one per denoising loop): `whole(indicator)` for each call in order, then
-    `ran_whole(indicator)` after a call that ran whole."""
+    `ran_whole(indicator)` after a call that ran whole; `keep(value)` after a whole call, `kept()` in a cached one:
+    what the cached calls reuse of the whole ones."""
 
-    def __init__(self, threshold: float, max_skips: int = DEFAULT_MAX_SKIPS):
-        self.threshold, self.max_skips = threshold, max_skips
+    def __init__(self, threshold: float, max_skips: int = DEFAULT_MAX_SKIPS, forecast: bool = False):
+        self.threshold, self.max_skips, self.forecast = threshold, max_skips, forecast
         self.reference: torch.Tensor | None = None  # the indicator of the last whole call
         self.skipped_in_row = 0
         self.calls = self.whole_calls = 0
+        self._kept: list[tuple[torch.Tensor, int]] = []  # the last whole calls' values and call numbers, newest last
 
     def whole(self, indicator: torch.Tensor | None) -> bool:
         """Whether this call runs whole: the first always (nothing kept yet), then where the indicator moved more
@@ -100,3 +109,22 @@ class AdaptiveSchedule:
         self.reference = indicator
         self.skipped_in_row = 0
         self.whole_calls += 1
+
+    def keep(self, value: torch.Tensor) -> None:
+        """Keep what this whole call made for the cached calls after it (the tail's residual). With the forecast the
+        one before it is kept too, so both are copies: a stage replayed from a CUDA graph writes its next outputs
+        into the same buffers."""
+        if self.forecast:
+            self._kept = [*self._kept[-1:], (value.clone(), self.calls)]
+        else:
+            self._kept = [(value, self.calls)]
+
+    def kept(self) -> torch.Tensor:
+        """What this cached call reuses: the last whole call's value, or with the forecast and two whole calls kept,
+        the line through both (by call number) at this call."""
+        last, at = self._kept[-1]
+        if len(self._kept) < 2:
+            return last
+        before, at_before = self._kept[0]
+        return last + (last - before) * ((self.calls - at) / (at - at_before))
+

@@ -172,6 +172,10 @@ def test_engines_draw_the_torch_paths_adaptive_image(tmp_path):
      "controlnets run without cache_threshold (the adaptive step cache) for now: use cache_interval"),
     (dict(model="tiny", cache_threshold=0.1, cache_interval=2), "cache_threshold and cache_interval are two"),
     (dict(model="tiny", cache_threshold=-0.5), "cache_threshold must be a finite number at least 0, got -0.5"),
+    (dict(model="tiny-sd3", cache_forecast=True), "cache_forecast extrapolates what the adaptive step cache keeps: "
+                                                  "give cache_threshold above 0"),
+    (dict(model="tiny", cache_threshold=0.1, cache_forecast=True),
+     "cache_forecast: model 'tiny' is of the SD 1.x/2.x family, which does not support the step cache's forecast"),
 ])
 def test_what_the_adaptive_cache_does_not_take_is_one_line(fields, message):
     with pytest.raises(UsageError) as raised:
@@ -188,3 +192,10 @@ def test_a_sensitivity_row_renders_with_the_adaptive_cache_and_the_reference_wit
     assert exact.cache_threshold == 0.0
     spec, fault = row_spec(exact, rows[1])
     assert (spec.cache_threshold, spec.cache_branch, spec.precision, fault) == (0.2, 1, "fp16", None)
+    assert not spec.cache_forecast
+    (forecast,) = parse_rows("forecast:0.10")[1:]
+    spec, _ = row_spec(exact_spec(PipelineSpec(model="tiny-sd3", cache_threshold=0.5, cache_forecast=True)), forecast)
+    assert forecast == "forecast:0.1" and (spec.cache_threshold, spec.cache_forecast) == (0.1, True)
+    for bad in ("forecast:0", "forecast:0.1:0", "forecast:x"):
+        with pytest.raises(UsageError, match="an adaptive cache row is forecast:T"):
+            parse_rows(bad)

@@ -25,7 +25,7 @@ from models import VAE_ENCODER, text_to_image_stages
 from models.families import ADAPTIVE_CACHE, FLUX, SD3
 from models.source import resolve_model
 from models.stages import stage_models
-from models.step_cache import StepCache
+from models.step_cache import AdaptiveSchedule, StepCache
 from models.transformer import unpacked
 from models.transformer_cache import HEAD, OUT, TAIL, part_stage
 from models.unet import LATENT
@@ -85,9 +85,12 @@ def ours(source, stages, made: Request, cache: StepCache, predictions: list | No
     return image, pipeline.last_schedule
 
 
-def fbc_transformer(source, threshold: float, max_skips: int = UNCAPPED):
+def fbc_transformer(source, threshold: float, max_skips: int = UNCAPPED, forecast: bool = False):
     """diffusers' transformer with diffusers' First Block Cache at `threshold`, its decision capped at `max_skips`
-    cached calls in a row, counting its whole calls (`.whole_calls`). SD3's: its last block (context_pre_only) returns
+    cached calls in a row, counting its whole calls (`.whole_calls`); with `forecast`, a cached call's residual the
+    line through the last two whole calls' (by call number) at that call, where two have run (the reference of
+    --cache-forecast: the tail hook's residual, read back at the decision after each whole call, replaced before the
+    head hook adds it). SD3's: its last block (context_pre_only) returns
     no text stream, from which diffusers' tail hook subtracts (a TypeError): the stream it was given in its place
     (nothing reads it after the last block). StableDiffusion3Pipeline and FluxInpaintPipeline set no cache context (the
 hooks' state's key): one, once."""
@@ -105,13 +108,22 @@ hooks' state's key): one, once."""
     apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
     hook = HookRegistry.check_if_exists_or_initialize(transformer.transformer_blocks[0]).get_hook(
         "fbc_leader_block_hook")
-    decide, row = hook._should_compute_remaining_blocks, {"skipped": 0}
+    decide, row, history = hook._should_compute_remaining_blocks, {"skipped": 0, "calls": 0, "after_whole": False}, []
     transformer.whole_calls = 0
 
     def capped(residual):
+        row["calls"] += 1
+        state = hook.state_manager.get_state()
+        if row["after_whole"]:  # the call before ran whole: its tail residual is the state's
+            history[:] = [*history[-1:], (state.tail_block_residuals[0].clone(), row["calls"] - 1)]
         whole = decide(residual) or row["skipped"] >= max_skips
         row["skipped"] = 0 if whole else row["skipped"] + 1
+        row["after_whole"] = whole
         transformer.whole_calls += whole
+        if forecast and not whole and len(history) == 2:
+            (before, called_before), (last, called) = history
+            line = last + (last - before) * ((row["calls"] - called) / (called - called_before))
+            state.tail_block_residuals = (line, state.tail_block_residuals[1])
         return whole
 
     hook._should_compute_remaining_blocks = capped
@@ -127,13 +139,15 @@ hooks' state's key): one, once."""
     return transformer
 
 
-def check_against_diffusers(source, stages, made: Request, threshold: float, max_skips: int = UNCAPPED):
-    """Our cached run against diffusers' pipeline with its First Block Cache: as many whole calls, each call's
-    prediction diffusers' (to float32's rounding: the tiny models' images move little with the cache), the image
-    within 2/255."""
+def check_against_diffusers(source, stages, made: Request, threshold: float, max_skips: int = UNCAPPED,
+                            forecast: bool = False):
+    """Our cached run against diffusers' pipeline with its First Block Cache (and the forecast's reference): as many
+    whole calls, each call's prediction diffusers' (to float32's rounding: the tiny models' images move little with
+    the cache), the image within 2/255; returns the run's schedule and its predictions."""
     predictions = []
-    image, schedule = ours(source, stages, made, StepCache(threshold=threshold, max_skips=max_skips), predictions)
-    transformer = fbc_transformer(source, threshold, max_skips)
+    cache = StepCache(threshold=threshold, max_skips=max_skips, forecast=forecast)
+    image, schedule = ours(source, stages, made, cache, predictions)
+    transformer = fbc_transformer(source, threshold, max_skips, forecast)
     theirs = diffusers_images(source, made.scheduler, made, transformer=transformer)
     assert 0 < schedule.whole_calls < schedule.calls, "both whole and cached calls"  # else the test tests nothing
     assert schedule.whole_calls == transformer.whole_calls
@@ -143,7 +157,7 @@ def check_against_diffusers(source, stages, made: Request, threshold: float, max
             made_there = unpacked(made_there, made_here.shape, source.family.packed_latents)
         assert (made_here - made_there).abs().max() <= 1e-5 * made_there.abs().max(), call
     assert np.abs(image.astype(int) - theirs.astype(int)).max() <= 2 and image.std() > 5
-    return schedule
+    return schedule, predictions
 
 
 def test_threshold_0_plans_todays_stages_and_a_threshold_the_parts(sources):
@@ -179,8 +193,43 @@ def test_a_cached_run_is_diffusers_first_block_cache(sources, cached_stages, nam
 def test_the_cap_on_cached_calls_in_a_row(sources, cached_stages):
     """A threshold that caches every call after the first but for the cap: whole every max_skips + 1 calls."""
     source = sources["tiny-flux"]
-    schedule = check_against_diffusers(source, cached_stages["tiny-flux"], request(source), 10.0, max_skips=2)
+    schedule, _ = check_against_diffusers(source, cached_stages["tiny-flux"], request(source), 10.0, max_skips=2)
     assert (schedule.calls, schedule.whole_calls) == (6, 2)
+
+
+def test_the_forecast_is_the_line_through_two_whole_calls_kept_as_copies():
+    """Its values exactly on the line through the kept ones, by call number, from fresh random tensors kept from
+    one buffer rewritten in place after each whole call (as a stage replayed from a CUDA graph rewrites its
+    outputs): the kept values are copies."""
+    schedule, buffer = AdaptiveSchedule(0.1, forecast=True), torch.empty(2, 16, 8)
+    values = [torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    for value in values[:2]:  # calls 1 and 2 whole
+        buffer.copy_(value)
+        schedule.whole(None)
+        schedule.keep(buffer)
+    buffer.copy_(values[2])  # the next replay, before the cached calls read what was kept
+    for call, steps in ((3, 1.0), (4, 2.0)):
+        schedule.whole(None)
+        assert schedule.calls == call
+        assert torch.equal(schedule.kept(), values[1] + (values[1] - values[0]) * steps)
+    single = AdaptiveSchedule(0.1, forecast=True)
+    single.whole(None)
+    single.keep(values[0])
+    single.whole(None)
+    assert torch.equal(single.kept(), values[0])  # one whole call so far: its value
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux"])
+def test_the_forecast_extrapolates_the_last_two_whole_calls_residuals(sources, cached_stages, name):
+    """--cache-forecast against its reference on diffusers' hook: whole and cached calls alternating (a threshold
+    every call passes, one cached call in a row), so calls 4 and 6 forecast from two whole calls and call 2 reuses
+    the one before it; the forecast calls differ from the plain cache's, the others do not."""
+    source, stages = sources[name], cached_stages[name]
+    made = request(source)
+    schedule, forecast = check_against_diffusers(source, stages, made, 10.0, max_skips=1, forecast=True)
+    assert (schedule.calls, schedule.whole_calls) == (6, 3)
+    _, plain = check_against_diffusers(source, stages, made, 10.0, max_skips=1)
+    assert torch.equal(forecast[1], plain[1]) and not torch.equal(forecast[3], plain[3])
 
 
 def test_image_to_image_under_the_cache(sources, cached_stages):

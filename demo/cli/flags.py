@@ -278,6 +278,9 @@ class CacheFlags:
                                   metavar="T")
     cache_max_skips: int = flag("with --cache-threshold: at most M cached calls in a row (default: %(default)s)",
                                 SPEC.cache_max_skips, metavar="M")
+    cache_forecast: bool = flag("with --cache-threshold, on SD3 and Flux: a cached call extrapolates the last two "
+                                "whole calls' residuals to itself (TaylorSeer's first order) instead of reusing the "
+                                "last (docs/step-cache.md: measured, it does not help)", SPEC.cache_forecast)
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ def spec_from_flags(flags: Flags, **fields) -> PipelineSpec:
     if CacheFlags in flags:
         cache = flags[CacheFlags]
         values.update(cache_interval=cache.cache_interval, cache_branch=cache.cache_branch,
-                      cache_threshold=cache.cache_threshold, cache_max_skips=cache.cache_max_skips)
+                      cache_threshold=cache.cache_threshold, cache_max_skips=cache.cache_max_skips,
+                      cache_forecast=cache.cache_forecast)
     if RefinerFlags in flags:
         refiner = flags[RefinerFlags]
         values.update(refiner=refiner.refiner, high_noise_frac=refiner.high_noise_frac)

@@ -48,19 +48,19 @@ class FlowPipeline(Text2ImagePipeline):
         """The transformer's calls under the adaptive step cache's `schedule` (First Block Cache: models.step_cache,
         models.transformer_cache): each takes the transformer's feed and returns its prediction (LATENT). Every
         call runs the head; where the schedule says whole, the tail, whose residual is kept; else the out part on
-        the first block's tokens and the kept residual. None where the parts are not planned (no cache)."""
+        the first block's tokens and the kept residual (with the forecast, extrapolated: AdaptiveSchedule.kept).
+        None where the parts are not planned (no cache)."""
         parts = self.cached_parts()
         if parts is None:
             return None
         head, tail, out = parts
-        kept = {}  # the last whole call's tail residual
 
         def call(feed: dict[str, torch.Tensor]) -> torch.Tensor:
             first = head(feed)
             if not schedule.whole(first[INDICATOR]):
-                return out({**feed, **first, **kept})[LATENT]
+                return out({**feed, **first, TAIL_RESIDUAL: schedule.kept()})[LATENT]
             outputs = tail({**feed, **first})
-            kept[TAIL_RESIDUAL] = outputs[TAIL_RESIDUAL]
+            schedule.keep(outputs[TAIL_RESIDUAL])
             schedule.ran_whole(first[INDICATOR])
             return outputs[LATENT]
 

@@ -293,6 +293,7 @@ class Pipeline:
             cache_interval=plan.spec.cache_interval, cache_branch=plan.spec.cached_branch,
             cache_threshold=plan.spec.cache_threshold,
             cache_max_skips=plan.spec.cache_max_skips if plan.spec.step_cache.adaptive else None,
+            cache_forecast=plan.spec.cache_forecast,
             cache_whole_calls=self.cache_whole_calls(request) if plan.spec.step_cache.on else None,
             strength=None if request.mode == TEXT_TO_IMAGE else request.strength,
             scheduler_options=request.scheduler_options,

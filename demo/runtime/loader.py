@@ -35,6 +35,7 @@ from demo.runtime.spec import DEFAULT_HIGH_NOISE_FRAC, PipelineSpec
 from models.controlnet import resolve_controlnet
 from models.families import (
     ADAPTIVE_CACHE,
+    CACHE_FORECAST,
     CLASSIFIER_FREE,
     CONTROLNET,
     ENGINES,
@@ -178,6 +179,7 @@ def check_family_features(spec: PipelineSpec, source: ModelSource, backend: Back
     wanted = ((LORA, "loras", bool(spec.loras)), (REFINER, "refiner", spec.refiner is not None),
               (INT8, "int8", spec.engine.int8), (STEP_CACHE, "cache_interval", spec.cache_interval > 1),
               (ADAPTIVE_CACHE, "cache_threshold", spec.step_cache.adaptive),
+              (CACHE_FORECAST, "cache_forecast", spec.cache_forecast),
               (CONTROLNET, "controlnets", bool(spec.controlnets)))
     for feature, name, asked in wanted:
         if asked:

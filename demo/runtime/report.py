@@ -49,6 +49,7 @@ class LatencyReport:
     cache_branch: int | None = None  # its branch (None: no cache)
     cache_threshold: float = 0.0  # the adaptive step cache's threshold (0: none), and its cap on cached calls in a row
     cache_max_skips: int | None = None
+    cache_forecast: bool = False  # the adaptive cache's forecast of the kept residual
     cache_whole_calls: int | None = None  # under either cache: how many denoiser calls ran whole, as counted in the run
     loras: list[dict] = field(default_factory=list)  # the LoRA files fused in: path and scale each
     lora_refit_ms: float | None = None  # engines: how long refitting them for the LoRAs took (None: no refit)
@@ -83,8 +84,9 @@ class LatencyReport:
         plugins = f", plugins {','.join(self.plugins)}" if self.plugins else ""
         options = "".join(f", {option}" for option in self.options)
         if self.cache_threshold > 0:
+            forecast = ", forecast" if self.cache_forecast else ""
             options += (f", adaptive step cache (threshold {self.cache_threshold:g}, at most {self.cache_max_skips} "
-                        f"cached in a row): {self.cache_whole_calls} of {self.unet_calls} calls whole")
+                        f"cached in a row{forecast}): {self.cache_whole_calls} of {self.unet_calls} calls whole")
         elif self.cache_branch is not None:
             options += (f", step cache every {self.cache_interval} (branch {self.cache_branch}): "
                         f"{self.cache_whole_calls} of {self.unet_calls} UNet calls whole")

@@ -78,6 +78,7 @@ class PipelineSpec:
     # last whole call (0: off), and after cache_max_skips cached calls in a row
     cache_threshold: float = 0.0
     cache_max_skips: int = DEFAULT_MAX_SKIPS
+    cache_forecast: bool = False  # cached calls extrapolate the last two whole calls' residuals (transformers)
     stage_overrides: tuple[StageOverride, ...] = ()
     verbose: bool = False  # library logs and build details
 
@@ -100,7 +101,7 @@ class PipelineSpec:
     @property
     def step_cache(self) -> StepCache:
         """The pipelines' step cache: the fixed schedule, the adaptive one, or none."""
-        return StepCache(self.cache_interval, self.cache_threshold, self.cache_max_skips)
+        return StepCache(self.cache_interval, self.cache_threshold, self.cache_max_skips, self.cache_forecast)
 
     def check(self) -> None:
         """The spec's own values, before anything is resolved, read or loaded: a UsageError naming the field (what
@@ -124,6 +125,9 @@ class PipelineSpec:
             raise UsageError(f"{field('cache_threshold')} must be a finite number at least 0, got "
                              f"{self.cache_threshold}")
         at_least("cache_max_skips", self.cache_max_skips, 1)
+        if self.cache_forecast and not self.cache_threshold > 0:
+            raise UsageError(f"{field('cache_forecast')} extrapolates what the adaptive step cache keeps: give "
+                             f"{field('cache_threshold')} above 0")
         if self.precision == FP8 and self.engine.int8:
             raise UsageError(f"{field('precision')} {FP8} and {field('int8')} are two quantizations of the UNet: ask "
                              "for one")

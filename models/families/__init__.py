@@ -10,6 +10,7 @@ from typing import Callable
 from core.errors import UsageError
 from models.families.base import (
     ADAPTIVE_CACHE,
+    CACHE_FORECAST,
     CLASSIFIER_FREE,
     CONTROLNET,
     DEFAULT_FP8_SCALES,
@@ -38,7 +39,8 @@ from models.families.sdxl import SDXL
 
 FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX)
 
-__all__ = ["ADAPTIVE_CACHE", "CLASSIFIER_FREE", "CONTROLNET", "DEFAULT_FP8_SCALES", "EMBEDDED", "ENGINES", "FAMILIES",
+__all__ = ["ADAPTIVE_CACHE", "CACHE_FORECAST", "CLASSIFIER_FREE", "CONTROLNET", "DEFAULT_FP8_SCALES", "EMBEDDED",
+           "ENGINES", "FAMILIES",
            "FLUX", "FP8", "FP8_BASE", "FP8_SCALES", "GUESS_MODE", "GUIDANCE_KINDS", "IMAGE_TO_IMAGE", "INPAINTING",
            "INT8", "LORA", "MODES",
            "NO_GUIDANCE", "REFINER", "SD", "SD3", "SDXL", "STEP_CACHE", "TEXT_TO_IMAGE", "Family", "family_named",

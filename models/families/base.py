@@ -33,6 +33,7 @@ MODES = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
 # it lacks is refused naming the family.
 STEP_CACHE, CONTROLNET, REFINER, LORA, INT8 = "the step cache", "ControlNets", "a refiner", "LoRA", "INT8"
 ADAPTIVE_CACHE = "the adaptive step cache"
+CACHE_FORECAST = "the step cache's forecast"  # of First Block Cache's residual: the transformers'
 # Its stages build into TensorRT engines (the backends that build them ask for it: Backend.family_feature); a family
 # without it runs on the torch backend only, its engines not built yet.
 ENGINES = "TensorRT engines"

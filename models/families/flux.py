@@ -7,6 +7,7 @@ embeds none and takes no scale."""
 from models import CLIP, FLUX_TRANSFORMER, T5
 from models.families.base import (
     ADAPTIVE_CACHE,
+    CACHE_FORECAST,
     CONTROLNET,
     ENGINES,
     IMAGE_TO_IMAGE,
@@ -34,7 +35,8 @@ FLUX = Family(
     diffusers_pipelines={TEXT_TO_IMAGE: ("FluxPipeline", "FluxControlNetPipeline"),
                          IMAGE_TO_IMAGE: ("FluxImg2ImgPipeline", "FluxControlNetImg2ImgPipeline"),
                          INPAINTING: ("FluxInpaintPipeline", "FluxControlNetInpaintPipeline")},
-    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA, ENGINES, ADAPTIVE_CACHE}),
+    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA, ENGINES, ADAPTIVE_CACHE,
+                        CACHE_FORECAST}),
     inpainting_denoisers=False,  # FluxInpaintPipeline blends; FLUX.1 Fill (FluxFillPipeline) is another pipeline
     # bf16 where TensorRT builds it (10+, TensorRT for RTX); TensorRT 8.6 builds the transformer in fp16, T5 in fp32
     bf16_engines={T5: "fp32", FLUX_TRANSFORMER: "fp16"},

@@ -7,6 +7,7 @@ the masked image's latents), as StableDiffusion3InpaintPipeline feeds it."""
 from models import CLIP, CLIP2, T5, TRANSFORMER
 from models.families.base import (
     ADAPTIVE_CACHE,
+    CACHE_FORECAST,
     CONTROLNET,
     ENGINES,
     IMAGE_TO_IMAGE,
@@ -34,7 +35,8 @@ SD3 = Family(
                          IMAGE_TO_IMAGE: ("StableDiffusion3Img2ImgPipeline", None),
                          INPAINTING: ("StableDiffusion3InpaintPipeline",
                                       "StableDiffusion3ControlNetInpaintingPipeline")},
-    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA, ENGINES, ADAPTIVE_CACHE}),
+    features=frozenset({IMAGE_TO_IMAGE, INPAINTING, CONTROLNET, LORA, ENGINES, ADAPTIVE_CACHE,
+                        CACHE_FORECAST}),
     # bf16 where TensorRT builds it (10+, TensorRT for RTX); TensorRT 8.6 builds the transformer in fp16, T5 in fp32
     bf16_engines={T5: "fp32", TRANSFORMER: "fp16"},
     # on engines: image-to-image; inpainting, the step caches, LoRA (refit), ControlNets, INT8 not yet
