@@ -179,8 +179,9 @@ def progress(message: str) -> None:
 def prepare_device(spec: PipelineSpec, device: torch.device) -> ServedPipeline:
     """The device's served pipeline, loaded for `spec` (a pipeline for each of its modes over one set of stages):
     stages built or loaded, LoRAs fused, and warm-up calls (CUDA graphs captured, torch.compile compiled, engine
-    buffers sized): text-to-image at every batch size up to the spec's max_batch_size, each image mode at 1 (its
-    requests run alone). Runs in the device's own process (workers.py)."""
+    buffers sized): text-to-image at every batch size up to the spec's max_batch_size, the largest first (a stage's
+    CUDA graphs share one memory pool, and a smaller batch's capture reuses what the largest's freed), each image mode
+    at 1 (its requests run alone). Runs in the device's own process (workers.py)."""
     pipeline = load_pipeline(spec, device, progress=progress)
     served = ServedPipeline(pipeline)
     warm = resolve_request(Request("", denoising_steps=1, seed=0), spec, pipeline.source, pipeline.loras)
@@ -188,7 +189,7 @@ def prepare_device(spec: PipelineSpec, device: torch.device) -> ServedPipeline:
     warm = replace(warm, control_images=(gray,) * len(spec.controlnets) or None)
     batch = spec.max_batch_size
     if TEXT_TO_IMAGE in pipeline.plan.modes:
-        for size in range(1, batch + 1):
+        for size in range(batch, 0, -1):
             progress(f"[{PROG}] {device}: text-to-image warm-up at batch {size}/{batch} ...")
             served([warm] * size)
     half = Image.new("L", gray.size)  # repaint the left half

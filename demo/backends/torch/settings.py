@@ -115,14 +115,16 @@ class GraphedCall:
     caller that reads them before the next call. `pool`: a memory pool (torch.cuda.graph_pool_handle) shared with
     other graphs that never replay at the same time as this one (a stage's graphs, one per batch size, replay one
     after another on one stream): what one capture freed, a later one may reuse; outputs stay each graph's own, as a
-    live tensor's memory is never handed to a later capture."""
+    live tensor's memory is never handed to a later capture. `stream`: the side stream (default: a new one); graphs
+    sharing a pool share it too, since the caching allocator hands a freed block only to an allocation on the stream
+    that freed it."""
 
     def __init__(self, fn, inputs: tuple[torch.Tensor, ...], warmup: int = 2, clone_outputs: bool = True,
-                 pool=None):
+                 pool=None, stream: torch.cuda.Stream | None = None):
         self.inputs = tuple(t.clone() for t in inputs)
         self.clone_outputs = clone_outputs
         with torch.cuda.device(self.inputs[0].device):
-            stream = torch.cuda.Stream()
+            stream = stream or torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(warmup):

@@ -75,7 +75,8 @@ class TorchStage(Stage):
             mode = None if settings.compile == "default" else settings.compile
             self._forward = torch.compile(self.module, mode=mode, dynamic=False)
         self._graphs: dict[tuple, GraphedCall] = {}
-        self._graph_pool = None  # one memory pool for this stage's graphs (GraphedCall: they replay one at a time)
+        # one memory pool and one capture stream for this stage's graphs (GraphedCall: they replay one at a time)
+        self._graph_pool = self._capture_stream = None
         self._prepared: set[tuple] = set()
         self.prepare_seconds = {"first_calls": 0.0, "capture": 0.0}
 
@@ -117,9 +118,10 @@ class TorchStage(Stage):
             # static buffers in the module's layout: what another stage hands over in it is copied in as is
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
+                self._capture_stream = torch.cuda.Stream(device=self.device)
             self._graphs[shape_key(inputs)] = GraphedCall(self._run, self._layout(inputs),
                                                           clone_outputs=not self.model.feeds_a_stage,
-                                                          pool=self._graph_pool)
+                                                          pool=self._graph_pool, stream=self._capture_stream)
             self._add_seconds("capture", start)
         self._prepared.add(shape_key(inputs))
 
