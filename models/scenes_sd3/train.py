@@ -1,6 +1,6 @@
 """Trains the `scenes-sd3` model on the `scenes` world (models/scenes/world.py), fixed seeds, on one GPU.
 
-    python scripts/train_scenes_sd3.py --output DIR      # 8 minutes (--minutes) on an H200
+    python scripts/train_scenes_sd3.py --output DIR      # 6 minutes (--minutes) on an H200
 
 One stage: the two CLIP text encoders (both started from `scenes`' trained one, each with a projection of its own)
 and the joint transformer together, by rectified flow (SD3's objective: the latents x0 and the noise e mixed as
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256, help="latents per step")
     parser.add_argument("--scenes", type=int, default=200_000, help="scenes encoded for training")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--minutes", type=float, default=8.0, help="time budget")
+    parser.add_argument("--minutes", type=float, default=6.0, help="time budget")
     parser.add_argument("--read-back", type=int, default=200, help="scenes drawn for the first reading (0: none)")
     args, device, start, deadline, record = shapes_train.start_training(parser, argv, ("steps", "batch", "scenes"))
 
