@@ -730,7 +730,7 @@ def yardstick_of(model: str, named: str | None = None) -> Yardstick:
         return YARDSTICKS[named]
     for name, package in SHIPPED_MODELS.items():
         if model == name or Path(model).expanduser().resolve() == package.MODEL_DIR.resolve():
-            return YARDSTICKS[getattr(package, "YARDSTICK", SHAPES.name)]
+            return YARDSTICKS[package.YARDSTICK]
     return SHAPES
 
 

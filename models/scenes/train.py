@@ -14,10 +14,8 @@ ship a new training, they replace models/scenes/model and training.json, and wei
 
 from __future__ import annotations
 
-import json
 import random
 import sys
-import time
 
 import torch
 
@@ -125,11 +123,7 @@ def main(argv=None) -> int:
     pipe = shapes_train.pipeline(vae, text, tok, unet)
     if args.read_back:
         record["read_back"] = read_back(pipe, args.read_back, 1234, device, GUIDANCE_SCALE)
-    args.output.mkdir(parents=True, exist_ok=True)
-    pipe.to(torch.float16).save_pretrained(args.output / "scenes")
-    record["seconds"] = round(time.monotonic() - start, 1)
-    (args.output / "training.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: v for k, v in record.items() if k.startswith("read_back") or k == "seconds"}), flush=True)
+    shapes_train.save_training(pipe, args.output / "scenes", record, start)
     return 0
 
 

@@ -17,9 +17,7 @@ weights.sha256`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -134,11 +132,7 @@ def main(argv=None) -> int:
         for guidance in (GUIDANCE_SCALE, 2 * GUIDANCE_SCALE):
             record[f"read_back_guidance_{guidance:g}"] = scenes_train.read_back(pipe, args.read_back, 1234, device,
                                                                                guidance)
-    args.output.mkdir(parents=True, exist_ok=True)
-    pipe.to(torch.float16).save_pretrained(args.output / "scenes-sd3")
-    record["seconds"] = round(time.monotonic() - start, 1)
-    (args.output / "training.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: v for k, v in record.items() if k.startswith("read_back") or k == "seconds"}), flush=True)
+    shapes_train.save_training(pipe, args.output / "scenes-sd3", record, start)
     return 0
 
 

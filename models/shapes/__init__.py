@@ -21,6 +21,7 @@ CONTROLNET_DIR = HERE / "controlnet"  # a ControlNetModel: the shape where its c
 HASHES = HERE / "weights.sha256"  # sha256sum's format, paths relative to this folder
 # The guidance scale it draws best at (sd-quality, fp32, 30 steps: results/quality-shapes); above it colours drift.
 GUIDANCE_SCALE = 3.0
+YARDSTICK = "shapes"  # the case set and detector sd-quality judges it by
 
 
 def shipped_files(hashes: Path = HASHES) -> dict[str, str]:

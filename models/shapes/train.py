@@ -461,11 +461,18 @@ def main(argv=None) -> int:
     remove_lora(unet, adapters)
     args.output.mkdir(parents=True, exist_ok=True)
     save_file(lora_weights(adapters), args.output / "shapes-outline.safetensors")
-    pipe.to(torch.float16).save_pretrained(args.output / "shapes")
-    record["seconds"] = round(time.monotonic() - start, 1)
-    (args.output / "training.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: v for k, v in record.items() if k.startswith("read_back") or k == "seconds"}), flush=True)
+    save_training(pipe, args.output / "shapes", record, start)
     return 0
+
+
+def save_training(pipe, folder: Path, record: dict, start: float) -> None:
+    """A trained built-in's pipeline in fp16 as the diffusers folder `folder`, and the run's record (its seconds since
+    `start` added) as training.json beside it; prints the record's read-backs and time."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    pipe.to(torch.float16).save_pretrained(folder)
+    record["seconds"] = round(time.monotonic() - start, 1)
+    (folder.parent / "training.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: v for k, v in record.items() if k.startswith("read_back") or k == "seconds"}), flush=True)
 
 
 def pipeline(vae, text, tok, unet):
