@@ -273,6 +273,10 @@ def free_ports(count: int) -> list[int]:
     (["--drain-seconds", "nan"], "--drain-seconds must be a finite number, 0 or more, got nan"),
     (["--drain-seconds", "-1"], "--drain-seconds must be a finite number, 0 or more, got -1.0"),
     (["--cache-interval", "0"], "--cache-interval must be at least 1, got 0"),
+    (["--build-static-batch"], "engines need a batch range; drop --build-static-batch"),
+    (["--use-cuda-graph"], "CUDA graphs on the torch backend only (a graph per batch size; engines need a batch "
+                           "range): give --backend torch or drop --use-cuda-graph"),
+    (["--backend", "tensorrt", "--use-cuda-graph"], "give --backend torch or drop --use-cuda-graph"),
     (["--cache-interval", "3", "--cache-branch", "6"], "--cache-branch 6: this UNet's skip branches are 0 to 5"),
 ])
 def test_sd_serve_refuses_bad_flags_in_one_line(args, message, capsys):

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from core.errors import UsageError, at_least, field
+from demo.backends import TORCH
 from demo.runtime.spec import PipelineSpec
 
 PORTS = ("http_port", "grpc_port", "metrics_port")
@@ -39,9 +40,12 @@ def check_servable(spec: PipelineSpec, options: ServeOptions) -> None:
         raise UsageError(f"{field('batch_size')} must be at most {field('max_batch_size')} ({spec.max_batch_size}), "
                          f"got {spec.batch_size}")
     check_options(options)
-    if spec.engine.build_static_batch or spec.use_cuda_graph:
+    if spec.engine.build_static_batch:
         raise UsageError(f"sd-serve batches requests dynamically: engines need a batch range; drop "
-                         f"{field('build_static_batch')} and {field('use_cuda_graph')}")
+                         f"{field('build_static_batch')}")
+    if spec.use_cuda_graph and spec.backend != TORCH:  # an engine's graph replays one batch size (a static batch)
+        raise UsageError(f"sd-serve replays CUDA graphs on the torch backend only (a graph per batch size; engines "
+                         f"need a batch range): give {field('backend')} {TORCH} or drop {field('use_cuda_graph')}")
 
 
 def check_options(options: ServeOptions) -> None:
