@@ -54,6 +54,7 @@ FLUX = Family(
     t5_tokenizer="tokenizer_2",
     precisions=("bf16", "fp16", "fp32"),
     gpu_precision="bf16",  # as diffusers' guides run it; T5's feed-forward overflows fp16
+    tuned_key="flux",  # its own --plugins auto entry: TensorRT 8.6 cannot build its transformer with our plugins
     flow_matching=True,
     shifts_latents=True,
     guidance_key="guidance_embeds",
