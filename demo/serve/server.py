@@ -207,10 +207,6 @@ def serve(spec: PipelineSpec, options: ServeOptions, name: Callable[[str], str] 
     if not options.verbose:  # PyTriton logs each failed batch's traceback; the request's log line says why it failed
         logging.getLogger("pytriton").setLevel(logging.ERROR)
     check_servable(spec, options)
-    # Not the torch defaults' CUDA graphs: a graph a stage and batch size, 1 to max_batch_size, outgrew memory
-    # (sdxl-arch at 1024x1024, batches 1-8: out of memory capturing batch 6 on an H200, 2026-12-03)
-    if spec.use_cuda_graph is None:
-        spec = replace(spec, use_cuda_graph=False)
     with claim_ports(options):
         devices = serving_devices(options.gpus)
         plan = plan_pipeline(spec, devices[0], progress=progress)  # what checks requests here; nothing loads here
